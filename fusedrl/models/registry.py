@@ -1,0 +1,90 @@
+"""Model flavors: named architectures built with torchtune's component builders.
+
+A flavor fixes the architecture; a *role* fixes the head:
+
+- ``policy``: LM head over the vocabulary (Actor, Reference).
+- ``value``: scalar head per token (Critic, Reward).
+
+Both roles are plain ``torchtune.modules.TransformerDecoder`` objects, so the rest of fusedrl
+(pipeline splitting, FSDP2/TP, the generation engine) works on one module type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torchtune.models.llama3._component_builders import llama3
+from torchtune.models.llama3_1._component_builders import llama3_1
+from torchtune.models.qwen2._component_builders import qwen2
+from torchtune.modules import TransformerDecoder
+
+Role = Literal["policy", "value"]
+ROLES: tuple[str, ...] = ("policy", "value")
+
+
+@dataclass(frozen=True)
+class ModelFlavor:
+    """Architecture hyper-parameters of one flavor (names follow torchtune's builders)."""
+
+    family: Literal["llama3", "llama3_1", "qwen2"]
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    intermediate_dim: int
+    max_seq_len: int
+    rope_base: float = 500_000.0
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    scale_factor: int = 8  # llama3.1/3.2 RoPE scaling; ignored by other families
+
+
+# Real sizes match the torchtune 0.6.1 model builders of the same name.
+FLAVORS: dict[str, ModelFlavor] = {
+    # Tiny, CPU-fast: unit tests and the embedded debug task.
+    "debug": ModelFlavor("llama3", 512, 2, 4, 2, 64, 192, 512, rope_base=10_000.0),
+    # ~27M parameters: CPU benchmarks.
+    "debug_large": ModelFlavor("llama3", 512, 8, 8, 4, 512, 1536, 1024, rope_base=10_000.0),
+}
+
+
+def build_model(flavor: str, role: Role = "policy", *, device: torch.device | str | None = None) -> TransformerDecoder:
+    """Build a randomly initialised decoder of ``flavor`` with the head of ``role``.
+
+    Use ``device="meta"`` to build large flavors without allocating memory.
+    """
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model flavor {flavor!r}; valid flavors: {', '.join(sorted(FLAVORS))}")
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; valid roles: {', '.join(ROLES)}")
+    f = FLAVORS[flavor]
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = _build_decoder(f)
+        if role == "value":
+            model.output = nn.Linear(f.embed_dim, 1, bias=False)
+    return model
+
+
+def _build_decoder(f: ModelFlavor) -> TransformerDecoder:
+    common = dict(
+        vocab_size=f.vocab_size,
+        num_layers=f.num_layers,
+        num_heads=f.num_heads,
+        num_kv_heads=f.num_kv_heads,
+        embed_dim=f.embed_dim,
+        intermediate_dim=f.intermediate_dim,
+        max_seq_len=f.max_seq_len,
+        norm_eps=f.norm_eps,
+    )
+    if f.family == "llama3":
+        return llama3(rope_base=int(f.rope_base), **common)
+    if f.family == "llama3_1":
+        return llama3_1(rope_base=int(f.rope_base), scale_factor=f.scale_factor, **common)
+    if f.family == "qwen2":
+        return qwen2(rope_base=f.rope_base, tie_word_embeddings=f.tie_word_embeddings, **common)
+    raise ValueError(f"unknown model family {f.family!r}")
