@@ -1,0 +1,507 @@
+"""HF-format safetensors checkpoints for fusedrl flavors.
+
+A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``, with tensor names as
+in HF ``transformers`` (``model.layers.0.self_attn.q_proj.weight``, ...). Names and the Llama RoPE
+permutation of q/k are converted with torchtune's own converters. The head is named by role:
+``lm_head.weight`` for a policy (absent when embeddings are tied) and ``score.weight`` ([1, dim],
+as in HF ``*ForSequenceClassification`` reward models) for a value model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
+from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
+
+from fusedrl.models.registry import FLAVORS, ROLES, ModelFlavor
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD_KEY = "lm_head.weight"
+VALUE_HEAD_KEY = "score.weight"
+_EMBED_KEY = "model.embed_tokens.weight"
+_TUNE_HEAD_KEY = "output.weight"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Files an existing checkpoint folder may hold; anything else makes save refuse to replace it.
+_TOKENIZER_FILES = {
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+}
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; ``problems`` lists every problem found."""
+
+    def __init__(self, message: str, problems: Iterable[str] = ()):
+        super().__init__(message)
+        self.problems = list(problems)
+
+
+def hf_config(flavor: str, role: str = "policy", dtype: torch.dtype = torch.float32) -> dict:
+    """HF ``config.json`` fields describing ``flavor`` with the head of ``role``."""
+    f = _flavor(flavor)
+    _check_role(role)
+    is_qwen = f.family == "qwen2"
+    arch = "Qwen2" if is_qwen else "Llama"
+    config = {
+        "architectures": [f"{arch}ForCausalLM" if role == "policy" else f"{arch}ForSequenceClassification"],
+        "model_type": "qwen2" if is_qwen else "llama",
+        "vocab_size": f.vocab_size,
+        "hidden_size": f.embed_dim,
+        "intermediate_size": f.intermediate_dim,
+        "num_hidden_layers": f.num_layers,
+        "num_attention_heads": f.num_heads,
+        "num_key_value_heads": f.num_kv_heads,
+        "head_dim": f.embed_dim // f.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": f.max_seq_len,
+        "rms_norm_eps": f.norm_eps,
+        "rope_theta": f.rope_base,
+        "rope_scaling": None,
+        "tie_word_embeddings": f.tie_word_embeddings,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "fusedrl_flavor": flavor,
+        "fusedrl_role": role,
+    }
+    if f.family == "llama3_1":
+        # torchtune's Llama3ScaledRoPE defaults, written in HF's "llama3" rope_scaling form.
+        config["rope_scaling"] = {
+            "rope_type": "llama3", "factor": float(f.scale_factor), "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        }
+    if not is_qwen:
+        config.update(attention_bias=False, mlp_bias=False)
+    if role == "value":
+        config["num_labels"] = 1
+    return config
+
+
+def save_hf_checkpoint(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    folder: str | os.PathLike,
+    flavor: str,
+    role: str = "policy",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write ``model`` (or its full torchtune-format state dict) as an HF checkpoint folder.
+
+    With ``max_shard_bytes`` the tensors are split over shards of at most that size (a single
+    larger tensor gets its own shard) and an index is written. The folder is written next to its
+    final place and renamed into it; an existing checkpoint folder is replaced (tokenizer files in
+    it are kept).
+    """
+    f = _flavor(flavor)
+    _check_role(role)
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}; pass None for one file")
+    folder = Path(folder)
+    keep = _files_to_keep(folder)
+    state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    hf = {name: t.detach().cpu().contiguous() for name, t in _tune_to_hf(state, f, role).items()}
+    dtype = next(iter(hf.values())).dtype
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        shards = _pack_shards(hf, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, start=1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / name, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in hf.values())
+            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(tmp / CONFIG_FILE, hf_config(flavor, role, dtype))
+        for name in keep:
+            shutil.copy2(folder / name, tmp / name)
+        _replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    flavor: str,
+    role: str = "policy",
+    *,
+    strict: bool = True,
+    init_value_head_from_lm: bool = False,
+) -> None:
+    """Load an HF checkpoint folder into ``model`` (built with ``build_model(flavor, role)``).
+
+    Every tensor is checked (names, shapes, vocab size, dtypes when ``strict``; with
+    ``strict=False`` tensors are cast to the model's dtypes) before any is loaded; all problems are
+    reported together in one :class:`CheckpointError`.
+
+    ``init_value_head_from_lm=True`` starts a value model from a policy (LM) checkpoint: the
+    backbone is loaded, ``lm_head.weight`` is ignored and the scalar head is drawn fresh from
+    N(0, (1 / (embed_dim + 1))^2), small enough that initial values are near 0 while the backbone
+    still gets gradients.
+    """
+    f = _flavor(flavor)
+    _check_role(role)
+    if init_value_head_from_lm and role != "value":
+        raise ValueError("init_value_head_from_lm=True needs role='value'; a policy loads its own LM head")
+    folder = Path(folder)
+    state = model.state_dict()
+    if any(t.is_meta for t in state.values()):
+        raise ValueError("model has tensors on the meta device; build it on a real device before loading weights")
+
+    problems: list[str] = []
+    fixes: list[str] = []
+    files = _checkpoint_files(folder, problems, fixes)
+    found: dict[str, tuple[Path, torch.dtype, tuple[int, ...]]] = {}
+    readable = 0
+    for path, names in files.items():
+        header = _read_header(path, problems, fixes)
+        if header is None:
+            continue
+        readable += 1
+        if names is not None:
+            absent = sorted(set(names) - set(header))
+            if absent:
+                problems.append(f"the index maps {_group(absent)} to {path.name}, which does not contain them")
+                fixes.append("re-export the checkpoint (its index and shards do not match)")
+        for name, (dtype, shape) in header.items():
+            found[name] = (path, dtype, shape)
+    _check_config(folder, f, flavor, problems, fixes)
+    if not readable:  # nothing to compare tensors against: report the file problems alone
+        _raise(folder, flavor, role, problems, fixes)
+
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in _tune_to_hf(_meta(state), f, role).items()}
+    ignored = [name for name in found if "rotary_emb.inv_freq" in name]
+    if LM_HEAD_KEY in found and LM_HEAD_KEY not in expected and (f.tie_word_embeddings or init_value_head_from_lm):
+        ignored.append(LM_HEAD_KEY)
+    fresh_head = init_value_head_from_lm and VALUE_HEAD_KEY in expected
+    if fresh_head:
+        if VALUE_HEAD_KEY in found:
+            problems.append(f"init_value_head_from_lm=True but the checkpoint already has a value head {VALUE_HEAD_KEY!r}")
+            fixes.append("load a value checkpoint with init_value_head_from_lm=False")
+            ignored.append(VALUE_HEAD_KEY)
+        del expected[VALUE_HEAD_KEY]
+    _compare(found, expected, set(ignored), f, flavor, role, strict, problems, fixes)
+    if problems:
+        _raise(folder, flavor, role, problems, fixes)
+    if ignored:
+        log.info("checkpoint %s: ignored %d tensor(s): %s", folder, len(ignored), _group(sorted(ignored)))
+
+    hf: dict[str, torch.Tensor] = {}
+    try:
+        for path in files:
+            with safe_open(path, framework="pt") as fh:
+                for name in fh.keys():
+                    if name in expected:
+                        hf[name] = fh.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)])
+    tune = _hf_to_tune(hf, f, role)
+    tune = {k: v.to(state[k].dtype) for k, v in tune.items()}
+    result = model.load_state_dict(tune, strict=not fresh_head)
+    if fresh_head:
+        if list(result.missing_keys) != [_TUNE_HEAD_KEY] or result.unexpected_keys:
+            raise RuntimeError(f"internal error: unexpected load result {result} for a fresh value head")
+        with torch.no_grad():
+            model.output.weight.normal_(0.0, 1.0 / (f.embed_dim + 1))
+        log.info("checkpoint %s: value model started from an LM checkpoint with a fresh %s", folder, VALUE_HEAD_KEY)
+
+
+def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: list[str]) -> None:
+    fix = "; ".join(dict.fromkeys(fixes))
+    raise CheckpointError(
+        f"cannot load HF checkpoint {folder} as flavor {flavor!r} role {role!r}: {len(problems)} problem(s): "
+        + "; ".join(problems) + f". Fix: {fix}.",
+        problems,
+    )
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def _tune_to_hf(state: Mapping[str, torch.Tensor], f: ModelFlavor, role: str) -> dict[str, torch.Tensor]:
+    body = {k: v for k, v in state.items() if k != _TUNE_HEAD_KEY}
+    dims = dict(num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, dim=f.embed_dim)
+    if f.family == "qwen2":
+        hf = qwen2_tune_to_hf(body, tie_word_embeddings=f.tie_word_embeddings, **dims)
+    else:
+        hf = tune_to_hf(body, **dims)
+    if _TUNE_HEAD_KEY in state:
+        hf[LM_HEAD_KEY if role == "policy" else VALUE_HEAD_KEY] = state[_TUNE_HEAD_KEY]
+    return hf
+
+
+def _hf_to_tune(hf: Mapping[str, torch.Tensor], f: ModelFlavor, role: str) -> dict[str, torch.Tensor]:
+    head_key = LM_HEAD_KEY if role == "policy" else VALUE_HEAD_KEY
+    body = {k: v for k, v in hf.items() if k not in (LM_HEAD_KEY, VALUE_HEAD_KEY)}
+    dims = dict(num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, dim=f.embed_dim)
+    if f.family == "qwen2":
+        tune = qwen2_hf_to_tune(body, tie_word_embeddings=f.tie_word_embeddings, **dims)
+    else:
+        tune = hf_to_tune(body, **dims)
+    if head_key in hf:
+        tune[_TUNE_HEAD_KEY] = hf[head_key]
+    return tune
+
+
+def _meta(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _compare(found, expected, ignored, f, flavor, role, strict, problems, fixes) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected) - ignored)
+    if missing:
+        problems.append(f"missing tensors: {_group(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_group(unexpected)}")
+    if role == "value" and VALUE_HEAD_KEY in missing:
+        fixes.append("to start a value model from an LM (policy) checkpoint pass init_value_head_from_lm=True")
+    elif role == "policy" and VALUE_HEAD_KEY in unexpected:
+        fixes.append("this is a value-model checkpoint: load it with role='value'")
+    if set(missing + unexpected) - {LM_HEAD_KEY, VALUE_HEAD_KEY}:
+        fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
+
+    wrong_shape: dict[tuple, list[str]] = {}
+    wrong_dtype: dict[tuple, list[str]] = {}
+    for name in sorted(set(found) & set(expected)):
+        _, dtype, shape = found[name]
+        want_shape, want_dtype = expected[name]
+        if shape != want_shape:
+            if name in (_EMBED_KEY, LM_HEAD_KEY) and shape[1:] == want_shape[1:]:
+                problems.append(
+                    f"vocab mismatch: {name} has {shape[0]} rows but flavor {flavor!r} has vocab_size {f.vocab_size}"
+                )
+                fixes.append("use the flavor whose vocab_size equals the checkpoint's embedding rows")
+            else:
+                wrong_shape.setdefault((want_shape, shape), []).append(name)
+        elif strict and dtype != want_dtype:
+            wrong_dtype.setdefault((want_dtype, dtype), []).append(name)
+    for (want, got), names in wrong_shape.items():
+        problems.append(f"wrong shape: {_group(names)} expected {list(want)}, found {list(got)}")
+    if wrong_shape:
+        fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
+    for (want, got), names in wrong_dtype.items():
+        problems.append(f"wrong dtype: {_group(names)} expected {want}, found {got}")
+    if wrong_dtype:
+        fixes.append("pass strict=False to cast the tensors to the model's dtype, or build the model in the checkpoint's dtype")
+
+
+def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str], fixes: list[str]) -> None:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        log.debug("checkpoint %s has no %s; only tensor names and shapes are checked", folder, CONFIG_FILE)
+        return
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
+        fixes.append(f"repair or delete {path}")
+        return
+    model_type = "qwen2" if f.family == "qwen2" else "llama"
+    if config.get("model_type") not in (None, model_type):
+        problems.append(f"{CONFIG_FILE} has model_type={config['model_type']!r} but flavor {flavor!r} is a {model_type!r} model")
+        fixes.append(f"use a flavor of the checkpoint's model family (model_type {config['model_type']!r})")
+    fields = {
+        "vocab_size": f.vocab_size, "hidden_size": f.embed_dim, "intermediate_size": f.intermediate_dim,
+        "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_heads,
+        "num_key_value_heads": f.num_kv_heads,
+    }
+    for key, want in fields.items():
+        got = config.get(key)
+        if got is not None and got != want:
+            kind = "vocab mismatch: " if key == "vocab_size" else ""
+            problems.append(f"{kind}{CONFIG_FILE} has {key}={got} but flavor {flavor!r} has {want}")
+            fixes.append(f"use the flavor whose sizes match {CONFIG_FILE}")
+
+
+def _checkpoint_files(folder: Path, problems: list[str], fixes: list[str]) -> dict[Path, list[str] | None]:
+    """Checkpoint files mapped to the tensor names the index promises in each (None: no index)."""
+    if not folder.is_dir():
+        problems.append(f"{folder} is not a folder")
+        fixes.append("pass the path of an HF-format checkpoint folder")
+        return {}
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+            problems.append(f"{INDEX_FILE} is not a valid index (needs a 'weight_map' object): {e!r}")
+            fixes.append("re-export the checkpoint")
+            return {}
+        shards: dict[Path, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(folder / shard, []).append(name)
+        absent = sorted(p.name for p in shards if not p.is_file())
+        if absent:
+            problems.append(f"{INDEX_FILE} names shard(s) that do not exist: {', '.join(absent)}")
+            fixes.append("copy the missing shard files into the folder (the download is incomplete)")
+        return {p: names for p, names in shards.items() if p.is_file()}
+    if (folder / SINGLE_FILE).is_file():
+        return {folder / SINGLE_FILE: None}
+    present = sorted(p.name for p in folder.iterdir())
+    problems.append(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder} (it holds: {', '.join(present) or 'nothing'})")
+    fixes.append("point to an HF-format safetensors folder (convert .bin/.pt weights to safetensors first)")
+    return {}
+
+
+def _read_header(path: Path, problems: list[str], fixes: list[str]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
+    """Parse and validate a safetensors header without reading the tensor data."""
+    fix = f"re-download or re-export {path.name}"
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+        if length is None or length > size - 8:
+            problems.append(f"{path.name} is not a safetensors file (or its header is cut off)")
+            fixes.append(fix)
+            return None
+        try:
+            header = json.loads(fh.read(length))
+            assert isinstance(header, dict)
+        except (UnicodeDecodeError, json.JSONDecodeError, AssertionError):
+            problems.append(f"{path.name} is not a safetensors file (its header is not a JSON object)")
+            fixes.append(fix)
+            return None
+    header.pop("__metadata__", None)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    data_end = 0
+    for name, info in header.items():
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{path.name} has a corrupt header entry for {name!r}: {info!r}")
+            fixes.append(fix)
+            return None
+        if end - start != math.prod(shape) * dtype.itemsize:
+            problems.append(f"{path.name} has a corrupt header entry for {name!r}: byte range does not fit its shape")
+            fixes.append(fix)
+            return None
+        tensors[name] = (dtype, shape)
+        data_end = max(data_end, end)
+    if data_end > size - 8 - length:
+        problems.append(f"{path.name} is truncated: {size} bytes on disk, its header needs {8 + length + data_end}")
+        fixes.append(fix)
+        return None
+    return tensors
+
+
+def _group(names: list[str]) -> str:
+    """Names with the layer index folded: model.layers.{0-3,7}.mlp.up_proj.weight."""
+    groups: dict[str, list[int]] = {}
+    for name in names:
+        m = re.search(r"\.(\d+)\.", name)
+        key = name[: m.start(1)] + "{}" + name[m.end(1):] if m else name
+        groups.setdefault(key, []).append(int(m.group(1)) if m else -1)
+    parts = []
+    for key, layers in groups.items():
+        if "{}" not in key:
+            parts.append(key)
+        elif len(layers) == 1:
+            parts.append(key.replace("{}", str(layers[0])))
+        else:
+            parts.append(key.replace("{}", "{" + _ranges(sorted(layers)) + "}"))
+    return ", ".join(parts)
+
+
+def _ranges(values: list[int]) -> str:
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            lo, hi = values[start], values[i - 1]
+            out.append(str(lo) if lo == hi else f"{lo}-{hi}")
+            start = i
+    return ",".join(out)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _pack_shards(hf: Mapping[str, torch.Tensor], max_shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, t in hf.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes is not None and shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += nbytes
+    return shards
+
+
+def _files_to_keep(folder: Path) -> list[str]:
+    """Tokenizer files of an existing checkpoint folder; refuses folders holding anything else."""
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint path {folder} is a file; pass a folder path")
+    ours = {CONFIG_FILE, SINGLE_FILE, INDEX_FILE}
+    names = [p.name for p in folder.iterdir()]
+    stray = [n for n in names if n not in ours and n not in _TOKENIZER_FILES and not _SHARD_RE.fullmatch(n)]
+    if stray:
+        raise ValueError(
+            f"refusing to replace {folder}: it holds files that are not part of an HF checkpoint "
+            f"({', '.join(sorted(stray)[:5])}); save to a new or empty folder"
+        )
+    return [n for n in names if n in _TOKENIZER_FILES]
+
+
+def _replace_folder(tmp: Path, folder: Path) -> None:
+    if not folder.exists():
+        os.replace(tmp, folder)
+        return
+    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _flavor(flavor: str) -> ModelFlavor:
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown model flavor {flavor!r}; valid flavors: {', '.join(sorted(FLAVORS))}")
+    return FLAVORS[flavor]
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; valid roles: {', '.join(ROLES)}")

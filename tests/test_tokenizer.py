@@ -1,0 +1,152 @@
+import base64
+import json
+import re
+
+import pytest
+
+from fusedrl.components.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TorchtuneTokenizer,
+    check_vocab,
+    load_tokenizer,
+)
+from fusedrl.components.tokenizer import _byte_level_alphabet
+from fusedrl.models import FLAVORS
+
+TEXTS = ["hello world", "héllo 日本語 🎉", "  leading and trailing  \n\t", ""]
+
+
+@pytest.fixture
+def byte_folder(tmp_path):
+    return ByteTokenizer().save(tmp_path / "byte")
+
+
+@pytest.fixture
+def llama3_file(tmp_path):
+    """A tiny tiktoken file: 256 single bytes plus two merges."""
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll"]
+    path = tmp_path / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    return path
+
+
+@pytest.fixture
+def qwen_folder(tmp_path):
+    """Tiny GPT-2 style vocab.json + merges.txt: 256 byte symbols plus two merges."""
+    chars = _byte_level_alphabet()
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["he"] = 256
+    vocab["ll"] = 257
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\nh e\nl l\n")
+    return folder
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert ids[1:-1] == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == f"<|bos|>{text}<|eos|>"
+    assert tok.vocab_size <= 512 and tok.stop_token_ids == (tok.eos_id,)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_as_tokenizer_json_gives_same_ids(byte_folder, text):
+    hf = load_tokenizer(byte_folder)
+    byte = ByteTokenizer()
+    assert isinstance(hf, HFTokenizer)
+    assert (hf.vocab_size, hf.bos_id, hf.eos_id, hf.pad_id) == (byte.vocab_size, byte.bos_id, byte.eos_id, byte.pad_id)
+    for add_bos in (True, False):
+        assert hf.encode(text, add_bos=add_bos, add_eos=True) == byte.encode(text, add_bos=add_bos, add_eos=True)
+    assert hf.decode(hf.encode(text, add_eos=True)) == text
+
+
+def test_invalid_utf8_decodes_with_replacement(byte_folder, llama3_file, qwen_folder):
+    # 0xC3 starts a 2-byte sequence, 0xFF never appears in UTF-8
+    for tok in (ByteTokenizer(), load_tokenizer(byte_folder), load_tokenizer(qwen_folder)):
+        assert tok.decode([0xC3, ord("A"), 0xFF]) == "\ufffdA\ufffd"
+    assert load_tokenizer(llama3_file).decode([0xFF, ord("A")]) == "\ufffdA"
+
+
+def test_unknown_ids_are_dropped_when_decoding(byte_folder, llama3_file, qwen_folder):
+    for tok in (ByteTokenizer(), load_tokenizer(byte_folder), load_tokenizer(llama3_file), load_tokenizer(qwen_folder)):
+        assert tok.decode([ord("o"), 5000, -1, ord("k")]) == "ok"
+
+
+def test_torchtune_llama3_tokenizer(llama3_file):
+    tok = load_tokenizer(llama3_file)
+    assert isinstance(tok, TorchtuneTokenizer) and isinstance(tok, Tokenizer)
+    ids = tok.encode("hello héllo", add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id == 128000 and ids[-1] == tok.eos_id == 128001
+    assert ids[1:3] == [256, 257]  # "he", "ll" merges applied
+    assert tok.decode(ids) == "hello héllo"
+    assert tok.eos_id in tok.stop_token_ids and 128009 in tok.stop_token_ids  # <|eot_id|>
+    # The text vocab ends at the last text special token, as the Llama 3 embedding does.
+    assert tok.vocab_size == 128256
+    check_vocab(tok, FLAVORS["llama3_1_8b"].vocab_size)
+
+
+def test_torchtune_qwen_tokenizer(qwen_folder):
+    tok = load_tokenizer(qwen_folder)
+    assert isinstance(tok, TorchtuneTokenizer)
+    ids = tok.encode("hello héllo", add_bos=True, add_eos=True)
+    assert tok.bos_id is None and ids[:2] == [256, 257] and ids[-1] == tok.eos_id
+    assert tok.decode(ids) == "hello héllo"
+    assert set(tok.stop_token_ids) == {tok.eos_id, tok.pad_id}
+    check_vocab(tok, FLAVORS["qwen2_5_0_5b"].vocab_size)
+    with pytest.raises(ValueError, match="vocab_size is 512"):
+        check_vocab(tok, FLAVORS["debug_qwen"].vocab_size)
+
+
+def test_load_tokenizer_picks_by_files(tmp_path, byte_folder, llama3_file, qwen_folder):
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert isinstance(load_tokenizer(byte_folder / "tokenizer.json"), HFTokenizer)
+    assert isinstance(load_tokenizer(llama3_file.parent), TorchtuneTokenizer)
+    # A folder with both formats uses tokenizer.json unless torchtune's is asked for.
+    ByteTokenizer().save(qwen_folder)
+    assert isinstance(load_tokenizer(qwen_folder), HFTokenizer)
+    assert isinstance(load_tokenizer(qwen_folder, kind="torchtune"), TorchtuneTokenizer)
+    with pytest.raises(ValueError, match=re.escape("special token '<|im_end|>' is missing from")):
+        TorchtuneTokenizer.qwen2_5(qwen_folder / "vocab.json", qwen_folder / "merges.txt", qwen_folder / "tokenizer.json")
+    with pytest.raises(ValueError, match="no tokenizer files in"):
+        load_tokenizer(_empty(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(ValueError, match="unknown tokenizer kind"):
+        load_tokenizer(byte_folder, kind="sentencepiece")
+
+
+def _empty(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    return folder
+
+
+def test_hf_tokenizer_special_tokens_from_config_files(byte_folder):
+    (byte_folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|pad|>"}}))
+    (byte_folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [256, 258]}))
+    tok = HFTokenizer(byte_folder)
+    assert tok.eos_id == 256 and tok.stop_token_ids == (256, 258)
+    assert tok.bos_id == 257  # not in the config: found by its well-known name
+    with pytest.raises(ValueError, match="'<nope>' is not in the vocabulary"):
+        HFTokenizer(byte_folder, bos_token="<nope>")
+
+
+def test_hf_tokenizer_rejects_bad_file(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a valid HF tokenizer.json"):
+        load_tokenizer(path)
+
+
+def test_check_vocab():
+    check_vocab(ByteTokenizer(), FLAVORS["debug"].vocab_size)
+    with pytest.raises(ValueError, match=r"tokenizer ids reach 258 but the model's vocab_size is 200"):
+        check_vocab(ByteTokenizer(), 200)
