@@ -1,1 +1,52 @@
-"""fusedrl.config"""
+"""Job config: typed sections loaded from TOML with ``--section.key=value`` overrides.
+
+``load_config(argv)`` builds a :class:`JobConfig`; every problem raises :class:`ConfigError` with a
+one-line message. ``python -m fusedrl.config --job.config_file FILE --print`` shows the effective
+config; ``--help`` lists every key.
+"""
+
+from fusedrl.config.job_config import (
+    CheckpointSection,
+    DataSection,
+    FusionSection,
+    GenerationSection,
+    JobConfig,
+    JobSection,
+    LRSchedulerSection,
+    MetricsSection,
+    ModelSection,
+    OptimizerSection,
+    ParallelismSection,
+    PPOSection,
+    TrainingSection,
+)
+from fusedrl.config.loader import (
+    ConfigError,
+    config_to_toml,
+    load_config,
+    validate_config,
+    validate_paths,
+    validate_world_size,
+)
+
+__all__ = [
+    "CheckpointSection",
+    "ConfigError",
+    "DataSection",
+    "FusionSection",
+    "GenerationSection",
+    "JobConfig",
+    "JobSection",
+    "LRSchedulerSection",
+    "MetricsSection",
+    "ModelSection",
+    "OptimizerSection",
+    "PPOSection",
+    "ParallelismSection",
+    "TrainingSection",
+    "config_to_toml",
+    "load_config",
+    "validate_config",
+    "validate_paths",
+    "validate_world_size",
+]

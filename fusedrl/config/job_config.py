@@ -1,0 +1,262 @@
+"""Job config: one dataclass per TOML section, one typed field per key.
+
+Each field carries its documentation in ``metadata["help"]`` (printed by ``--help`` and used for
+docs/config.md) and, where a value can be impossible, a ``metadata["check"]`` function that returns
+a problem description or None. Cross-key rules live in :mod:`fusedrl.config.loader`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+Check = Callable[[Any], "str | None"]
+
+
+def _key(default: Any, help: str, check: Check | None = None, **kwargs: Any) -> Any:
+    """A config key: its default, its one-line documentation and an optional value check."""
+    metadata = {"help": help, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+def at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def unit_interval(v: float) -> str | None:
+    return None if 0.0 <= v <= 1.0 else "must be in [0, 1]"
+
+
+def each(check: Check) -> Check:
+    """Apply ``check`` to every element of a list."""
+
+    def run(values: list) -> str | None:
+        for v in values:
+            problem = check(v)
+            if problem:
+                return f"element {v!r} {problem}"
+        return None
+
+    return run
+
+
+def non_empty(v: str) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def _top_p(v: float) -> str | None:
+    return None if 0.0 < v <= 1.0 else "must be in (0, 1]; 1.0 disables top-p filtering"
+
+
+def _threshold(v: float | str) -> str | None:
+    if v == "auto" or (isinstance(v, float) and 0.0 < v < 1.0 and math.isfinite(v)):
+        return None
+    return 'must be a fraction in (0, 1) of the batch, or "auto"'
+
+
+@dataclass
+class JobSection:
+    """[job]: run identity and reproducibility."""
+
+    name: str = _key("fusedrl", "Run name, shown in logs and metrics.", non_empty)
+    output_dir: str = _key("outputs", "Folder for metrics, traces, checkpoints and exports of this run.", non_empty)
+    seed: int = _key(
+        0,
+        "Seed of model initialisation, data order and sampling (each request's RNG comes from (seed, iteration, request id)).",
+        at_least(0),
+    )
+    # Where the config came from: set by the loader, never inside a file, not part of equality.
+    config_file: str | None = _key(
+        None, "TOML file to load; given on the command line only (--job.config_file FILE).", compare=False
+    )
+
+
+@dataclass
+class ModelSection:
+    """[model]: flavors and initial weights of the four PPO models."""
+
+    actor: str = _key("debug", "Actor (policy) flavor from fusedrl.models.FLAVORS; the Reference uses the same flavor.", non_empty)
+    critic: str = _key("debug", "Critic (value model) flavor from fusedrl.models.FLAVORS.", non_empty)
+    reward: str = _key("debug", "Reward model (value head) flavor from fusedrl.models.FLAVORS.", non_empty)
+    actor_path: str | None = _key(None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation.")
+    critic_path: str | None = _key(
+        None,
+        "HF-format safetensors folder for the Critic (an LM checkpoint gets a fresh value head); unset: random initialisation.",
+    )
+    reward_path: str | None = _key(None, "HF-format safetensors folder of the trained Reward model; unset: random initialisation.")
+    reference_path: str | None = _key(None, "HF-format safetensors folder of the Reference policy; unset: the Actor's initial weights.")
+    tokenizer_path: str = _key(
+        "byte",
+        '"byte" (the built-in byte tokenizer for debug flavors), a tokenizer.json file, or a folder with '
+        "tokenizer.json, tokenizer.model, or vocab.json + merges.txt.",
+        non_empty,
+    )
+
+
+@dataclass
+class DataSection:
+    """[data]: the prompt dataset."""
+
+    path: str | None = _key(None, "Prompt dataset file or folder; unused (and may stay unset) for format synthetic.")
+    format: Literal["jsonl", "parquet", "hf_disk", "synthetic"] = _key(
+        "synthetic",
+        "jsonl (one JSON object per line), parquet, hf_disk (datasets.save_to_disk folder), or synthetic (built-in debug task).",
+    )
+    prompt_key: str = _key("prompt", "Field of each record that holds the prompt text.", non_empty)
+    max_prompt_len: int = _key(256, "Longest prompt in tokens; longer prompts are handled by on_long_prompt.", at_least(1))
+    on_long_prompt: Literal["drop", "truncate"] = _key(
+        "drop", "What to do with prompts longer than max_prompt_len: drop them or truncate them to max_prompt_len tokens (counted and logged either way)."
+    )
+    chat_template: bool = _key(False, "Wrap each prompt in the tokenizer's chat template before tokenising.")
+    shuffle: bool = _key(True, "Shuffle the prompt order (seeded by job.seed).")
+
+
+@dataclass
+class GenerationSection:
+    """[generation]: rollout sampling and the decode engine."""
+
+    max_new_tokens: int = _key(256, "Most tokens generated per response.", at_least(1))
+    temperature: float = _key(1.0, "Sampling temperature; 0 is greedy decoding.", at_least(0.0))
+    top_p: float = _key(1.0, "Nucleus sampling mass in (0, 1]; 1.0 disables it.", _top_p)
+    top_k: int = _key(0, "Keep only the k most likely tokens; 0 disables it.", at_least(0))
+    stop_token_ids: list[int] = _key([], "Extra token ids that end a response, besides the tokenizer's end-of-sequence ids.", each(at_least(0)))
+    max_slots: int = _key(64, "Requests decoded at once per generation instance (KV-cache slots).", at_least(1))
+    compile: bool = _key(False, "Compile the decode step with torch.compile (static shapes).")
+    backend: Literal["inductor", "eager", "aot_eager", "tensorrt"] = _key(
+        "inductor",
+        "torch.compile backend when compile = true: inductor, eager / aot_eager (debugging), or tensorrt (GPU, needs fusedrl[tensorrt]).",
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = _key(
+        "default", "torch.compile mode when compile = true; reduce-overhead uses CUDA graphs on GPU."
+    )
+    quantize: Literal["none", "int8_weight_only"] = _key(
+        "none", "Decode with a quantized copy of the Actor: none or int8_weight_only (torchao)."
+    )
+
+
+@dataclass
+class FusionSection:
+    """[fusion]: the two fusions (both change when work runs, never what is computed)."""
+
+    inter_stage: bool = _key(True, "Inter-stage fusion: migrate the long generation tail and start scoring on freed instances.")
+    migration_threshold: float | Literal["auto"] = _key(
+        "auto",
+        'Migrate when unfinished requests fall to this fraction of the batch, in (0, 1); "auto" picks it from the observed length distribution.',
+        _threshold,
+    )
+    migration_mode: Literal["kv", "reprefill"] = _key(
+        "kv", "kv sends KV caches with the requests; reprefill sends tokens only and recomputes the KV (less bandwidth)."
+    )
+    migration_check_interval: int = _key(8, "Decode steps between checks of the global unfinished count.", at_least(1))
+    intra_stage: bool = _key(True, "Intra-stage fusion: train Actor and Critic with one fused bidirectional pipeline schedule.")
+    schedule_search_budget_s: float = _key(5.0, "Seconds the fused schedule search may spend; 0 uses the greedy schedule only.", at_least(0.0))
+
+
+@dataclass
+class ParallelismSection:
+    """[parallelism]: training mesh (pp x dp_shard x tp = world size) and generation TP."""
+
+    pp: int = _key(1, "Pipeline-parallel stages (Actor in rank order, Critic in reverse order).", at_least(1))
+    dp_shard: int = _key(1, "FSDP2 data-parallel shards.", at_least(1))
+    tp: int = _key(1, "Tensor-parallel degree for training.", at_least(1))
+    gen_tp: int = _key(1, "Tensor-parallel degree of each generation instance; must divide the world size.", at_least(1))
+
+
+@dataclass
+class PPOSection:
+    """[ppo]: batch sizes and PPO hyper-parameters."""
+
+    batch_size: int = _key(64, "Prompts (= samples) per PPO iteration, across all ranks.", at_least(1))
+    minibatch_size: int = _key(32, "Samples per optimizer step, across all ranks; must divide batch_size.", at_least(1))
+    microbatch_size: int = _key(
+        4, "Samples per pipeline micro-batch on each data-parallel shard; minibatch_size / dp_shard must be a multiple of it.", at_least(1)
+    )
+    epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))
+    clip_eps: float = _key(0.2, "Policy ratio clip range: ratios are clipped to [1 - clip_eps, 1 + clip_eps].", positive)
+    value_clip_eps: float = _key(0.2, "Value clip range around the old values; 0 disables value clipping.", at_least(0.0))
+    kl_coef: float = _key(0.05, "Weight of the per-token KL penalty against the Reference in the reward.", at_least(0.0))
+    kl_estimator: Literal["k1", "k3"] = _key("k1", "Per-token KL estimator: k1 (log-ratio) or k3 (unbiased, non-negative).")
+    gamma: float = _key(1.0, "Discount factor of GAE, in [0, 1].", unit_interval)
+    lam: float = _key(0.95, "GAE lambda, in [0, 1].", unit_interval)
+    whiten_advantages: bool = _key(True, "Normalise advantages to zero mean and unit variance over the whole batch.")
+    entropy_coef: float = _key(0.0, "Weight of the entropy bonus in the policy loss.", at_least(0.0))
+
+
+@dataclass
+class OptimizerSection:
+    """[optimizer]: AdamW for Actor and Critic."""
+
+    actor_lr: float = _key(1e-6, "Actor peak learning rate.", at_least(0.0))
+    critic_lr: float = _key(5e-6, "Critic peak learning rate.", at_least(0.0))
+    weight_decay: float = _key(0.0, "AdamW weight decay of weight matrices (norms and biases get none).", at_least(0.0))
+    grad_clip: float = _key(1.0, "Clip each model's global gradient norm to this; 0 disables clipping.", at_least(0.0))
+
+
+@dataclass
+class LRSchedulerSection:
+    """[lr_scheduler]: warmup then decay, the same shape for Actor and Critic."""
+
+    warmup_steps: int = _key(0, "Steps of linear warmup from 0 to the peak learning rate.", at_least(0))
+    decay: Literal["linear", "cosine", "constant"] = _key("constant", "Decay after warmup until training.steps: linear, cosine or constant.")
+    min_ratio: float = _key(0.0, "Final learning rate as a fraction of the peak (linear and cosine decay).", unit_interval)
+
+
+@dataclass
+class TrainingSection:
+    """[training]: run length, device and numerics."""
+
+    steps: int = _key(100, "PPO iterations to run.", at_least(1))
+    device: Literal["auto", "cpu", "cuda"] = _key("auto", "Device: cuda (NCCL), cpu (gloo) or auto (cuda when available).")
+    float8: bool = _key(False, "Train Actor and Critic linears in float8 with torchao (CUDA only).")
+    nan_policy: Literal["skip", "stop"] = _key(
+        "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
+    )
+
+
+@dataclass
+class CheckpointSection:
+    """[checkpoint]: DCP training state and HF export."""
+
+    folder: str = _key("checkpoints", "Checkpoint folder; a relative path is inside job.output_dir.", non_empty)
+    interval: int = _key(0, "Save the full training state every this many steps; 0 disables periodic saves.", at_least(0))
+    keep: int = _key(0, "Keep only the newest this many checkpoints; 0 keeps all.", at_least(0))
+    resume: bool = _key(False, "Continue from the latest complete checkpoint in folder (starts fresh when there is none).")
+    export_hf: bool = _key(True, "At the end of training, export the Actor as an HF-format safetensors folder.")
+
+
+@dataclass
+class MetricsSection:
+    """[metrics]: logging and traces."""
+
+    log_freq: int = _key(1, "Log metrics every this many steps.", at_least(1))
+    jsonl: bool = _key(True, "Write metrics to <output_dir>/metrics.jsonl.")
+    tensorboard: bool = _key(False, "Also write TensorBoard events (needs the tensorboard package).")
+    trace: list[int] = _key([], "Steps to record a Chrome/Perfetto trace of, e.g. [2, 10]; empty: none.", each(at_least(0)))
+
+
+@dataclass
+class JobConfig:
+    """The whole job config; attribute names are the TOML section names."""
+
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    fusion: FusionSection = field(default_factory=FusionSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    # "section.key" -> where its value came from (a file path or "command line"); absent: default.
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
