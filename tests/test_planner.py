@@ -1,0 +1,274 @@
+"""Fused pipeline planner: simulator, validity checks, lower bound, generators, CLI."""
+
+import itertools
+import json
+import random
+
+import pytest
+
+from fusedrl.pipelining import (
+    ACTOR,
+    CRITIC,
+    Action,
+    CostModel,
+    Placement,
+    ScheduleError,
+    Problem,
+    fused_schedule,
+    greedy_order,
+    lower_bound,
+    sequential_1f1b,
+    simulate,
+)
+from fusedrl.pipelining import search as search_mod
+from fusedrl.pipelining.plan import main as plan_main
+
+
+def _problem(pp, pp_critic, mb_actor, mb_critic, f_critic=1.0, **kw):
+    placement = Placement(pp, pp_critic)
+    return placement, CostModel.uniform(placement, 1.0, f_critic, **kw), mb_actor, mb_critic
+
+
+# ---------------------------------------------------------------- simulator vs hand-computed makespans
+
+
+@pytest.mark.parametrize("pp,mb", [(1, 3), (2, 2), (4, 6), (4, 4), (8, 3)])
+def test_actor_1f1b_makespan_matches_formula(pp, mb):
+    placement, costs, _, _ = _problem(pp, pp, mb, 1)
+    res = simulate(sequential_1f1b(placement, mb, 1), placement, costs, mb, 1)
+    actor_end = max(e.end for e in res.timeline if e.action.model == ACTOR)
+    assert actor_end == pytest.approx((mb + pp - 1) * (1.0 + 2.0))
+
+
+def test_sequential_makespan_with_latency_by_hand():
+    # pp=2, one micro-batch each, f=1, b=2, latency 0.5 (worked out step by step in the comments).
+    placement, costs, _, _ = _problem(2, 2, 1, 1, p2p_latency=0.5)
+    res = simulate(sequential_1f1b(placement, 1, 1), placement, costs, 1, 1)
+    # actor: F0 [0,1] r0; F1 [1.5,2.5] r1; B1 [2.5,4.5] r1; B0 [5,7] r0
+    # critic: F0 on r1 [4.5,5.5]; F1 on r0 [7,8]; B1 on r0 [8,10]; B0 on r1 [10.5,12.5]
+    assert res.makespan == pytest.approx(12.5)
+    assert res.busy == pytest.approx([6.0, 6.0])
+    assert res.bubble_ratio == pytest.approx(1 - 12.0 / (2 * 12.5))
+    assert res.peak_memory == pytest.approx([1.0, 1.0])
+
+
+def test_single_rank_is_sum_of_work_and_memory_counts_in_flight():
+    placement, costs, _, _ = _problem(1, 1, 3, 2, f_critic=0.5, mem_actor=2.0, mem_critic=1.0)
+    sched = {0: [Action(ACTOR, 0, m, "F") for m in range(3)] + [Action(ACTOR, 0, m, "B") for m in range(3)]
+             + [Action(CRITIC, 0, m, k) for m in range(2) for k in "FB"]}
+    res = simulate(sched, placement, costs, 3, 2)
+    assert res.makespan == pytest.approx(3 * 3.0 + 2 * 1.5)
+    assert res.bubble_ratio == pytest.approx(0.0)
+    assert res.peak_memory == pytest.approx([6.0])
+
+
+# ---------------------------------------------------------------- validity errors
+
+
+def _valid():
+    placement, costs, ma, mc = _problem(2, 2, 2, 2)
+    return placement, costs, ma, mc, sequential_1f1b(placement, ma, mc)
+
+
+def test_missing_action_is_named():
+    placement, costs, ma, mc, sched = _valid()
+    dropped = sched[1].pop()
+    with pytest.raises(ScheduleError, match=f"missing action {dropped}"):
+        simulate(sched, placement, costs, ma, mc)
+
+
+def test_duplicate_action_is_named():
+    placement, costs, ma, mc, sched = _valid()
+    sched[0].append(sched[0][0])
+    with pytest.raises(ScheduleError, match=f"duplicate action {sched[0][0]}"):
+        simulate(sched, placement, costs, ma, mc)
+
+
+def test_backward_before_forward_is_named():
+    placement, costs, ma, mc, sched = _valid()
+    f = Action(ACTOR, 1, 0, "F")
+    b = Action(ACTOR, 1, 0, "B")
+    lst = [a for a in sched[1] if a not in (f, b)]
+    sched[1] = [b, f] + lst
+    with pytest.raises(ScheduleError, match=r"backward actor:B1\.mb0 runs before its forward"):
+        simulate(sched, placement, costs, ma, mc)
+
+
+def test_deadlock_is_named():
+    placement, costs, ma, mc, sched = _valid()
+    # Rank 0 starts with the Critic's last stage, which waits on rank 1; rank 1 starts with the Actor's last
+    # stage, which waits on rank 0's Actor forward queued behind it: a cycle.
+    critic_f = Action(CRITIC, 1, 0, "F")
+    sched[0] = [critic_f] + [a for a in sched[0] if a != critic_f]
+    assert sched[1][0] == Action(ACTOR, 1, 0, "F")
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 at critic:F1\.mb0 waits for critic:F0\.mb0; "
+                                            r"rank 1 at actor:F1\.mb0 waits for actor:F0\.mb0"):
+        simulate(sched, placement, costs, ma, mc)
+
+
+def test_wrong_rank_unknown_action_and_kind_rejected():
+    placement, costs, ma, mc, sched = _valid()
+    moved = sched[0].pop(0)
+    sched[1].insert(0, moved)
+    with pytest.raises(ScheduleError, match=f"{moved} is on rank 1 but the placement puts it on rank 0"):
+        simulate(sched, placement, costs, ma, mc)
+    _, _, _, _, sched = _valid()
+    sched[0].append(Action(ACTOR, 0, 7, "F"))
+    with pytest.raises(ScheduleError, match=r"actor:F0\.mb7: no such action"):
+        simulate(sched, placement, costs, ma, mc)
+    _, _, _, _, sched = _valid()
+    sched[0].append(Action(ACTOR, 0, 0, "W"))
+    with pytest.raises(ScheduleError, match="kind 'W' is not supported"):
+        simulate(sched, placement, costs, ma, mc)
+
+
+def test_bad_problem_inputs():
+    with pytest.raises(ValueError, match="must divide pp"):
+        Placement(4, 3)
+    placement = Placement(4, 2)
+    with pytest.raises(ValueError, match="cost model has 4 critic stages"):
+        simulate({}, placement, CostModel.uniform(Placement(4), 1, 1), 1, 1)
+    with pytest.raises(ValueError, match="micro-batch counts must be >= 1"):
+        fused_schedule(placement, CostModel.uniform(placement, 1, 1), 0, 1, budget_s=0.1)
+    with pytest.raises(ValueError, match="must be > 0"):
+        CostModel.uniform(placement, 0.0, 1.0)
+
+
+# ---------------------------------------------------------------- generators, bound
+
+
+CONFIGS = [  # pp, pp_critic, mb_actor, mb_critic (per replica), f_critic
+    (2, 2, 2, 2, 1.0),
+    (4, 4, 8, 8, 0.4),
+    (4, 2, 8, 4, 1.25),
+    (4, 1, 4, 1, 0.8),
+    (8, 4, 16, 8, 1.0),
+    (8, 8, 8, 8, 0.8),
+]
+
+
+@pytest.mark.parametrize("pp,pc,ma,mc,fc", CONFIGS)
+def test_generated_schedules_valid_and_bounded(pp, pc, ma, mc, fc):
+    placement, costs, _, _ = _problem(pp, pc, ma, mc, f_critic=fc, mem_critic=fc, p2p_latency=0.1)
+    bound = lower_bound(placement, costs, ma, mc)
+    seq = simulate(sequential_1f1b(placement, ma, mc), placement, costs, ma, mc)
+    plan = fused_schedule(placement, costs, ma, mc, budget_s=0.3, seed=1)
+    res = simulate(plan.schedule, placement, costs, ma, mc)  # raises if invalid
+    assert res.makespan == pytest.approx(plan.makespan)
+    assert plan.lower_bound == pytest.approx(bound)
+    assert bound <= res.makespan + 1e-9
+    assert bound <= seq.makespan + 1e-9
+    assert res.makespan <= seq.makespan + 1e-9
+    assert res.max_peak_memory <= plan.memory_limit + 1e-9
+    # The critic replicas each ran all their micro-batches on their own ranks.
+    for replica in range(placement.critic_replicas):
+        done = {(a.stage, a.microbatch, a.kind) for acts in plan.schedule.values() for a in acts
+                if a.model == CRITIC and a.replica == replica}
+        assert len(done) == 2 * pc * mc
+
+
+def test_every_greedy_variant_valid():
+    placement, costs, ma, mc = _problem(4, 2, 6, 3, f_critic=0.8, mem_critic=0.8)
+    problem = Problem(placement, costs, ma, mc)
+    limit = 6.0
+    rng = random.Random(0)
+    for extra, bias, active, pressure in search_mod.RESTART_VARIANTS:
+        order = greedy_order(problem, limit, extra_in_flight=extra, backward_bias=bias, active=active,
+                             memory_pressure=pressure, critic_weight=rng.uniform(0.5, 2), noise=0.1, rng=rng)
+        res = simulate(problem.to_schedule(order), placement, costs, ma, mc)
+        assert res.makespan >= lower_bound(placement, costs, ma, mc) - 1e-9
+    with pytest.raises(ValueError, match="needs an rng"):
+        greedy_order(problem, limit, noise=0.1)
+
+
+def test_same_seed_same_schedule(monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
+    placement, costs, ma, mc = _problem(4, 4, 8, 8, f_critic=0.4, mem_critic=0.4)
+    a = fused_schedule(placement, costs, ma, mc, budget_s=0.6, seed=3)
+    b = fused_schedule(placement, costs, ma, mc, budget_s=0.6, seed=3)
+    assert a.makespan > a.lower_bound  # greedy alone does not reach the bound here ...
+    assert a.evaluations > len(search_mod.GREEDY_VARIANTS) + 1  # ... so the seeded annealing ran
+    assert a.schedule == b.schedule
+    assert a.makespan == b.makespan
+
+
+def test_lower_bound_below_exhaustive_optimum():
+    # pp=2, 2 actor micro-batches, 1 critic micro-batch, uneven costs: try every valid per-rank order.
+    placement = Placement(2)
+    costs = CostModel.from_profile({ACTOR: {"f": [1.0, 2.0], "b": [2.5, 3.0]}, CRITIC: {"f": [0.7, 1.3]}},
+                                   p2p_latency=0.2)
+    ma, mc = 2, 1
+    base = sequential_1f1b(placement, ma, mc)
+    per_rank = []
+    for r in range(2):
+        orders = []
+        for perm in itertools.permutations(base[r]):
+            pos = {a: i for i, a in enumerate(perm)}
+            ok = all(pos[a] < pos[b] for a in perm for b in perm
+                     if (a.model, a.stage) == (b.model, b.stage)
+                     and ((a.kind == b.kind and a.microbatch < b.microbatch)
+                          or (a.kind == "F" and b.kind == "B" and a.microbatch == b.microbatch)))
+            if ok:
+                orders.append(list(perm))
+        per_rank.append(orders)
+    best = min(
+        (res.makespan for o0 in per_rank[0] for o1 in per_rank[1]
+         for res in [_try(simulate, {0: o0, 1: o1}, placement, costs, ma, mc)] if res is not None),
+    )
+    bound = lower_bound(placement, costs, ma, mc)
+    plan = fused_schedule(placement, costs, ma, mc, budget_s=0.5, seed=0, memory_limit=1e9)
+    assert bound <= best + 1e-9 <= plan.makespan + 1e-9
+    assert plan.makespan == pytest.approx(best)  # tiny problem: the search finds the optimum
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except ScheduleError:
+        return None
+
+
+def test_cost_model_constructors():
+    placement = Placement(4, 2)
+    costs = CostModel.from_flavors(placement, "debug_large", "debug_large", tokens_per_microbatch=4096)
+    assert len(costs.actor.f) == 4 and len(costs.critic.f) == 2
+    assert costs.critic.f[0] == pytest.approx(2 * costs.actor.f[1])  # 4 of 8 layers vs 2 of 8
+    assert costs.actor.f[-1] > costs.actor.f[0]  # LM head on the last stage
+    assert all(b == pytest.approx(2 * f) for b, f in zip(costs.actor.b, costs.actor.f))
+    with pytest.raises(ValueError, match="unknown model flavor"):
+        CostModel.from_flavors(placement, "nope", "debug", tokens_per_microbatch=8)
+    with pytest.raises(ValueError, match="profile needs per-stage forward times"):
+        CostModel.from_profile({ACTOR: {"f": [1.0]}})
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_json_and_trace(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    rc = plan_main(["--pp-actor", "4", "--pp-critic", "2", "--mb-actor", "8", "--mb-critic", "4", "--f-actor", "5",
+                    "--f-critic", "4", "--mem-actor", "1.95", "--mem-critic", "2", "--budget-s", "0.3", "--json",
+                    "--trace", str(trace)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("makespan", "lower_bound", "sequential_1f1b_makespan", "speedup_vs_sequential", "bubble_ratio",
+                "peak_memory", "peak_memory_1f1b_single", "search_seconds"):
+        assert key in out
+    assert out["lower_bound"] <= out["makespan"] <= out["sequential_1f1b_makespan"]
+    assert out["peak_memory_1f1b_single"] == pytest.approx(4 * 1.95)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 2 * 4 * 8 + 2 * 2 * 2 * 4
+
+
+def test_cli_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "g.png"
+    assert plan_main(["--pp-actor", "2", "--mb-actor", "2", "--mb-critic", "2", "--f-actor", "1", "--f-critic", "1",
+                      "--budget-s", "0.1", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_input_exits_with_message(capsys):
+    assert plan_main(["--pp-actor", "4", "--pp-critic", "3", "--mb-actor", "4", "--mb-critic", "4",
+                      "--f-actor", "1", "--f-critic", "1"]) == 2
+    assert "must divide pp" in capsys.readouterr().err
