@@ -1,6 +1,19 @@
 """Training plumbing reusable by any loop: tokenizers, prompt data, optimizers, LR schedules,
 metrics and checkpoints."""
 
+from fusedrl.components.checkpoint import CheckpointManager, export_hf, full_state_dict
+from fusedrl.components.data import DataReport, PromptBatch, PromptDataset, PromptLoader, load_prompts
+from fusedrl.components.lr_schedule import build_lr_scheduler, lr_factor
+from fusedrl.components.metrics import (
+    ChromeTrace,
+    MetricsLogger,
+    StageTimers,
+    length_stats,
+    peak_memory_gib,
+    percentile,
+    read_jsonl,
+)
+from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.components.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -11,6 +24,26 @@ from fusedrl.components.tokenizer import (
 )
 
 __all__ = [
+    "ChromeTrace",
+    "CheckpointManager",
+    "DataReport",
+    "MetricsLogger",
+    "PromptBatch",
+    "PromptDataset",
+    "PromptLoader",
+    "StageTimers",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "clip_grad_norm",
+    "export_hf",
+    "full_state_dict",
+    "grad_norm",
+    "length_stats",
+    "load_prompts",
+    "lr_factor",
+    "peak_memory_gib",
+    "percentile",
+    "read_jsonl",
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",

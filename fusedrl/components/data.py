@@ -1,0 +1,291 @@
+"""Prompt datasets (JSONL, Parquet, on-disk HF dataset, synthetic) and a resumable, rank-sharded loader.
+
+Loading validates every row: malformed JSON, invalid UTF-8, a missing / null / non-string / empty
+prompt, and token ids outside the model's vocabulary are *bad rows*; they are counted, reported
+with their line (JSONL) or row (Parquet, HF) numbers, and skipped. Prompts longer than
+``max_prompt_len`` tokens are dropped or truncated (``overlong``) and counted. If no prompt is
+left, loading fails with an error that lists the problems.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("jsonl", "parquet", "hf_disk", "synthetic")
+OVERLONG = ("drop", "truncate")
+
+
+class PromptTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass
+class BadRow:
+    where: str  # "line 7" or "row 7" (1-based)
+    reason: str
+
+
+@dataclass
+class DataReport:
+    """What loading found: rows read, prompts kept, bad rows (with positions) and over-long prompts."""
+
+    source: str
+    rows: int = 0
+    kept: int = 0
+    bad: list[BadRow] = field(default_factory=list)
+    overlong_dropped: int = 0
+    overlong_truncated: int = 0
+
+    def summary(self, max_listed: int = 10) -> str:
+        s = f"{self.source}: {self.rows} rows, {self.kept} prompts kept, {len(self.bad)} bad rows"
+        s += f", {self.overlong_dropped} over-long dropped, {self.overlong_truncated} over-long truncated"
+        if self.bad:
+            listed = "; ".join(f"{b.where}: {b.reason}" for b in self.bad[:max_listed])
+            more = f"; ... and {len(self.bad) - max_listed} more" if len(self.bad) > max_listed else ""
+            s += f" ({listed}{more})"
+        return s
+
+
+@dataclass
+class PromptDataset:
+    """Tokenised prompts; ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row)."""
+
+    prompts: list[str]
+    token_ids: list[list[int]]
+    source_rows: list[int]
+    report: DataReport
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _jsonl_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield ``(line number, prompt value, problem)`` per non-blank line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, None, f"invalid UTF-8 at byte {e.start}"
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"malformed JSON ({e.msg} at column {e.colno})"
+                continue
+            if not isinstance(row, dict):
+                yield lineno, None, f"row is a JSON {type(row).__name__}, not an object"
+                continue
+            if prompt_key not in row:
+                yield lineno, None, f"missing prompt field {prompt_key!r} (keys: {sorted(row)[:5]})"
+                continue
+            yield lineno, row[prompt_key], None
+
+
+def _column_rows(values: Iterable[Any]) -> Iterator[tuple[int, Any, str | None]]:
+    for i, v in enumerate(values, start=1):
+        yield i, v, None
+
+
+def _parquet_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str | None]]:
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    if prompt_key not in schema.names:
+        raise ValueError(f"Parquet file {path} has no column {prompt_key!r} (columns: {schema.names}); set data.prompt_key")
+    column = pq.read_table(path, columns=[prompt_key]).column(prompt_key)
+    return _column_rows(column.to_pylist())
+
+
+def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[tuple[int, Any, str | None]]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"HF dataset {path} has splits {list(ds)}, not {split!r}; pass split=")
+        ds = ds[split]
+    if prompt_key not in ds.column_names:
+        raise ValueError(f"HF dataset {path} has no column {prompt_key!r} (columns: {ds.column_names}); set data.prompt_key")
+    return _column_rows(ds[prompt_key])
+
+
+def load_prompts(
+    path: str | os.PathLike | None,
+    tokenizer: PromptTokenizer,
+    *,
+    format: str = "jsonl",
+    prompt_key: str = "prompt",
+    max_prompt_len: int | None = None,
+    overlong: str = "drop",
+    chat_template: str | None = None,
+    vocab_size: int | None = None,
+    split: str = "train",
+    num_synthetic: int = 1024,
+    seed: int = 0,
+) -> PromptDataset:
+    """Read, validate and tokenise prompts.
+
+    ``chat_template`` is a string containing ``{prompt}`` (e.g. ``"<|user|>{prompt}<|assistant|>"``).
+    ``overlong="truncate"`` keeps the *last* ``max_prompt_len`` tokens, so the end of the prompt (the
+    question and the template's assistant marker) survives. ``format="synthetic"`` draws
+    ``num_synthetic`` prompts of the embedded debug task (``path`` is ignored).
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
+    if overlong not in OVERLONG:
+        raise ValueError(f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG)}")
+    if max_prompt_len is not None and max_prompt_len < 1:
+        raise ValueError(f"data.max_prompt_len must be >= 1, got {max_prompt_len}")
+    if chat_template is not None and "{prompt}" not in chat_template:
+        raise ValueError(f"chat_template {chat_template!r} has no '{{prompt}}' placeholder; add one where the prompt goes")
+
+    if format == "synthetic":
+        from fusedrl.rlhf.debug_task import sample_prompts
+
+        source = f"synthetic debug task ({num_synthetic} prompts, seed {seed})"
+        rows = _column_rows(sample_prompts(num_synthetic, seed))
+    else:
+        if path is None:
+            raise ValueError(f"data.path is required for format {format!r}")
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"prompt dataset {path} does not exist; fix data.path")
+        source = str(path)
+        if format == "jsonl":
+            rows = _jsonl_rows(path, prompt_key)
+        elif format == "parquet":
+            rows = _parquet_rows(path, prompt_key)
+        else:
+            rows = _hf_disk_rows(path, prompt_key, split)
+
+    unit = "line" if format == "jsonl" else "row"
+    report = DataReport(source)
+    prompts, token_ids, source_rows = [], [], []
+    for row, value, problem in rows:
+        report.rows += 1
+        if problem is None:
+            problem = _check_prompt(value, prompt_key)
+        if problem is None:
+            text = value if chat_template is None else chat_template.replace("{prompt}", value)
+            ids = list(tokenizer.encode(text))
+            bad_ids = [i for i in ids if not 0 <= i < (vocab_size if vocab_size is not None else float("inf"))]
+            if bad_ids:
+                problem = f"token id {bad_ids[0]} out of range for vocab size {vocab_size} (tokenizer does not match the model)"
+        if problem is not None:
+            report.bad.append(BadRow(f"{unit} {row}", problem))
+            continue
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            if overlong == "drop":
+                report.overlong_dropped += 1
+                continue
+            ids = ids[-max_prompt_len:]
+            report.overlong_truncated += 1
+        prompts.append(text)
+        token_ids.append(ids)
+        source_rows.append(row)
+    report.kept = len(token_ids)
+    if not token_ids:
+        raise ValueError(f"no usable prompts left: {report.summary()}; fix the dataset, data.prompt_key or data.max_prompt_len")
+    if report.bad or report.overlong_dropped or report.overlong_truncated:
+        log.warning("prompt dataset %s", report.summary())
+    else:
+        log.info("prompt dataset %s", report.summary())
+    return PromptDataset(prompts, token_ids, source_rows, report)
+
+
+def _check_prompt(value: Any, prompt_key: str) -> str | None:
+    if value is None:
+        return f"prompt field {prompt_key!r} is null"
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"invalid UTF-8 at byte {e.start}"
+        return f"prompt field {prompt_key!r} is binary, not a string (store it as a UTF-8 string column)"
+    if not isinstance(value, str):
+        return f"prompt field {prompt_key!r} is a {type(value).__name__}, not a string"
+    if not value.strip():
+        return "empty prompt"
+    return None
+
+
+@dataclass
+class PromptBatch:
+    """This rank's prompts of one global batch."""
+
+    token_ids: list[list[int]]
+    dataset_indices: list[int]
+    sample_ids: list[int]  # unique over the whole run: position in the endless shuffled stream
+
+
+class PromptLoader:
+    """Deterministic, resumable, rank-sharded batches over a :class:`PromptDataset`.
+
+    The stream is the concatenation of epochs, each a permutation of the dataset seeded by
+    ``(seed, epoch)``. A global batch is the next ``batch_size * world_size`` entries of the stream
+    (crossing into the next epoch when needed, so no prompt is skipped); rank ``r`` gets the ``r``-th
+    slice of ``batch_size``. ``state_dict`` holds the epoch and the position in it.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.dataset = dataset
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def next_batch(self) -> PromptBatch:
+        n = len(self.dataset)
+        global_size = self.batch_size * self.world_size
+        indices, sample_ids = [], []
+        for _ in range(global_size):
+            if self.position == n:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            indices.append(self._order[self.position])
+            sample_ids.append(self.epoch * n + self.position)
+            self.position += 1
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        return PromptBatch([self.dataset.token_ids[i] for i in indices[lo:hi]], indices[lo:hi], sample_ids[lo:hi])
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_prompts": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_prompts"] != len(self.dataset) or state["seed"] != self.seed:
+            raise ValueError(
+                f"loader state is for {state['num_prompts']} prompts with seed {state['seed']}, but this dataset has "
+                f"{len(self.dataset)} prompts and seed {self.seed}; resume with the same data and job.seed"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,242 @@
+"""Per-step metrics: stage timers, length percentiles, peak memory, and a logger writing a stdout
+line, a JSONL file and (when installed) TensorBoard, on rank 0 only. Also a Chrome/Perfetto trace
+writer other modules reuse (load the JSON in chrome://tracing or ui.perfetto.dev)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ChromeTrace:
+    """A list of Chrome trace events; ``save`` writes ``{"traceEvents": [...]}``.
+
+    Times are in seconds (converted to the format's microseconds); ``pid`` groups rows (e.g. a rank),
+    ``tid`` is a row within it (e.g. a stage or a model).
+    """
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def complete(self, name: str, start_s: float, dur_s: float, pid: int | str = 0, tid: int | str = 0, **args) -> None:
+        """A span (``ph: X``)."""
+        ev = {"name": name, "ph": "X", "ts": start_s * 1e6, "dur": max(dur_s, 0.0) * 1e6, "pid": pid, "tid": tid}
+        if args:
+            ev["args"] = args
+        self.events.append(ev)
+
+    def instant(self, name: str, ts_s: float, pid: int | str = 0, tid: int | str = 0, **args) -> None:
+        """A point in time (``ph: i``), e.g. a migration decision."""
+        ev = {"name": name, "ph": "i", "s": "t", "ts": ts_s * 1e6, "pid": pid, "tid": tid}
+        if args:
+            ev["args"] = args
+        self.events.append(ev)
+
+    def counter(self, name: str, ts_s: float, values: Mapping[str, float], pid: int | str = 0) -> None:
+        """A counter sample (``ph: C``), e.g. the number of unfinished requests."""
+        self.events.append({"name": name, "ph": "C", "ts": ts_s * 1e6, "pid": pid, "args": dict(values)})
+
+    def name_process(self, pid: int | str, name: str) -> None:
+        self.events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+
+    def extend(self, other: ChromeTrace | Sequence[dict]) -> None:
+        """Append another trace's events (e.g. gathered from other ranks)."""
+        self.events.extend(other.events if isinstance(other, ChromeTrace) else other)
+
+    def to_json(self) -> str:
+        return json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"})
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+
+class StageTimers:
+    """Accumulating wall-clock timers: ``with timers("generation"): ...``; ``pop()`` returns and resets.
+
+    With ``sync_cuda`` the timer synchronises the device at both ends so asynchronous kernels are
+    counted in the stage that launched them. With ``trace`` every span is also recorded there.
+    """
+
+    def __init__(self, sync_cuda: bool = False, trace: ChromeTrace | None = None, pid: int | str = 0) -> None:
+        self.sync_cuda = sync_cuda and torch.cuda.is_available()
+        self.trace = trace
+        self.pid = pid
+        self._totals: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync_cuda:
+                torch.cuda.synchronize()
+            dur = time.perf_counter() - start
+            self._totals[stage] += dur
+            if self.trace is not None:
+                self.trace.complete(stage, start, dur, pid=self.pid, tid="stages")
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Add a duration measured elsewhere (e.g. exposed scoring time reported by the engine)."""
+        self._totals[stage] += seconds
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._totals)
+
+    def pop(self) -> dict[str, float]:
+        out = dict(self._totals)
+        self._totals.clear()
+        return out
+
+
+def length_stats(lengths: Sequence[int] | torch.Tensor, prefix: str = "response_len") -> dict[str, float]:
+    """Mean, p50, p99 and max of ``lengths`` (nearest-rank percentiles) as ``{prefix}_mean`` etc."""
+    x = torch.as_tensor(lengths, dtype=torch.float64).flatten()
+    if x.numel() == 0:
+        raise ValueError("length_stats needs at least one length")
+    xs = x.sort().values
+    return {
+        f"{prefix}_mean": xs.mean().item(),
+        f"{prefix}_p50": percentile(xs, 50),
+        f"{prefix}_p99": percentile(xs, 99),
+        f"{prefix}_max": xs[-1].item(),
+    }
+
+
+def percentile(values: Sequence[float] | torch.Tensor, q: float) -> float:
+    """Nearest-rank percentile ``q`` in [0, 100] (an observed value, no interpolation)."""
+    xs = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values
+    if xs.numel() == 0:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    rank = max(1, math.ceil(q / 100 * xs.numel()))
+    return xs[rank - 1].item()
+
+
+def peak_memory_gib(device: torch.device | str | None = None) -> float:
+    """Peak memory: CUDA ``max_memory_allocated`` on a CUDA device, else the process's peak RSS."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return kib / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsLogger:
+    """Writes one record per step to stdout, ``<folder>/metrics.jsonl`` and TensorBoard (rank 0 only).
+
+    ``log(step, metrics)`` writes when ``step % log_freq == 0``. Values must be numbers (tensors are
+    converted with ``.item()``). TensorBoard is used when ``tensorboard=True`` and the package is
+    installed (a warning otherwise).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike | None,
+        *,
+        rank: int = 0,
+        log_freq: int = 1,
+        jsonl: bool = True,
+        tensorboard: bool = False,
+        stdout: bool = True,
+        stdout_keys: Sequence[str] | None = None,
+    ) -> None:
+        if log_freq < 1:
+            raise ValueError(f"metrics.log_freq must be >= 1, got {log_freq}")
+        self.enabled = rank == 0
+        self.log_freq = log_freq
+        self.stdout = stdout
+        self.stdout_keys = tuple(stdout_keys) if stdout_keys is not None else None
+        self.jsonl_path: Path | None = None
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        if (jsonl or tensorboard) and folder is None:
+            raise ValueError("MetricsLogger needs a folder for jsonl/tensorboard output; pass folder= or disable them")
+        if jsonl:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.jsonl_path = Path(folder) / "metrics.jsonl"
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning("metrics.tensorboard=true but tensorboard is not installed (pip install tensorboard); skipping it")
+            else:
+                self._tb = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"))
+
+    def log(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:
+        if not self.enabled or step % self.log_freq:
+            return
+        record = {"step": step, **{k: _number(k, v) for k, v in metrics.items()}}
+        if self.stdout:
+            keys = self.stdout_keys if self.stdout_keys is not None else [k for k in record if k != "step"]
+            parts = [f"{k}={_fmt(record[k])}" for k in keys if k in record]
+            print(f"step {step}: " + " ".join(parts), flush=True)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _number(key: str, v) -> float | int:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(v.shape)}; log a scalar")
+        v = v.item()
+    if isinstance(v, bool):
+        return int(v)
+    if not isinstance(v, (int, float)):
+        raise ValueError(f"metric {key!r} has type {type(v).__name__}; log an int or float")
+    return v
+
+
+def _fmt(v: float | int) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.4g}"

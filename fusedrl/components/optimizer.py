@@ -1,0 +1,92 @@
+"""AdamW per model and gradient-norm clipping that works with FSDP2 (DTensor) and pipeline stages."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: weight matrices with ``weight_decay``; norms, biases and other 1-D params without."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable params (call after ``fully_shard`` so it holds the DTensor shards)."""
+    if lr <= 0:
+        raise ValueError(f"learning rate must be > 0, got {lr}; set [optimizer] actor_lr / critic_lr")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    groups = [g for g in param_groups(model, weight_decay) if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameters; nothing to optimise")
+    # foreach kernels cannot mix plain tensors and DTensors of different meshes; fused=False keeps CPU support.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+@torch.no_grad()
+def grad_norm(
+    params: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Total gradient norm of ``params`` over the whole model.
+
+    DTensor (FSDP2/TP) gradients are reduced over their meshes; with ``pp_group`` the per-stage
+    norms are combined over the pipeline ranks, so every rank gets the same full-model norm.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if grads:
+        total = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        total = total.float()
+    else:  # e.g. a pipeline rank whose stages are all frozen; NCCL needs the tensor on the GPU
+        on_gpu = pp_group is not None and dist.get_backend(pp_group) == "nccl"
+        total = torch.zeros((), dtype=torch.float32, device="cuda" if on_gpu else "cpu")
+    if pp_group is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+            total = total ** (1.0 / norm_type)
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
+
+    A non-finite norm leaves the gradients untouched so the caller can skip the update.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}; set [optimizer] grad_clip")
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params, norm_type, pp_group)
+    if params and torch.isfinite(total):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device), foreach=False)
+    return total

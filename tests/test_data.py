@@ -1,0 +1,129 @@
+import json
+import logging
+
+import pytest
+
+from fusedrl.components.data import PromptLoader, load_prompts
+from fusedrl.components.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _write(path, lines: list[bytes]):
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_jsonl_bad_rows_reported_with_line_numbers(tmp_path, caplog):
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            b'{"prompt": "hello"}',  # 1 ok
+            b'{"prompt": "hel',  # 2 malformed JSON
+            b'{"text": "no prompt"}',  # 3 missing field
+            b'{"prompt": "   "}',  # 4 empty
+            b'{"prompt": "caf\xe9"}',  # 5 invalid UTF-8 (latin-1 byte)
+            b'{"prompt": 42}',  # 6 not a string
+            b"",  # blank line: skipped, not a row
+            b'["prompt"]',  # 8 not an object
+            b'{"prompt": null}',  # 9 null
+            b'{"prompt": "' + b"x" * 50 + b'"}',  # 10 over-long
+            b'{"prompt": "world"}',  # 11 ok
+        ],
+    )
+    with caplog.at_level(logging.WARNING):
+        ds = load_prompts(path, TOK, max_prompt_len=20)
+    assert ds.prompts == ["hello", "world"] and ds.source_rows == [1, 11]
+    assert ds.token_ids[0] == TOK.encode("hello")
+    bad = {b.where: b.reason for b in ds.report.bad}
+    assert list(bad) == ["line 2", "line 3", "line 4", "line 5", "line 6", "line 8", "line 9"]
+    assert "malformed JSON" in bad["line 2"]
+    assert "missing prompt field 'prompt'" in bad["line 3"]
+    assert bad["line 4"] == "empty prompt"
+    assert "invalid UTF-8" in bad["line 5"]
+    assert "int, not a string" in bad["line 6"]
+    assert "not an object" in bad["line 8"]
+    assert "null" in bad["line 9"]
+    assert ds.report.overlong_dropped == 1 and ds.report.rows == 10 and ds.report.kept == 2
+    assert "line 2: malformed JSON" in caplog.text and "1 over-long dropped" in caplog.text
+
+
+def test_truncate_chat_template_and_vocab(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"q": "abcdefghij"}).encode(), json.dumps({"q": "ok"}).encode()])
+    ds = load_prompts(path, TOK, prompt_key="q", chat_template="U:{prompt}\nA:", max_prompt_len=8, overlong="truncate")
+    assert ds.prompts[1] == "U:ok\nA:"
+    assert ds.token_ids[0] == TOK.encode("U:abcdefghij\nA:")[-8:]
+    assert ds.report.overlong_truncated == 1
+
+
+def test_errors(tmp_path):
+    empty = _write(tmp_path / "e.jsonl", [b""])
+    with pytest.raises(ValueError, match="no usable prompts left.*0 rows"):
+        load_prompts(empty, TOK)
+    bad = _write(tmp_path / "b.jsonl", [b"{", b'{"prompt": ""}'])
+    with pytest.raises(ValueError, match=r"no usable prompts left.*line 1: malformed JSON.*line 2: empty prompt"):
+        load_prompts(bad, TOK)
+    with pytest.raises(ValueError, match="token id 257 out of range for vocab size 200"):
+        load_prompts(_write(tmp_path / "v.jsonl", [b'{"prompt": "a"}']), TOK, vocab_size=200)
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        load_prompts(tmp_path / "missing.jsonl", TOK)
+    with pytest.raises(ValueError, match="placeholder"):
+        load_prompts(empty, TOK, chat_template="no slot")
+    with pytest.raises(ValueError, match="data.format"):
+        load_prompts(empty, TOK, format="csv")
+
+
+def test_parquet_and_hf_disk(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt": ["one", None, "", "two"], "other": [1, 2, 3, 4]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    ds = load_prompts(tmp_path / "p.parquet", TOK, format="parquet")
+    assert ds.prompts == ["one", "two"] and ds.source_rows == [1, 4]
+    assert [(b.where, b.reason) for b in ds.report.bad] == [("row 2", "prompt field 'prompt' is null"), ("row 3", "empty prompt")]
+    binary = pa.table({"prompt": pa.array([b"ok", b"\xff\xfe"], type=pa.binary())})
+    pq.write_table(binary, tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"row 1: .*binary.*row 2: invalid UTF-8"):
+        load_prompts(tmp_path / "b.parquet", TOK, format="parquet")
+    with pytest.raises(ValueError, match="no column 'text'"):
+        load_prompts(tmp_path / "p.parquet", TOK, format="parquet", prompt_key="text")
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a", "b", " "]})}).save_to_disk(str(tmp_path / "hf"))
+    ds = load_prompts(tmp_path / "hf", TOK, format="hf_disk")
+    assert ds.prompts == ["a", "b"] and ds.report.bad[0].where == "row 3"
+    with pytest.raises(ValueError, match="splits"):
+        load_prompts(tmp_path / "hf", TOK, format="hf_disk", split="test")
+
+
+def test_synthetic():
+    ds = load_prompts(None, TOK, format="synthetic", num_synthetic=50, seed=3)
+    assert len(ds) == 50 and all(p.startswith("repeat ") for p in ds.prompts)
+    assert ds.prompts == load_prompts(None, TOK, format="synthetic", num_synthetic=50, seed=3).prompts
+
+
+def test_loader_sharding_determinism_and_resume():
+    ds = load_prompts(None, TOK, format="synthetic", num_synthetic=10)
+    loaders = [PromptLoader(ds, batch_size=2, rank=r, world_size=2, seed=7) for r in range(2)]
+    seen = []
+    for _ in range(5):  # 5 global batches of 4 = 2 epochs
+        batches = [l.next_batch() for l in loaders]
+        assert batches[0].sample_ids[-1] + 1 == batches[1].sample_ids[0]
+        for b in batches:
+            seen += b.dataset_indices
+            assert b.token_ids == [ds.token_ids[i] for i in b.dataset_indices]
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    assert seen[:10] != seen[10:]  # each epoch is reshuffled
+
+    a = PromptLoader(ds, batch_size=3, seed=1)
+    for _ in range(4):
+        a.next_batch()
+    state = a.state_dict()
+    assert state["epoch"] == 1 and state["position"] == 2
+    expected = [a.next_batch().sample_ids for _ in range(3)]
+    b = PromptLoader(ds, batch_size=3, seed=1)
+    b.load_state_dict(state)
+    assert [b.next_batch().sample_ids for _ in range(3)] == expected
+    with pytest.raises(ValueError, match="same data"):
+        PromptLoader(ds, batch_size=3, seed=2).load_state_dict(state)
