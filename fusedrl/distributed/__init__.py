@@ -1,1 +1,19 @@
-"""fusedrl.distributed"""
+"""Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, float8."""
+
+from fusedrl.distributed.float8 import convert_to_float8
+from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
+from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed
+from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
+from fusedrl.distributed.tp import apply_tp
+
+__all__ = [
+    "DecoderStage",
+    "ParallelDims",
+    "apply_fsdp",
+    "apply_tp",
+    "convert_to_float8",
+    "init_distributed",
+    "split_decoder",
+    "stage_layer_ranges",
+    "transformer_layers",
+]

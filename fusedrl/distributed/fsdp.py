@@ -1,0 +1,42 @@
+"""FSDP2 (``fully_shard``) per transformer layer plus the root."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchtune.modules import TransformerSelfAttentionLayer
+
+
+def transformer_layers(module: nn.Module) -> list[TransformerSelfAttentionLayer]:
+    """The torchtune transformer layers inside ``module`` (a decoder or a pipeline stage), in order."""
+    return [m for m in module.modules() if isinstance(m, TransformerSelfAttentionLayer)]
+
+
+def apply_fsdp(
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> FSDPModule:
+    """Shard ``module`` (a TransformerDecoder or a ``split_decoder`` stage) over the 1-D ``dp_mesh``.
+
+    Each transformer layer becomes its own FSDP unit (all-gathered just before use); the root unit
+    holds the rest (embedding, final norm, head). ``mp_policy``, e.g.
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``, computes in
+    ``param_dtype`` and reduce-scatters gradients in ``reduce_dtype`` while the sharded parameters
+    and the optimizer state stay float32. With pipeline parallelism, ``reshard_after_forward=False``
+    avoids one all-gather per micro-batch at the cost of keeping the stage unsharded between
+    forward and backward. Gradients are averaged over ``dp_mesh``.
+    """
+    if dp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_fsdp needs a 1-D data-parallel mesh, got dims {dp_mesh.mesh_dim_names}; pass mesh['dp_shard']"
+        )
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in transformer_layers(module):
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    return module  # type: ignore[return-value]  # fully_shard turned it into an FSDPModule

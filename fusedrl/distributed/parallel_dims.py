@@ -1,0 +1,116 @@
+"""Parallel layout of a job: degrees, validation, DeviceMesh building, process-group setup."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+TRAIN_MESH_DIMS: tuple[str, str, str] = ("pp", "dp_shard", "tp")
+GEN_MESH_DIMS: tuple[str, str] = ("gen_dp", "gen_tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Training layout ``pp x dp_shard x tp == world_size`` and generation layout ``gen_tp`` (TP per instance).
+
+    All checks run in ``__post_init__``, before any collective, so a bad layout fails the same way on
+    every rank. ``world_size`` defaults to the initialised process group's size, else ``$WORLD_SIZE``
+    (1 when unset).
+    """
+
+    pp: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    gen_tp: int = 1
+    world_size: int = field(default=None)  # type: ignore[assignment]  # resolved in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            ws = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+            object.__setattr__(self, "world_size", ws)
+        for name in ("pp", "dp_shard", "tp", "gen_tp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallelism.{name} must be an integer >= 1, got {value!r}")
+        if self.pp * self.dp_shard * self.tp != self.world_size:
+            raise ValueError(
+                f"parallelism pp*dp_shard*tp = {self.pp}*{self.dp_shard}*{self.tp} = "
+                f"{self.pp * self.dp_shard * self.tp} does not match the world size {self.world_size}; "
+                "choose degrees whose product is the number of processes"
+            )
+        if self.world_size % self.gen_tp != 0:
+            raise ValueError(
+                f"parallelism.gen_tp = {self.gen_tp} does not divide the world size {self.world_size}; "
+                "each generation instance needs gen_tp whole ranks"
+            )
+
+    @property
+    def num_gen_instances(self) -> int:
+        """Number of generation instances (each a full replica, or a TP group of ``gen_tp`` ranks)."""
+        return self.world_size // self.gen_tp
+
+    def gen_instance_of(self, rank: int) -> int:
+        """Generation instance that ``rank`` belongs to (consecutive ranks form one instance)."""
+        return rank // self.gen_tp
+
+    def gen_tp_groups(self) -> list[list[int]]:
+        """Global ranks of every generation instance, instance by instance."""
+        return [list(range(i * self.gen_tp, (i + 1) * self.gen_tp)) for i in range(self.num_gen_instances)]
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The training mesh with dims ``("pp", "dp_shard", "tp")``; collective: call on every rank."""
+        self._check_group()
+        return init_device_mesh(device_type, (self.pp, self.dp_shard, self.tp), mesh_dim_names=TRAIN_MESH_DIMS)
+
+    def build_gen_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The generation mesh with dims ``("gen_dp", "gen_tp")``; collective: call on every rank."""
+        self._check_group()
+        return init_device_mesh(device_type, (self.num_gen_instances, self.gen_tp), mesh_dim_names=GEN_MESH_DIMS)
+
+    def _check_group(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "building a DeviceMesh needs an initialised process group; call init_distributed() first"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was made for world size {self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks; launch with --nproc_per_node matching pp*dp_shard*tp"
+            )
+
+
+def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) and return this rank's device.
+
+    Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without it, a
+    single-process group on 127.0.0.1 is created so that the same code runs with ``python -m``.
+    On CUDA the current device is set from LOCAL_RANK. Idempotent.
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device_type='cuda' requested but CUDA is not available; use device_type='cpu'")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout)
+    return device

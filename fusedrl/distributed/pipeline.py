@@ -1,0 +1,128 @@
+"""Split a torchtune TransformerDecoder into pipeline-stage modules (``PipelineStage`` submodules)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchtune.modules import TransformerDecoder
+from torchtune.modules.tied_linear import TiedLinear
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:
+    """The decoder layers each stage runs.
+
+    Without ``boundaries`` the layers are split as evenly as possible (earlier stages take the
+    remainder, the last stage also runs the output head). ``boundaries`` are the ``num_stages - 1``
+    layer indices where stages 1.. start: strictly increasing, within ``[0, num_layers]``; only the
+    first and the last stage may be left without layers (they still hold the embedding / the head).
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if boundaries is None:
+        if num_stages > num_layers:
+            raise ValueError(
+                f"cannot balance {num_layers} layers over {num_stages} pipeline stages; "
+                "use fewer stages or pass boundaries explicitly"
+            )
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        starts = [sum(sizes[:s]) for s in range(num_stages)]
+        return [range(start, start + size) for start, size in zip(starts, sizes)]
+    bounds = list(boundaries)
+    if len(bounds) != num_stages - 1:
+        raise ValueError(
+            f"boundaries {bounds} must hold num_stages - 1 = {num_stages - 1} layer indices "
+            "(the first layer of stages 1..num_stages-1)"
+        )
+    edges = [0, *bounds, num_layers]
+    if any(not isinstance(b, int) or b < 0 or b > num_layers for b in bounds):
+        raise ValueError(
+            f"boundaries {bounds} must be integers in [0, {num_layers}] (the model has {num_layers} layers)"
+        )
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"boundaries {bounds} must be strictly increasing so that every middle stage has a layer")
+    return [range(edges[s], edges[s + 1]) for s in range(num_stages)]
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a TransformerDecoder: ``forward(x)`` only.
+
+    Stage 0 takes token ids ``[B, S]``; other stages take hidden states ``[B, S, D]``; the last stage
+    returns the model output (``float32``, like TransformerDecoder). Attention is plain causal with
+    positions ``0..S-1`` (right-padded training batches; no KV cache, mask or packing).
+
+    ``layers`` is keyed by the layer's index in the full model, so parameter names match the full
+    model's state dict (``layers.5.attn.q_proj.weight``).
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, nn.Module],
+        tok_embeddings: nn.Module | None,
+        norm: nn.Module | None,
+        output: nn.Module | None,
+        max_seq_len: int,
+    ) -> None:
+        super().__init__()
+        self.tok_embeddings = tok_embeddings
+        self.layers = nn.ModuleDict(layers)
+        self.norm = norm
+        self.output = output
+        self.max_seq_len = max_seq_len
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds the model's max_seq_len {self.max_seq_len}")
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h).float()
+        return h
+
+
+def _output_module(model: TransformerDecoder) -> nn.Module:
+    if isinstance(model.output, nn.Module):
+        return model.output
+    if isinstance(model.output, TiedLinear):
+        # Tied LM head: a Linear whose weight *is* the embedding's Parameter, so a single process
+        # chaining the stages accumulates both uses into one gradient as the unsplit model does.
+        weight = model.output.tied_module.weight
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        head.weight = weight
+        return head
+    raise TypeError(f"unsupported decoder output head {type(model.output).__name__}; expected nn.Module or TiedLinear")
+
+
+def split_decoder(
+    model: TransformerDecoder, num_stages: int, boundaries: Sequence[int] | None = None
+) -> list[DecoderStage]:
+    """Split ``model`` into ``num_stages`` stage modules (see ``stage_layer_ranges`` for the layout).
+
+    The stages reference the model's own submodules (no copies): build the full model, keep your
+    stage, drop the rest. For a tied-embedding model split over several ranks, the embedding weight
+    lives on the first and the last stage; its gradient is the sum of both stages' gradients.
+    """
+    if not isinstance(model, TransformerDecoder):
+        raise TypeError(f"split_decoder needs a torchtune TransformerDecoder, got {type(model).__name__}")
+    if model.caches_are_enabled() or model.num_output_chunks or model.output_hidden_states:
+        raise ValueError(
+            "split_decoder supports plain training forwards only: disable KV caches, chunked output "
+            "and output_hidden_states first"
+        )
+    ranges = stage_layer_ranges(len(model.layers), num_stages, boundaries)
+    last = num_stages - 1
+    return [
+        DecoderStage(
+            layers={str(i): model.layers[i] for i in layer_range},
+            tok_embeddings=model.tok_embeddings if s == 0 else None,
+            norm=model.norm if s == last else None,
+            output=_output_module(model) if s == last else None,
+            max_seq_len=model.max_seq_len,
+        )
+        for s, layer_range in enumerate(ranges)
+    ]

@@ -1,0 +1,75 @@
+"""The multi-rank harness: results come back, a rank's failure surfaces with its rank, a hang is killed."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedrl.testing import MultiRankPool, run_multirank
+
+
+def _allreduce_rank(offset: int, *, scale: int) -> tuple[int, int, int]:
+    t = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(t)
+    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), int(t.item()) * scale
+
+
+def _fail_on_rank_one() -> None:
+    assert dist.get_rank() != 1, "deliberate failure on this rank"
+
+
+def _hang_on_rank_one(pid_dir: str) -> None:
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()  # both ranks are up: rank 0 returns at once, rank 1 hangs
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_results_are_returned_per_rank():
+    results = run_multirank(_allreduce_rank, 3, 10, scale=2)
+    # all_reduce of rank+10 over ranks 0..2 = 33, times scale 2
+    assert results == [(0, 0, 66), (1, 1, 66), (2, 2, 66)]
+
+
+def test_local_function_is_refused_clearly():
+    def local_fn():
+        pass
+
+    with pytest.raises(ValueError, match="module-level function"):
+        run_multirank(local_fn, 2)
+
+
+def test_pool_reuses_processes_and_recovers_after_a_failure():
+    with MultiRankPool(2) as pool:
+        first = pool.run(_pid)
+        assert pool.run(_pid) == first  # same processes serve the second call
+        with pytest.raises(AssertionError, match=r"rank 1 failed(.|\n)*deliberate failure on this rank"):
+            pool.run(_fail_on_rank_one)
+        after = pool.run(_allreduce_rank, 0, scale=1)  # fresh processes after the failure
+        assert after == [(0, 0, 1), (1, 1, 1)]
+        assert set(pool.run(_pid)).isdisjoint(first)
+
+
+@pytest.mark.timeout(120)
+def test_hang_is_killed_at_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 10s \(ranks \[0\] returned"):
+        run_multirank(_hang_on_rank_one, 2, str(tmp_path), timeout_s=10)
+    pid = int((tmp_path / "1.pid").read_text())
+    with pytest.raises(ProcessLookupError):  # the hanging rank was killed and reaped
+        os.kill(pid, 0)
+
+
+def _return_lambda():
+    return lambda: None
+
+
+def test_unpicklable_result_is_reported():
+    with pytest.raises(AssertionError, match=r"rank \d failed(.|\n)*(pickle|lambda)"):
+        run_multirank(_return_lambda, 1)
