@@ -8,10 +8,12 @@ A wall-clock guard of ``WALL_CLOCK_FACTOR x budget_s`` only cuts a run short on 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fusedrl.pipelining.bounds import problem_lower_bound, release_and_tail
@@ -23,6 +25,8 @@ from fusedrl.pipelining.simulator import Problem, SimResult, simulate_order
 # run costs about GREEDY_COST simulations.
 ACTIONS_PER_SECOND = 2_000_000
 GREEDY_COST = 30
+JUSTIFY_PASS_COST = 8  # one justification pass, in simulations
+JUSTIFY_ROUNDS = 8  # at most this many right+left pass pairs per justification
 WALL_CLOCK_FACTOR = 1.25
 MEMORY_PASS_SHARE = 0.1  # of the budget, kept for the memory pass
 RESTART_SHARE = 0.6  # of the budget, spent (with the deterministic greedy variants) before annealing starts
@@ -215,10 +219,6 @@ def greedy_order(
     return order
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Local search
-
-
 class _Evaluator:
     """Counts simulated work so the search stops after a machine-independent amount of it."""
 
@@ -243,6 +243,130 @@ class _Evaluator:
         return self.problem.makespan(order)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Justification (forward-backward improvement)
+
+
+class _RankLine:
+    """One rank's placed actions during a justification pass: their intervals in time order and the running
+    activation memory after each (counted in sequence order, as ``Problem.peak_memory`` does)."""
+
+    __slots__ = ("starts", "ends", "mem_after")
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.mem_after: list[float] = []
+
+    def insert(self, est: float, dur: float, delta: float, limit: float) -> float | None:
+        """Place an action at the earliest start >= ``est`` in a gap of length ``dur`` where adding ``delta`` to the
+        running memory from there on keeps it within ``limit``; return the start (None if no place fits)."""
+        starts, ends, mem = self.starts, self.ends, self.mem_after
+        k = len(starts)
+        i = bisect.bisect_right(starts, est)
+        if delta > 0:
+            room = limit - delta + 1e-9
+            if (mem[k - 1] if k else 0.0) > room:
+                return None
+            # The memory after position j only grows by delta, so the feasible insert positions are a suffix.
+            j = k
+            while j > i and (mem[j - 2] if j >= 2 else 0.0) <= room:
+                j -= 1
+            i = j
+        t = est
+        if i > 0 and ends[i - 1] > t:
+            t = ends[i - 1]
+        while i < k and starts[i] - t < dur - 1e-9:
+            t = ends[i]
+            i += 1
+        starts.insert(i, t)
+        ends.insert(i, t + dur)
+        mem.insert(i, mem[i - 1] if i else 0.0)
+        for j in range(i, k + 1):
+            mem[j] += delta
+        return t
+
+
+class _Justifier:
+    """Forward-backward improvement: shift every action as late as possible (in order of decreasing finish time,
+    filling gaps), then as early as possible (in order of increasing start time, filling gaps), and repeat while
+    the makespan drops. Each pass keeps precedences, the micro-batch order within each stage and the memory limit,
+    and never lengthens the schedule it starts from, so the result is valid whenever the input is."""
+
+    def __init__(self, problem: Problem, memory_limit: float, evaluator: _Evaluator | None = None) -> None:
+        self.problem, self.limit, self.evaluator = problem, memory_limit, evaluator
+        n = len(problem.actions)
+        preds = [list(d) for d in problem.deps]
+        for st in problem.streams:
+            for fw, bw in st:
+                for lst in (fw, bw):
+                    for a, b in zip(lst, lst[1:]):
+                        preds[b].append((a, 0.0))  # keep the micro-batch order on each stage
+        succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        for b in range(n):
+            for a, lag in preds[b]:
+                succs[a].append((b, lag))
+        self.preds, self.succs = preds, succs
+        self.is_forward = [a.kind == "F" for a in problem.actions]
+
+    def _pass(self, frame_start: list[float], deps: list[list[tuple[int, float]]], forward_adds: bool
+              ) -> tuple[list[float], list[float]] | None:
+        """Left-justify in a time frame (the real one, or mirrored for the late pass, where backwards add memory)."""
+        p = self.problem
+        if self.evaluator is not None:
+            self.evaluator.work += JUSTIFY_PASS_COST * len(p.actions)
+        dur, mem, rank, is_forward = p.dur, p.mem, p.rank, self.is_forward
+        lines = [_RankLine() for _ in range(p.pp)]
+        start = [0.0] * len(dur)
+        finish = [0.0] * len(dur)
+        for a in sorted(range(len(dur)), key=frame_start.__getitem__):
+            est = 0.0
+            for b, lag in deps[a]:
+                if finish[b] + lag > est:
+                    est = finish[b] + lag
+            delta = mem[a] if is_forward[a] == forward_adds else -mem[a]
+            t = lines[rank[a]].insert(est, dur[a], delta, self.limit)
+            if t is None:
+                return None
+            start[a], finish[a] = t, t + dur[a]
+        return start, finish
+
+    def improve(self, order: list[list[int]]) -> list[list[int]]:
+        p = self.problem
+        finish = p.finish_times(order)
+        if finish is None:
+            return order
+        best, best_ms = order, max(finish)
+        for _ in range(JUSTIFY_ROUNDS):
+            if self.evaluator is not None and self.evaluator.exhausted():
+                break
+            ms = max(finish)
+            late = self._pass([ms - f for f in finish], self.succs, False)
+            if late is None:
+                break
+            early = self._pass([ms - f for f in late[1]], self.preds, True)
+            if early is None:
+                break
+            start, finish = early
+            if max(finish) >= best_ms - 1e-9:
+                break
+            best_ms = max(finish)
+            best = [[] for _ in range(p.pp)]
+            for a in sorted(range(len(start)), key=start.__getitem__):
+                best[p.rank[a]].append(a)
+        return best
+
+
+def justify_order(problem: Problem, order: list[list[int]], memory_limit: float) -> list[list[int]]:
+    """Forward-backward improvement of a valid per-rank order (see ``_Justifier``): never slower, never above
+    ``memory_limit`` when the input is within it, and the micro-batch order on every stage is kept."""
+    return _Justifier(problem, memory_limit).improve(order)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local search
+
+
 def _swappable(problem: Problem, x: int, y: int) -> bool:
     ax, ay = problem.actions[x], problem.actions[y]
     if (ax.model, ax.replica, ax.stage) == (ay.model, ay.replica, ay.stage):
@@ -264,8 +388,10 @@ def anneal(
     rng: random.Random,
     target: float,
     iterations: int,
+    justify: Callable[[list[list[int]]], list[list[int]]] | None = None,
 ) -> tuple[list[list[int]], float]:
-    """Simulated annealing over adjacent swaps on one rank; keeps the best valid order within the memory limit."""
+    """Simulated annealing over adjacent swaps on one rank; keeps the best valid order within the memory limit.
+    Every new best is passed through ``justify`` (if given), and annealing continues from the justified order."""
     cur = [list(lst) for lst in order]
     cur_ms = best_makespan
     best = [list(lst) for lst in cur]
@@ -289,6 +415,11 @@ def anneal(
         if ms is not None and (ms <= cur_ms or rng.random() < math.exp((cur_ms - ms) / temp)):
             cur_ms = ms
             if ms < best_makespan - 1e-12:
+                if justify is not None:
+                    justified = justify(cur)
+                    jms = evaluator.makespan(justified)
+                    if jms is not None and jms < ms - 1e-12:
+                        cur, cur_ms, ms = [list(q) for q in justified], jms, jms
                 best_makespan = ms
                 best = [list(q) for q in cur]
         else:
@@ -368,6 +499,14 @@ def fused_schedule(
         if ms is not None and ms < best_ms - 1e-12:
             best, best_ms, method = order, ms, name
 
+    justifier = _Justifier(problem, memory_limit, evaluator)
+
+    def consider_justified(order: list[list[int]], name: str) -> None:
+        consider(order, name)
+        if best_ms > target and not evaluator.exhausted():
+            consider(justifier.improve(order), name + "+justify")
+
+    consider(justifier.improve(seq_order), "sequential_1f1b+justify")
     # Greedy variants (in-flight cap above 1F1B's, backward bias, active vs non-delay), most often best first,
     # each with raw priorities and with the two models' priorities put on the same scale.
     weights = (1.0, balanced_critic_weight(problem))
@@ -375,7 +514,7 @@ def fused_schedule(
         if evaluator.exhausted(MEMORY_PASS_SHARE) or best_ms <= target:
             break
         evaluator.charge_greedy()
-        consider(
+        consider_justified(
             greedy_order(
                 problem, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
                 memory_pressure=pressure, critic_weight=weight,
@@ -388,7 +527,7 @@ def fused_schedule(
     while not evaluator.exhausted(1.0 - RESTART_SHARE) and best_ms > target:
         extra, bias, active, pressure = RESTART_VARIANTS[rng.randrange(len(RESTART_VARIANTS))]
         evaluator.charge_greedy()
-        consider(
+        consider_justified(
             greedy_order(
                 problem, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
                 memory_pressure=pressure, critic_weight=math.exp(rng.uniform(*log_weight_range)),
@@ -399,7 +538,8 @@ def fused_schedule(
     if not evaluator.exhausted(MEMORY_PASS_SHARE) and best_ms > target:
         remaining = max(0.0, (1.0 - MEMORY_PASS_SHARE) * evaluator.work_limit - evaluator.work)
         iterations = max(1, int(remaining / max(1, evaluator.n)))
-        order, ms = anneal(problem, best, best_ms, memory_limit, evaluator, rng, target, iterations)
+        order, ms = anneal(problem, best, best_ms, memory_limit, evaluator, rng, target, iterations,
+                           justify=justifier.improve)
         if ms < best_ms - 1e-12:
             best, best_ms, method = order, ms, "anneal"
     best = memory_pass(problem, best, best_ms, evaluator)

@@ -1,0 +1,310 @@
+"""Fused executor: runs a lowered dual-model program (Actor + Critic) with ``PipelineStage`` objects.
+
+torch's own ``_PipelineScheduleRuntime`` keys everything by stage index and holds one model, so this
+executor interprets :class:`~fusedrl.pipelining.lowering.LoweredProgram` itself, driving the stock
+``PipelineStage`` methods (``forward_one_chunk``, ``backward_one_chunk``, ``get_*_ops``,
+``perform_reduce_grad``) of both models.
+
+Loss scaling: each micro-batch loss is divided by that model's micro-batch count ``M`` before its backward
+(not the gradients afterwards, so gradients may accumulate over several steps), and FSDP2 averages the
+gradients over ``dp_shard``. The gradient is therefore that of ``mean over dp ranks and micro-batches of
+loss_fn(micro-batch)``, which equals the full-batch gradient whenever ``loss_fn`` is a mean over equally
+sized micro-batches.
+
+Shapes: stages use static shape metadata (no communication when they are built). All micro-batches of one
+step share one shape, so the batch must be divisible by the model's micro-batch count and sequences are
+right-padded to a common length. Pad each minibatch to one of a few bucket lengths (see
+:func:`bucket_length`): the executor builds and caches one ``PipelineStage`` pair per distinct shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._utils import InferenceMode
+
+from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action
+from fusedrl.pipelining.lowering import (
+    COMM_KINDS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    LoweredProgram,
+    Message,
+    message_of,
+    needed_message,
+    peer_of,
+)
+from fusedrl.pipelining.timeline import TimedAction, Timeline
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
+"""``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
+
+
+@dataclass
+class StageModule:
+    """This rank's stage of one model and how its activations look.
+
+    Activations between stages are ``[micro_batch, seq, hidden_dim]``; the last stage returns
+    ``[micro_batch, seq, output_dim]`` (vocabulary for a policy, 1 for a value model); the first stage
+    takes the token ids ``[micro_batch, seq]``.
+    """
+
+    module: nn.Module
+    loss_fn: LossFn
+    hidden_dim: int
+    output_dim: int
+    activation_dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class ModelStepResult:
+    """Mean loss and stats over a model's micro-batches; None/empty on ranks without its last stage."""
+
+    loss: float | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def bucket_length(seq_len: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket length that holds ``seq_len`` (pad the minibatch to it)."""
+    fits = [b for b in sorted(buckets) if b >= seq_len]
+    if not fits:
+        raise ValueError(f"sequence length {seq_len} exceeds the largest bucket {max(buckets)}; add a larger bucket")
+    return fits[0]
+
+
+class FusedPipelineSchedule:
+    """Trains the Actor and the Critic on the same pipeline ranks with one lowered program.
+
+    Actor stage ``i`` lives on pipeline rank ``i`` and Critic stage ``j`` on rank ``pp-1-j`` (the placement
+    of ``program``). Every rank of ``group`` (the pipeline group; for FSDP2 the stage modules are already
+    ``fully_shard``-ed over dp_shard) constructs this with its own stage modules and calls :meth:`step`
+    with the same minibatch. The unfused baseline is the same executor with a ``sequential_1f1b`` program.
+    """
+
+    def __init__(
+        self,
+        program: LoweredProgram,
+        actor: StageModule,
+        critic: StageModule,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        record_timeline: bool = False,
+    ) -> None:
+        placement = program.placement
+        if placement.num_stages(CRITIC) != placement.pp:
+            raise ValueError(f"a Critic with fewer stages ({placement.num_stages(CRITIC)}) than the Actor ({placement.pp}) "
+                             "is not supported by the executor; give both models pp stages")
+        if placement.pp < 2:
+            raise ValueError("the fused executor needs pp >= 2; with pp=1 train the models without pipelining")
+        program.verify()  # before any communication: a bad program never starts
+        world = dist.get_world_size(group)
+        if world != placement.pp:
+            raise ValueError(f"pipeline group has {world} ranks but the program is for pp={placement.pp}")
+        _check_same_program(program, group)
+        self.program = program
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.models = {ACTOR: actor, CRITIC: critic}
+        self.stage_index = {m: next(s for s in range(placement.pp) if placement.rank_of(m, s) == self.rank) for m in MODELS}
+        if device is None:
+            device = next(actor.module.parameters(), torch.empty(0)).device
+        self.device = torch.device(device)
+        self.record_timeline = record_timeline
+        self.timeline: Timeline | None = None  # of the last step, when record_timeline
+        self._stages: dict[tuple, PipelineStage] = {}
+
+    def _stage(self, model: str, mb_input: torch.Tensor) -> PipelineStage:
+        n_mb = self.program.microbatches[model]
+        key = (model, n_mb, tuple(mb_input.shape), mb_input.dtype)
+        if key in self._stages:
+            return self._stages[key]
+        spec, s, n = self.models[model], self.stage_index[model], self.program.placement.pp
+        b, seq = mb_input.shape[:2]
+
+        def act(dim: int, requires_grad: bool) -> torch.Tensor:
+            return torch.empty(b, seq, dim, dtype=spec.activation_dtype, device=self.device, requires_grad=requires_grad)
+
+        # Non-first stages need requires_grad example inputs, or received activations get no gradient.
+        example_in = mb_input.to(self.device) if s == 0 else act(spec.hidden_dim, True)
+        example_out = act(spec.output_dim if s == n - 1 else spec.hidden_dim, True)
+        stage = PipelineStage(spec.module, s, n, self.device, input_args=example_in, output_args=example_out,
+                              group=self.group)
+        stage.stage_index_to_group_rank = {j: self.program.placement.rank_of(model, j) for j in range(n)}
+        stage.has_backward = True
+        stage._inference_mode = InferenceMode.STATIC  # static metadata: no P2P while building
+        stage._prepare_forward_infra(n_mb, None, {}, has_backward=True)
+        stage._prepare_backward_infra(n_mb)
+        self._stages[key] = stage
+        return stage
+
+    def _split(self, model: str, inputs: torch.Tensor, targets: dict[str, torch.Tensor]):
+        m = self.program.microbatches[model]
+        if inputs.dim() != 2:
+            raise ValueError(f"{model} inputs must be token ids [batch, seq], got shape {tuple(inputs.shape)}")
+        batch = inputs.shape[0]
+        if batch % m:
+            raise ValueError(f"{model} batch {batch} is not divisible by its {m} micro-batches; "
+                             "change the minibatch size or the micro-batch count")
+        for name, t in targets.items():
+            if t.shape[0] != batch:
+                raise ValueError(f"{model} target {name!r} has batch {t.shape[0]}, inputs have {batch}")
+        mb_inputs = list(inputs.tensor_split(m))
+        mb_targets = [{k: v[i * (batch // m):(i + 1) * (batch // m)] for k, v in targets.items()} for i in range(m)]
+        return mb_inputs, mb_targets
+
+    def step(
+        self,
+        actor_inputs: torch.Tensor,
+        critic_inputs: torch.Tensor,
+        actor_targets: dict[str, torch.Tensor],
+        critic_targets: dict[str, torch.Tensor],
+    ) -> dict[str, ModelStepResult]:
+        """Forward, backward and gradient reduction of one minibatch for both models.
+
+        Gradients accumulate into ``.grad`` (zero them between optimizer steps). Returns per model the mean
+        micro-batch loss and stats on the rank that holds its last stage.
+        """
+        split = {ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
+                 CRITIC: self._split(CRITIC, critic_inputs, critic_targets)}
+        stages = {m: self._stage(m, split[m][0][0]) for m in MODELS}  # same build order on every rank
+        for st in stages.values():
+            st.clear_runtime_states()
+        losses: dict[str, list[torch.Tensor]] = {m: [] for m in MODELS}
+        stats: dict[str, list[dict]] = {m: [] for m in MODELS}
+        pending_loss: dict[tuple[str, int], torch.Tensor] = {}
+        backwards = {m: 0 for m in MODELS}
+
+        def compute(a: Action) -> None:
+            st, m = stages[a.model], a.model
+            n_mb = self.program.microbatches[m]
+            if a.kind == "F":
+                args = (split[m][0][a.microbatch].to(self.device),) if st.is_first else ()
+                out = st.forward_one_chunk(a.microbatch, args, save_forward_output=False)
+                if st.is_last:
+                    targets = {k: v.to(self.device) for k, v in split[m][1][a.microbatch].items()}
+                    loss, mb_stats = self.models[m].loss_fn(out, targets)
+                    pending_loss[(m, a.microbatch)] = loss / n_mb
+                    losses[m].append(loss.detach())
+                    stats[m].append(mb_stats)
+            elif a.kind in ("B", "I"):
+                if a.kind == "B":
+                    backwards[m] += 1
+                st.backward_one_chunk(a.microbatch, loss=pending_loss.pop((m, a.microbatch), None),
+                                      full_backward=a.kind == "B", last_backward=backwards[m] == n_mb)
+            else:  # W
+                backwards[m] += 1
+                st.backward_weight_one_chunk(a.microbatch, last_backward=backwards[m] == n_mb)
+
+        def comm_ops(a: Action) -> list[dist.P2POp]:
+            st = stages[a.model]
+            return {SEND_F: st.get_fwd_send_ops, RECV_F: st.get_fwd_recv_ops, SEND_B: st.get_bwd_send_ops,
+                    RECV_B: st.get_bwd_recv_ops}[a.kind](a.microbatch)
+
+        self.timeline = run_rank_program(self.program, self.rank, compute, comm_ops, group=self.group,
+                                         record=self.record_timeline, cuda_sync=self.device.type == "cuda")
+        for m in MODELS:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
+            stages[m].perform_reduce_grad(1)  # losses were already divided by M
+        return {m: _summarize(losses[m], stats[m]) for m in MODELS}
+
+
+def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None) -> None:
+    """Every rank must run the same lowered program (e.g. plan once and broadcast, or use a fixed seed/budget)."""
+    digest = hashlib.sha256(repr(sorted(program.programs.items())).encode()).hexdigest()
+    digests: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) != 1:
+        raise ValueError(f"pipeline ranks hold different programs (digests {digests}); plan the schedule once and "
+                         "broadcast it, or make the planner deterministic")
+
+
+def _summarize(losses: list[torch.Tensor], stats: list[dict]) -> ModelStepResult:
+    if not losses:
+        return ModelStepResult()
+    keys = stats[0].keys() if stats else ()
+    mean = {k: float(torch.stack([torch.as_tensor(s[k], dtype=torch.float32).detach().cpu() for s in stats]).mean())
+            for k in keys}
+    return ModelStepResult(float(torch.stack(losses).float().mean()), mean)
+
+
+def run_rank_program(
+    program: LoweredProgram,
+    rank: int,
+    compute: Callable[[Action], None],
+    comm_ops: Callable[[Action], list[dist.P2POp]],
+    *,
+    group: dist.ProcessGroup | None = None,
+    record: bool = False,
+    cuda_sync: bool = False,
+) -> Timeline | None:
+    """Interpret one rank's program: post each message as its own P2P batch, wait for a compute action's
+    input right before it runs, and wait for all sends at the end. Returns the measured timeline if
+    ``record`` (compute intervals only; time spent waiting for a message counts as idle)."""
+    placement = program.placement
+    received: dict[Message, list[dist.Work]] = {}
+    sends: list[dist.Work] = []
+    events: list[TimedAction] = []
+    if record:
+        dist.barrier(group=group)
+    for a in program.programs[rank]:
+        if a.kind in COMM_KINDS:
+            ops = comm_ops(a)
+            if len(ops) == 0:
+                raise RuntimeError(f"rank {rank}: {a} to rank {peer_of(a, placement)} has no tensors")
+            works = dist.batch_isend_irecv(ops)
+            if a.kind in (SEND_F, SEND_B):
+                sends.extend(works)
+            else:
+                received[message_of(a)] = works
+            continue
+        need = needed_message(a, placement)
+        if need is not None:
+            for w in received.pop(need):
+                w.wait()
+        if record:
+            if cuda_sync:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            compute(a)
+            if cuda_sync:
+                torch.cuda.synchronize()
+            events.append(TimedAction(rank, a, start, time.perf_counter()))
+        else:
+            compute(a)
+    for w in sends:
+        w.wait()
+    return Timeline(events) if record else None
+
+
+def run_emulated(
+    program: LoweredProgram,
+    compute_seconds: Callable[[Action], float],
+    *,
+    message_numel: int = 1024,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> Timeline:
+    """Run ``program`` with every compute action replaced by a sleep of ``compute_seconds(action)`` while
+    messages (``message_numel`` floats each) really travel: measures the runtime's ordering and overheads."""
+    rank = dist.get_rank(group)
+    buffers: dict[Message, torch.Tensor] = {}
+
+    def comm_ops(a: Action) -> list[dist.P2POp]:
+        msg = message_of(a)
+        if a.kind in (SEND_F, SEND_B):
+            op, buf = dist.isend, torch.zeros(message_numel, device=device)
+        else:
+            op, buf = dist.irecv, buffers.setdefault(msg, torch.empty(message_numel, device=device))
+        return [dist.P2POp(op, buf, group=group, group_peer=peer_of(a, program.placement))]
+
+    return run_rank_program(program, rank, lambda a: time.sleep(compute_seconds(a)), comm_ops, group=group,
+                            record=True)

@@ -1,0 +1,98 @@
+import pytest
+
+from fusedrl.pipelining import ProgramError, lower, verify_program
+from fusedrl.pipelining.cost import CostModel
+from fusedrl.pipelining.ir import ACTOR, CRITIC, Action, Placement
+from fusedrl.pipelining.lowering import COMM_KINDS, message_of, peer_of
+from fusedrl.pipelining.search import fused_schedule, sequential_1f1b
+
+CONFIGS = [  # pp, critic stages, actor micro-batches, critic micro-batches (per replica)
+    (2, None, 4, 4),
+    (2, None, 3, 5),
+    (3, None, 4, 2),
+    (4, None, 4, 4),
+    (4, 2, 4, 3),
+    (8, None, 8, 6),
+]
+
+
+def _pair_messages(program, placement, rank, peer):
+    return [message_of(a) for a in program.programs[rank] if a.kind in COMM_KINDS and peer_of(a, placement) == peer]
+
+
+@pytest.mark.parametrize("pp,critic_stages,ma,mc", CONFIGS)
+def test_planner_programs_pass_the_verifier(pp, critic_stages, ma, mc):
+    placement = Placement(pp, critic_stages)
+    costs = CostModel.uniform(placement, 1.0, 0.6)
+    counts = {ACTOR: ma, CRITIC: mc}
+    for schedule in (sequential_1f1b(placement, ma, mc), fused_schedule(placement, costs, ma, mc, budget_s=0.2).schedule):
+        program = lower(schedule, placement, counts)
+        verify_program(program.programs, placement, counts)
+        # compute order per rank is the schedule's; every message is posted in one order at both ends
+        for r, acts in schedule.items():
+            assert [a for a in program.programs[r] if a.kind not in COMM_KINDS] == acts
+        for r in range(pp):
+            for peer in range(pp):
+                if r != peer:
+                    assert _pair_messages(program, placement, r, peer) == _pair_messages(program, placement, peer, r)
+        sends = sum(a.kind.startswith("SEND") for p in program.programs.values() for a in p)
+        replicas = placement.critic_replicas
+        assert sends == 2 * ((pp - 1) * ma + replicas * (placement.num_stages(CRITIC) - 1) * mc)
+
+
+def _program(pp=2, m=2):
+    placement = Placement(pp)
+    counts = {ACTOR: m, CRITIC: m}
+    costs = CostModel.uniform(placement, 1.0, 1.0)
+    return lower(fused_schedule(placement, costs, m, m, budget_s=0.2).schedule, placement, counts), placement, counts
+
+
+def test_swapped_messages_on_one_end_are_rejected():
+    placement, counts = Placement(2), {ACTOR: 2, CRITIC: 2}
+    program = lower(sequential_1f1b(placement, 2, 2), placement, counts)
+    progs = {r: list(p) for r, p in program.programs.items()}
+    # two same-shaped activations posted back to back: swapping them keeps rank 1's own order valid
+    i = next(i for i, (a, b) in enumerate(zip(progs[1], progs[1][1:])) if a.kind == b.kind == "RECV_F")
+    progs[1][i], progs[1][i + 1] = progs[1][i + 1], progs[1][i]
+    with pytest.raises(ProgramError, match=r"message #\d+ between ranks 0 and 1 differs: rank 0 posts actor:SEND_F0"):
+        verify_program(progs, placement, counts)
+
+
+def test_compute_before_its_receive_is_rejected():
+    program, placement, counts = _program()
+    progs = {r: list(p) for r, p in program.programs.items()}
+    f = Action(ACTOR, 1, 0, "F")
+    progs[1].remove(f)
+    progs[1].insert(0, f)
+    with pytest.raises(ProgramError, match=r"rank 1 action #0 actor:F1.mb0: runs before receiving actor:F0->1.mb0"):
+        verify_program(progs, placement, counts)
+
+
+def test_missing_message_and_missing_backward_are_rejected():
+    program, placement, counts = _program()
+    progs = {r: list(p) for r, p in program.programs.items()}
+    progs[0] = [a for a in progs[0] if a != Action(ACTOR, 0, 1, "SEND_F")]
+    with pytest.raises(ProgramError, match="never posts its match|differs"):
+        verify_program(progs, placement, counts)
+    progs = {r: [a for a in p if a != Action(CRITIC, 0, 0, "B")] for r, p in program.programs.items()}
+    with pytest.raises(ProgramError, match=r"never runs the backward of critic:F0.mb0"):
+        verify_program(progs, placement, counts)
+
+
+def test_cyclic_schedule_cannot_be_lowered():
+    placement = Placement(2)
+    # each rank first waits for the other model's activation, which the other rank only sends afterwards
+    schedule = {
+        0: [Action(CRITIC, 1, 0, "F"), Action(ACTOR, 0, 0, "F"), Action(CRITIC, 1, 0, "B"), Action(ACTOR, 0, 0, "B")],
+        1: [Action(ACTOR, 1, 0, "F"), Action(CRITIC, 0, 0, "F"), Action(ACTOR, 1, 0, "B"), Action(CRITIC, 0, 0, "B")],
+    }
+    with pytest.raises(ProgramError, match=r"rank 0 waits at critic:F1.mb0; rank 1 waits at actor:F1.mb0"):
+        lower(schedule, placement, {ACTOR: 1, CRITIC: 1})
+
+
+def test_action_on_the_wrong_rank_is_rejected():
+    program, placement, counts = _program()
+    progs = {r: list(p) for r, p in program.programs.items()}
+    progs[0].append(Action(ACTOR, 1, 0, "W"))
+    with pytest.raises(ProgramError, match="stage lives on rank 1"):
+        verify_program(progs, placement, counts)
