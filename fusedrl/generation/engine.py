@@ -1,0 +1,491 @@
+"""GenerationEngine: slot KV cache, continuous batching, compiled decode over a torchtune decoder."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import TransformerDecoder
+from tqdm.auto import tqdm
+
+from fusedrl.generation.request import Request, RequestId, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.sampling import sample_tokens
+from fusedrl.generation.state import RequestState
+
+Quantize = Literal["int8_weight_only"]
+QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
+BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
+
+
+class _SlotForward(nn.Module):
+    """Prefill and decode over the slot KV cache, calling the decoder's own submodules.
+
+    Layer i's slot cache is the buffer pair ``k_i``/``v_i``, each [slots, max_len, kv_heads, head_dim];
+    buffers, so that torch.compile / CUDA graphs treat them as static addresses.
+    """
+
+    def __init__(self, model: TransformerDecoder, slots: int, max_len: int) -> None:
+        super().__init__()
+        self.model = model
+        attn = model.layers[0].attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        weight = model.tok_embeddings.weight
+        shape = (slots, max_len, self.num_kv_heads, self.head_dim)
+        # One buffer per layer and tensor: in-place index_put_ on a view of a shared buffer makes inductor
+        # write the whole buffer back every step, on a buffer of its own it stays an in-place scatter.
+        for i in range(len(model.layers)):
+            for kind in "kv":
+                buf = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+                self.register_buffer(f"{kind}_{i}", buf, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_0.dtype
+
+    def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s slot cache (k, v), each [slots, max_len, kv_heads, head_dim]."""
+        return getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
+
+    def read_slot(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one slot's first ``length`` positions: (k, v), each [layers, length, kv_heads, head_dim]."""
+        caches = [self.cache(i) for i in range(len(self.model.layers))]
+        return torch.stack([k[slot, :length] for k, _ in caches]), torch.stack([v[slot, :length] for _, v in caches])
+
+    def write_slot(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for i in range(len(self.model.layers)):
+            kc, vc = self.cache(i)
+            kc[slot, : k.shape[1]] = k[i]
+            vc[slot, : v.shape[1]] = v[i]
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for i in range(len(self.model.layers)):
+            for c in self.cache(i):
+                c[dst, :length] = c[src, :length]
+
+    def _qkv(self, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor):
+        b, s, _ = x.shape
+        q = attn.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if attn.pos_embeddings is not None:
+            q = attn.pos_embeddings(q, input_pos=pos)
+            k = attn.pos_embeddings(k, input_pos=pos)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v
+
+    def _attend(self, attn: nn.Module, q, k, v, *, mask=None, is_causal=False) -> torch.Tensor:
+        # q [b, s, H, hd], k/v [b, L, KV, hd] -> [b, s, H*hd]; GQA without materialising repeated heads.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        b, _, s, _ = out.shape
+        return attn.output_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+    def _block(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = h + layer.sa_scale(attn_out)
+        return h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One decode step for cache rows 0..b-1.
+
+        tokens/positions [b]: the pending token of each row and its position; mask [b, 1, 1, L] marks
+        the cache columns each row attends to (L is the length bucket). Returns float logits [b, V].
+        """
+        b, length = tokens.shape[0], mask.shape[-1]
+        rows = torch.arange(b, device=tokens.device)
+        h = self.model.tok_embeddings(tokens[:, None])
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
+            kc, vc = self.cache(i)
+            kc.index_put_((rows, positions), k[:, 0])
+            vc.index_put_((rows, positions), v[:, 0])
+            out = self._attend(layer.attn, q, kc[:b, :length], vc[:b, :length], mask=mask)
+            h = self._block(layer, h, out)
+        return self.model.output(self.model.norm(h[:, 0])).float()
+
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded tokens [n, P] at positions 0..P-1 into cache rows ``slots``; logits [n, V] at lengths-1.
+
+        Causal attention keeps padding from reaching real tokens; the padding's cache entries lie beyond
+        each row's length and are overwritten by decode before they are ever attended to.
+        """
+        n, p = tokens.shape
+        pos = torch.arange(p, device=tokens.device)
+        h = self.model.tok_embeddings(tokens)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = self._qkv(layer.attn, layer.sa_norm(h), pos[None, :].expand(n, p))
+            kc, vc = self.cache(i)
+            kc[slots[:, None], pos[None, :]] = k
+            vc[slots[:, None], pos[None, :]] = v
+            h = self._block(layer, h, self._attend(layer.attn, q, k, v, is_causal=True))
+        last = h[torch.arange(n, device=tokens.device), lengths - 1]
+        return self.model.output(self.model.norm(last)).float()
+
+
+@dataclass(eq=False)
+class _Slot:
+    request: Request
+    generator: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def cache_len(self) -> int:
+        return len(self.request.prompt) + len(self.generated) - 1
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a migration controller needs to know about an engine."""
+
+    active: int
+    waiting: int
+    free_slots: int
+    remaining_tokens: int  # upper bound: sum of each unfinished request's unused token budget
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """Where one unfinished request stands (for remaining-work estimates)."""
+
+    id: RequestId
+    prompt_len: int
+    generated: int
+    budget: int  # SamplingParams.new_token_budget: target_len if forced, else max_new_tokens
+    forced: bool  # True when target_len fixes the length exactly
+    active: bool  # holds a slot (False: waiting)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.generated
+
+
+def _default_buckets(limit: int, start: int) -> tuple[int, ...]:
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+class GenerationEngine:
+    """Continuous-batching generation over a torchtune ``TransformerDecoder``'s own modules.
+
+    Args:
+        model: the decoder (its weights are used in place unless ``quantize`` is set).
+        max_slots: requests decoded at once; each slot owns ``max_len`` KV positions per layer.
+        max_len: longest sequence (prompt + generated); defaults to the model's ``max_seq_len``.
+        seed: default seed; each request's generator is seeded from (request.seed or seed, request.id).
+        compile: compile the decode step (static shapes: batch padded to ``batch_buckets``, attended
+            length padded to ``len_buckets``; one graph per pair that occurs).
+        backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
+            ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
+        quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
+    """
+
+    def __init__(
+        self,
+        model: TransformerDecoder,
+        *,
+        max_slots: int = 8,
+        max_len: int | None = None,
+        seed: int = 0,
+        compile: bool = False,
+        backend: str = "inductor",
+        mode: str | None = None,
+        quantize: Quantize | None = None,
+        batch_buckets: Iterable[int] | None = None,
+        len_buckets: Iterable[int] | None = None,
+    ) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise ValueError(f"unknown quantize mode {quantize!r}; valid: {', '.join(QUANTIZE_MODES)} or None")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown compile backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if compile and backend == "tensorrt":
+            try:
+                import torch_tensorrt  # noqa: F401
+            except ImportError as e:
+                raise ImportError("backend='tensorrt' needs torch-tensorrt: pip install fusedrl[tensorrt]") from e
+        model_max = model.max_seq_len
+        max_len = model_max if max_len is None else max_len
+        if not 2 <= max_len <= model_max:
+            raise ValueError(f"max_len must be in [2, {model_max}] (the model's max_seq_len), got {max_len}")
+        self.source_model = model
+        self.max_slots, self.max_len, self.seed = max_slots, max_len, seed
+        self.quantize, self.compile, self.backend, self.mode = quantize, compile, backend, mode
+        self.batch_buckets = tuple(sorted(set(batch_buckets or _default_buckets(max_slots, 1))))
+        self.len_buckets = tuple(sorted(set(len_buckets or _default_buckets(max_len, 64))))
+        if self.batch_buckets[0] < 1 or self.batch_buckets[-1] != max_slots:
+            raise ValueError(f"batch_buckets {self.batch_buckets} must lie in [1, max_slots] and include max_slots={max_slots}")
+        if self.len_buckets[0] < 1 or self.len_buckets[-1] != max_len:
+            raise ValueError(f"len_buckets {self.len_buckets} must lie in [1, max_len] and include max_len={max_len}")
+        self.vocab_size = model.tok_embeddings.num_embeddings
+        self.device = model.tok_embeddings.weight.device
+        self._build()
+        self._active: list[_Slot] = []
+        self._waiting: deque[RequestState] = deque()
+        self._ready: list[RequestResult] = []
+        self._ids: set[RequestId] = set()
+
+    # ---------------------------------------------------------------- model / weights
+    def _build(self) -> None:
+        model = self.source_model
+        if self.quantize == "int8_weight_only":
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            model = copy.deepcopy(model)
+            quantize_(model, Int8WeightOnlyConfig())
+        self.model = model.eval()
+        self._forward = _SlotForward(self.model, self.max_slots, self.max_len)
+        self._decode = self._forward
+        if self.compile:
+            needed = len(self.batch_buckets) * len(self.len_buckets)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+            self._decode = torch.compile(self._forward, backend=self.backend, mode=self.mode, dynamic=False)
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy full (unsharded) weights into the model; a quantized engine re-quantizes (and recompiles)."""
+        if self._active:
+            raise RuntimeError("load_weights with requests in flight; finish or export them first")
+        self.source_model.load_state_dict(state_dict, strict=True)
+        if self.quantize is not None:
+            self._build()
+
+    # ---------------------------------------------------------------- requests in
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A malformed request becomes an error result (returned by the next step())."""
+        if request.id in self._ids:
+            raise ValueError(f"request id {request.id!r} is already in this engine; ids must be unique")
+        error = self._validate(request)
+        if error is not None:
+            self._ready.append(RequestResult(request.id, request.prompt, [], [], "error", error))
+            return
+        self._ids.add(request.id)
+        self._waiting.append(RequestState(request, [], []))
+
+    def _validate(self, request: Request) -> str | None:
+        prompt = request.prompt
+        if not prompt:
+            return "empty prompt: give at least one token"
+        if len(prompt) >= self.max_len:
+            return (
+                f"prompt has {len(prompt)} tokens but the engine's max_len is {self.max_len}: "
+                f"shorten it to at most {self.max_len - 1} tokens or raise max_len"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}): fix the tokenizer/prompt"
+        target = request.sampling.target_len
+        if target is not None and len(prompt) + target > self.max_len:
+            return f"prompt ({len(prompt)}) + target_len ({target}) exceeds max_len {self.max_len}"
+        return None
+
+    def import_request(self, state: RequestState) -> None:
+        """Continue a request exported by another engine (with its KV, or re-prefilled from its tokens)."""
+        if state.id in self._ids:
+            raise ValueError(f"request id {state.id!r} is already in this engine; ids must be unique")
+        error = self._validate(state.request)
+        if error is not None:
+            raise ValueError(f"cannot import request {state.id!r}: {error}")
+        if state.has_kv:
+            expected = (len(self.model.layers), state.cache_len, self._forward.num_kv_heads, self._forward.head_dim)
+            if tuple(state.k.shape) != expected or state.k.dtype != self._forward.dtype:
+                raise ValueError(
+                    f"request {state.id!r} KV has shape {tuple(state.k.shape)} {state.k.dtype}, this engine needs "
+                    f"{expected} {self._forward.dtype}: export it with mode='reprefill' instead"
+                )
+        self._ids.add(state.id)
+        self._waiting.append(state)
+
+    # ---------------------------------------------------------------- requests out
+    def export_request(self, request_id: RequestId, mode: Literal["kv", "reprefill"] = "kv") -> RequestState:
+        """Remove an unfinished request and return its state (KV included when ``mode="kv"``)."""
+        if mode not in ("kv", "reprefill"):
+            raise ValueError(f"export mode must be 'kv' or 'reprefill', got {mode!r}")
+        for i, slot in enumerate(self._active):
+            if slot.request.id == request_id:
+                n = slot.cache_len
+                state = RequestState(slot.request, list(slot.generated), list(slot.logprobs), slot.generator.get_state())
+                if mode == "kv":
+                    state.k, state.v = self._forward.read_slot(i, n)
+                self._remove_slot(i)
+                self._ids.discard(request_id)
+                return state
+        for state in self._waiting:
+            if state.id == request_id:
+                self._waiting.remove(state)
+                self._ids.discard(request_id)
+                return state if mode == "kv" else state.without_kv()
+        raise KeyError(f"request {request_id!r} is not unfinished in this engine (finished, exported or never added)")
+
+    def unfinished_ids(self) -> list[RequestId]:
+        return [s.request.id for s in self._active] + [s.id for s in self._waiting]
+
+    def progress(self) -> list[RequestProgress]:
+        """Every unfinished request's progress: active slots first, then the waiting queue in order."""
+        entries = [(s.request, len(s.generated), True) for s in self._active]
+        entries += [(s.request, len(s.generated), False) for s in self._waiting]
+        return [
+            RequestProgress(r.id, len(r.prompt), n, r.sampling.new_token_budget, r.sampling.target_len is not None, active)
+            for r, n, active in entries
+        ]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._active) + len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._waiting or self._ready)
+
+    def stats(self) -> EngineStats:
+        remaining = sum(s.request.sampling.new_token_budget - len(s.generated) for s in self._active)
+        remaining += sum(s.request.sampling.new_token_budget - len(s.generated) for s in self._waiting)
+        return EngineStats(
+            active=len(self._active),
+            waiting=len(self._waiting),
+            free_slots=self.max_slots - len(self._active),
+            remaining_tokens=remaining,
+            cached_tokens=sum(s.cache_len for s in self._active),
+        )
+
+    # ---------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def step(self) -> list[RequestResult]:
+        """Admit waiting requests into free slots (prefill), then decode one token for every active slot.
+
+        Returns the requests that finished (or were rejected) since the last call.
+        """
+        self._admit()
+        if self._active:
+            self._decode_step()
+        done, self._ready = self._ready, []
+        return done
+
+    def generate(self, requests: Iterable[Request], *, progress: bool | None = None) -> list[RequestResult]:
+        """Run ``requests`` to completion; results in input order.
+
+        ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal; False: never).
+        """
+        requests = list(requests)
+        for r in requests:
+            self.add_request(r)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        bar = tqdm(total=len(requests), unit="req", desc="generate", disable=(None if progress is None else not progress) if rank0 else True)
+        results: dict[RequestId, RequestResult] = {}
+        with bar:
+            while self.has_work():
+                for res in self.step():
+                    results[res.id] = res
+                    bar.update(1)
+        return [results[r.id] for r in requests]
+
+    def _admit(self) -> None:
+        free = self.max_slots - len(self._active)
+        if not free or not self._waiting:
+            return
+        taken = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        to_prefill: list[_Slot] = []
+        for state in taken:
+            gen = torch.Generator(device=self.device)
+            if state.rng_state is not None:
+                gen.set_state(state.rng_state)
+            else:
+                seed = self.seed if state.request.seed is None else state.request.seed
+                gen.manual_seed(request_seed(seed, state.id))
+            slot = _Slot(state.request, gen, list(state.generated), list(state.logprobs))
+            i = len(self._active)
+            self._active.append(slot)
+            if state.has_kv:
+                self._forward.write_slot(i, state.k.to(self.device), state.v.to(self.device))
+            else:
+                to_prefill.append(slot)
+        if to_prefill:
+            self._prefill(to_prefill)
+
+    def _prefill(self, slots: list[_Slot]) -> None:
+        seqs = [s.request.prompt + s.generated[:-1] for s in slots]
+        lengths = [len(x) for x in seqs]
+        width = max(lengths)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
+        for row, seq in enumerate(seqs):
+            tokens[row, : len(seq)] = torch.tensor(seq)
+        index = [self._active.index(s) for s in slots]
+        logits = self._forward.prefill(
+            tokens.to(self.device),
+            torch.tensor(index, device=self.device),
+            torch.tensor(lengths, device=self.device),
+        )
+        # Requests resumed from tokens already have their pending token; only fresh ones sample here.
+        fresh = [row for row, s in enumerate(slots) if not s.generated]
+        if fresh:
+            self._sample_and_advance([slots[r] for r in fresh], logits[fresh])
+
+    def _decode_step(self) -> None:
+        n = len(self._active)
+        b = next(x for x in self.batch_buckets if x >= n)
+        positions = [s.cache_len for s in self._active] + [0] * (b - n)
+        length = next(x for x in self.len_buckets if x > max(positions))
+        tokens = torch.tensor([s.generated[-1] for s in self._active] + [0] * (b - n), device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
+        logits = self._decode(tokens, pos, mask)[:n]
+        self._sample_and_advance(list(self._active), logits)
+
+    def _sample_and_advance(self, slots: list[_Slot], logits: torch.Tensor) -> None:
+        params = [s.request.sampling for s in slots]
+        tokens, logprobs = sample_tokens(
+            logits,
+            torch.tensor([p.temperature for p in params], device=logits.device),
+            torch.tensor([p.top_k for p in params], device=logits.device),
+            torch.tensor([p.top_p for p in params], device=logits.device),
+            [s.generator for s in slots],
+        )
+        finished = []
+        for slot, tok, lp in zip(slots, tokens.tolist(), logprobs.tolist()):
+            slot.generated.append(tok)
+            slot.logprobs.append(lp)
+            reason = self._finish_reason(slot, tok)
+            if reason is not None:
+                finished.append((self._active.index(slot), reason))
+        for i, reason in sorted(finished, reverse=True):
+            slot = self._active[i]
+            self._ready.append(RequestResult(slot.request.id, slot.request.prompt, slot.generated, slot.logprobs, reason))
+            self._ids.discard(slot.request.id)
+            self._remove_slot(i)
+
+    def _finish_reason(self, slot: _Slot, token: int) -> str | None:
+        p: SamplingParams = slot.request.sampling
+        n = len(slot.generated)
+        if p.target_len is not None:
+            return "length" if n >= p.target_len else None
+        if token in p.stop_token_ids:
+            return "stop"
+        if n >= p.max_new_tokens:
+            return "length"
+        if len(slot.request.prompt) + n >= self.max_len:
+            return "max_len"
+        return None
+
+    def _remove_slot(self, i: int) -> None:
+        """Free slot i, keeping active slots contiguous: the last active slot moves into i."""
+        last = len(self._active) - 1
+        if i != last:
+            self._forward.move_slot(last, i, self._active[last].cache_len)
+            self._active[i] = self._active[last]
+        self._active.pop()

@@ -1,0 +1,96 @@
+"""Requests, their sampling parameters and their results."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+RequestId = int | str
+FinishReason = Literal["stop", "length", "max_len", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    ``temperature == 0`` is greedy decoding. ``top_k = 0`` and ``top_p = 1.0`` disable those filters.
+    ``target_len`` forces exactly that many new tokens (stop tokens are ignored); it is meant for
+    benchmarks and synthetic workloads, and overrides ``max_new_tokens``.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    target_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.target_len is not None and self.target_len < 1:
+            raise ValueError(f"target_len must be >= 1 or None, got {self.target_len}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def new_token_budget(self) -> int:
+        """The most new tokens this request may produce."""
+        return self.target_len if self.target_len is not None else self.max_new_tokens
+
+
+@dataclass
+class Request:
+    """A prompt to complete. ``seed=None`` uses the engine's seed; the RNG is seeded from (seed, id)."""
+
+    id: RequestId
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt = [int(t) for t in self.prompt]
+
+
+@dataclass
+class RequestResult:
+    """Output of one request.
+
+    ``logprobs[i]`` is log pi(tokens[i] | prefix) under the *unmodified* model distribution
+    (log-softmax of the logits at temperature 1, before top-k/top-p), i.e. what the Actor's training
+    forward computes for the same token. ``error`` is set (and ``finish_reason == "error"``) when the
+    request was rejected; the other requests of the batch are unaffected.
+    """
+
+    id: RequestId
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def request_seed(seed: int, request_id: RequestId) -> int:
+    """A 63-bit seed mixed from (seed, request id), stable across processes and Python runs."""
+    if isinstance(request_id, str):
+        rid = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+    else:
+        rid = int(request_id) & _MASK64
+    # splitmix64 finaliser over the combined value: nearby ids give unrelated streams.
+    z = (int(seed) * 0x9E3779B97F4A7C15 + rid + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1

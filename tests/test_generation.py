@@ -1,0 +1,257 @@
+import pickle
+
+import pytest
+import torch
+
+from fusedrl.generation import (
+    GenerationEngine,
+    Request,
+    RequestState,
+    SamplingParams,
+    request_seed,
+)
+from fusedrl.models import build_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model("debug").eval()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Full recompute: the torchtune forward over the growing sequence, no cache."""
+    seq, tokens, logprobs = list(prompt), [], []
+    for _ in range(n):
+        logp = torch.log_softmax(model(torch.tensor([seq]))[0, -1].float(), dim=-1)
+        tok = int(logp.argmax())
+        tokens.append(tok)
+        logprobs.append(float(logp[tok]))
+        seq.append(tok)
+    return tokens, logprobs
+
+
+def test_greedy_matches_full_recompute_with_mixed_prompt_lengths(model):
+    prompts = [_prompt(n, seed) for seed, n in enumerate([3, 17, 1, 9, 30])]
+    engine = GenerationEngine(model, max_slots=3, max_len=64)  # fewer slots than requests
+    results = engine.generate([Request(i, p, GREEDY) for i, p in enumerate(prompts)])
+    for res, prompt in zip(results, prompts):
+        ref_tokens, ref_logprobs = _reference_greedy(model, prompt, GREEDY.max_new_tokens)
+        assert res.finish_reason == "length"
+        assert res.tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
+
+
+def test_sampled_output_does_not_depend_on_the_batch(model):
+    target = Request("target", _prompt(6, 1), SAMPLED)
+    alone = GenerationEngine(model, max_slots=4, max_len=64, seed=7).generate([target])[0]
+    others = [
+        Request(f"o{i}", _prompt(3 + 5 * i, 10 + i), SamplingParams(temperature=1.3, max_new_tokens=4 + i))
+        for i in range(5)
+    ]
+    batch = others[:2] + [Request("target", target.prompt, SAMPLED)] + others[2:]
+    together = GenerationEngine(model, max_slots=4, max_len=64, seed=7).generate(batch)[2]
+    assert together.tokens == alone.tokens
+    torch.testing.assert_close(torch.tensor(together.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    # A different seed gives a different stream (the RNG really is per (seed, id)).
+    other_seed = GenerationEngine(model, max_slots=4, max_len=64, seed=8).generate([target])[0]
+    assert other_seed.tokens != alone.tokens
+    assert request_seed(7, "target") != request_seed(7, "target2")
+
+
+def test_continuous_batching_with_more_requests_than_slots(model):
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (2, 9, 4, 1, 7, 3, 5)]
+    requests = [Request(i, _prompt(2 + i, 100 + i), p) for i, p in enumerate(params)]
+    engine = GenerationEngine(model, max_slots=2, max_len=64)
+    batched = engine.generate(requests)
+    assert [len(r.tokens) for r in batched] == [p.max_new_tokens for p in params]
+    for req, res in zip(requests, batched):
+        alone = GenerationEngine(model, max_slots=1, max_len=64).generate([req])[0]
+        assert res.tokens == alone.tokens
+    assert engine.num_unfinished == 0 and engine.stats().free_slots == 2
+    for r in requests:
+        engine.add_request(r)
+    done = engine.step()  # admits 0 and 1 (prefill + one decode each): 0 (2 tokens) is done
+    assert [r.id for r in done] == [0]
+    progress = engine.progress()
+    assert [p.id for p in progress] == engine.unfinished_ids() == [1, 2, 3, 4, 5, 6]
+    assert [p.generated for p in progress] == [2, 0, 0, 0, 0, 0] and progress[0].active and not progress[1].active
+    assert engine.stats().remaining_tokens == sum(p.max_new_tokens for p in params) - 2 - 2
+
+
+def test_stop_tokens_and_forced_target_length(model):
+    prompt = _prompt(5, 3)
+    free_run, _ = _reference_greedy(model, prompt, 8)
+    stop = free_run[3]
+    first = free_run.index(stop)
+    engine = GenerationEngine(model, max_slots=2, max_len=64)
+    stopped, forced = engine.generate(
+        [
+            Request("stop", prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,))),
+            Request("forced", prompt, SamplingParams(temperature=0.0, max_new_tokens=2, stop_token_ids=(stop,), target_len=8)),
+        ]
+    )
+    assert stopped.finish_reason == "stop" and stopped.tokens == free_run[: first + 1]
+    assert forced.finish_reason == "length" and forced.tokens == free_run
+
+
+def test_max_len_finishes_the_request_explicitly(model):
+    engine = GenerationEngine(model, max_slots=1, max_len=12)
+    res = engine.generate([Request(0, _prompt(10, 4), SamplingParams(temperature=0.0, max_new_tokens=50))])[0]
+    assert res.finish_reason == "max_len" and len(res.tokens) == 2
+
+
+def test_bad_requests_get_an_error_and_do_not_disturb_the_others(model):
+    good = [Request(f"g{i}", _prompt(4 + i, 20 + i), GREEDY) for i in range(3)]
+    bad = [
+        Request("empty", [], GREEDY),
+        Request("too_long", _prompt(40, 5), GREEDY),
+        Request("big_id", [1, 2, 512], GREEDY),
+        Request("negative_id", [1, -1], GREEDY),
+    ]
+    clean = GenerationEngine(model, max_slots=2, max_len=32).generate(good)
+    mixed = GenerationEngine(model, max_slots=2, max_len=32).generate([bad[0], good[0], bad[1], good[1], bad[2], bad[3], good[2]])
+    by_id = {r.id: r for r in mixed}
+    assert "empty prompt" in by_id["empty"].error
+    assert "40 tokens" in by_id["too_long"].error and "max_len is 32" in by_id["too_long"].error
+    assert "512" in by_id["big_id"].error and "vocabulary" in by_id["big_id"].error
+    assert "-1" in by_id["negative_id"].error
+    for name in ("empty", "too_long", "big_id", "negative_id"):
+        assert by_id[name].finish_reason == "error" and not by_id[name].ok and by_id[name].tokens == []
+    for ref in clean:
+        assert by_id[ref.id].ok and by_id[ref.id].tokens == ref.tokens and by_id[ref.id].logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_invalid_engine_and_sampling_arguments(model):
+    with pytest.raises(ValueError, match="max_len"):
+        GenerationEngine(model, max_len=10_000)
+    with pytest.raises(ValueError, match="batch_buckets"):
+        GenerationEngine(model, max_slots=4, batch_buckets=[2, 8])
+    with pytest.raises(ValueError, match="quantize"):
+        GenerationEngine(model, quantize="int4")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ImportError, match=r"pip install fusedrl\[tensorrt\]"):
+        GenerationEngine(model, compile=True, backend="tensorrt")
+    engine = GenerationEngine(model, max_len=32)
+    engine.add_request(Request(1, [1, 2]))
+    with pytest.raises(ValueError, match="already in this engine"):
+        engine.add_request(Request(1, [3]))
+
+
+def _run_with_migration(model, mode: str, split_after: int, via_bytes: bool):
+    """Decode a sampled batch on engine A for a few steps, move one request to engine B, finish both."""
+    requests = [Request(i, _prompt(3 + 4 * i, 50 + i), SAMPLED) for i in range(3)]
+    a = GenerationEngine(model, max_slots=3, max_len=64, seed=3)
+    b = GenerationEngine(model, max_slots=2, max_len=64, seed=99)  # the seed of the target engine must not matter
+    b.add_request(Request("resident", _prompt(5, 77), SAMPLED))
+    for r in requests:
+        a.add_request(r)
+    results = {}
+    for _ in range(split_after):
+        results.update({r.id: r for r in a.step()})
+    state = a.export_request(1, mode=mode)
+    assert (state.k is not None) == (mode == "kv") and len(state.generated) == split_after + 1  # prefill samples one too
+    if via_bytes:
+        state = pickle.loads(pickle.dumps(state))
+    b.import_request(state)
+    for engine in (a, b):
+        while engine.has_work():
+            results.update({r.id: r for r in engine.step()})
+    return results
+
+
+@pytest.mark.parametrize("mode", ["kv", "reprefill"])
+def test_export_import_continues_identically(model, mode):
+    reference = GenerationEngine(model, max_slots=3, max_len=64, seed=3).generate(
+        [Request(i, _prompt(3 + 4 * i, 50 + i), SAMPLED) for i in range(3)]
+    )
+    migrated = _run_with_migration(model, mode, split_after=4, via_bytes=True)
+    for ref in reference:
+        got = migrated[ref.id]
+        assert got.tokens == ref.tokens, ref.id
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+    assert migrated["resident"].ok
+
+
+def test_request_state_tensor_form_round_trips(model):
+    engine = GenerationEngine(model, max_slots=2, max_len=64)
+    engine.add_request(Request("x", _prompt(7, 1), SamplingParams(temperature=1.0, top_k=5, stop_token_ids=(3, 4))))
+    engine.step()
+    engine.step()
+    state = engine.export_request("x")
+    tensors = state.to_tensors()
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+    back = RequestState.from_tensors(tensors)
+    assert back.request == state.request and back.generated == state.generated and back.logprobs == state.logprobs
+    assert torch.equal(back.k, state.k) and torch.equal(back.v, state.v) and torch.equal(back.rng_state, state.rng_state)
+    # Two steps = prefill + 2 decodes: 3 tokens generated, 7 + 3 - 1 cached (the last one is pending).
+    assert len(state.generated) == 3 and state.cache_len == 9
+    # k and v: 2 layers x 9 cached tokens x 2 kv heads x 16 head dim x 4 bytes each.
+    assert state.k.shape == (2, 9, 2, 16)
+    assert state.nbytes == state.without_kv().nbytes + 2 * (2 * 9 * 2 * 16 * 4)
+    with pytest.raises(KeyError, match="not unfinished"):
+        engine.export_request("x")
+
+
+def test_int8_weight_only_engine_matches_its_quantized_model(model):
+    engine = GenerationEngine(model, max_slots=2, max_len=64, quantize="int8_weight_only")
+    assert engine.model is not model  # the training copy stays full precision
+    prompts = [_prompt(4, 1), _prompt(11, 2)]
+    results = engine.generate([Request(i, p, GREEDY) for i, p in enumerate(prompts)])
+    for res, prompt in zip(results, prompts):
+        tokens, logprobs = _reference_greedy(engine.model, prompt, GREEDY.max_new_tokens)
+        assert res.tokens == tokens
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+def test_compiled_decode_equals_eager(model):
+    requests = [Request(i, _prompt(2 + 5 * i, 30 + i), SAMPLED) for i in range(3)]
+    eager = GenerationEngine(model, max_slots=4, max_len=32).generate(requests)
+    compiled_engine = GenerationEngine(model, max_slots=4, max_len=32, compile=True, batch_buckets=[4], len_buckets=[32])
+    compiled = compiled_engine.generate([Request(r.id, r.prompt, r.sampling) for r in requests])
+    for e, c in zip(eager, compiled):
+        assert c.tokens == e.tokens
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8_weight_only"])
+def test_load_weights_replaces_the_generation_weights(model, quantize):
+    torch.manual_seed(123)
+    target = build_model("debug").eval()
+    engine = GenerationEngine(build_model("debug").eval(), max_slots=2, max_len=32, quantize=quantize)
+    engine.load_weights(target.state_dict())
+    expected_model = target if quantize is None else engine.model
+    if quantize is not None:  # the re-quantized copy is a quantization of the new weights
+        logits = engine.model(torch.tensor([[1, 2, 3]]))
+        torch.testing.assert_close(logits, target(torch.tensor([[1, 2, 3]])), atol=0.05, rtol=0.05)
+    prompt = _prompt(6, 9)
+    res = engine.generate([Request(0, prompt, GREEDY)])[0]
+    assert res.tokens == _reference_greedy(expected_model, prompt, GREEDY.max_new_tokens)[0]
+
+
+def test_weight_sync_checks_the_stages_and_the_layout(model):
+    from fusedrl.distributed import split_decoder
+    from fusedrl.generation import sync_weights
+
+    engine = GenerationEngine(build_model("debug").eval(), max_slots=1, max_len=16)
+    torch.manual_seed(5)
+    trained = build_model("debug").eval()
+    stages = split_decoder(trained, 2)
+    with pytest.raises(ValueError, match="missing"):
+        sync_weights(engine, stages[0])  # one stage alone does not make a model
+    with pytest.raises(NotImplementedError, match="gen_tp"):
+        sync_weights(engine, stages, gen_tp=2)
+    stats = sync_weights(engine, stages)  # both stages on one process: no collectives needed
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in trained.state_dict().values())
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(tokens), trained(tokens))
