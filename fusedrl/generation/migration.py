@@ -1,0 +1,505 @@
+"""Inter-stage fusion: migrate the long generation tail onto a few instances and score on the freed ones.
+
+One :class:`MigrationController` per rank (one generation instance per rank of ``group``) runs the
+generation + scoring stage for that rank's requests:
+
+- fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
+- fusion on: every ``check_interval`` decode steps the ranks all-gather their unfinished count,
+  remaining work and free KV capacity. When the global unfinished count falls to the threshold
+  (a fraction of the batch, or ``"auto"``: the best threshold found by simulating the rest of the
+  stage with the lengths observed so far, see :mod:`.stage_sim`), the plan keeps the fewest
+  instances that hold the tail (most remaining work first), moves every other instance's unfinished
+  requests to them (KV + tokens + RNG state over point-to-point, or tokens only in ``reprefill`` mode),
+  and sends the kept instances' finished samples (as tokens) to the freed ones. The plan is verified
+  (:func:`.migration_plan.verify_plan`) before it runs. Freed instances then score while the tail
+  decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
+
+Sampling uses per-request RNG streams that travel with the request, so fusion changes no output.
+Request ids must be ints (they become ``Experience.sample_ids``). After the stage every request id
+is checked to have been scored exactly once across the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fusedrl.components.metrics import ChromeTrace
+from fusedrl.generation.engine import GenerationEngine
+from fusedrl.generation.migration_plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
+from fusedrl.generation.request import Request, RequestResult
+from fusedrl.generation.state import recv_request_state, send_request_state
+from fusedrl.generation.stage_sim import SimRequest, StageConfig, StageCosts, best_threshold
+from fusedrl.rlhf.experience import Experience
+from fusedrl.rlhf.scoring import Sample, Scorer
+
+log = logging.getLogger(__name__)
+
+MigrationMode = Literal["kv", "reprefill"]
+AUTO_FALLBACK_FRACTION = 0.1  # "auto" before any scoring cost has been measured (first stage, no costs given)
+
+
+@dataclass
+class MigrationStats:
+    """What the migration did (identical on every rank)."""
+
+    step: int  # decode step (of the lockstep checks) at which it ran
+    time_s: float  # seconds into the stage
+    threshold: int  # unfinished-count threshold that triggered it
+    unfinished: int  # global unfinished requests then
+    moved: int  # requests moved
+    moved_bytes: int  # bytes of request state sent (KV included in kv mode)
+    sample_bytes: int  # bytes of finished samples sent from kept to freed ranks
+    kept: tuple[int, ...]
+    duration_s: float  # slowest rank's time in the transfers
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Measurements:
+    """Costs this rank measured, to fit :class:`StageCosts` (see :meth:`StageCosts.fit`)."""
+
+    decode: list[tuple[int, int, float]] = field(default_factory=list)  # (batch, cached tokens, s)
+    prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) of steps that admitted requests
+    score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s)
+    transfers: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s)
+    checks: list[float] = field(default_factory=list)  # s per statistics all-gather
+
+
+@dataclass
+class StageResult:
+    """One rank's outcome of the generation + scoring stage."""
+
+    experience: Experience  # samples scored on this rank (all samples when run(..., gather=True)), by id
+    stage_s: float  # slowest rank's stage time
+    decode_end_s: float  # when the last decode step of any rank ended
+    scoring_s: float  # this rank's time spent scoring
+    migration: MigrationStats | None
+    trace: ChromeTrace  # spans of every rank (pid = rank): decode, migrate, score
+    measurements: Measurements
+
+    @property
+    def scoring_exposed_s(self) -> float:
+        """Stage time after the last decode step (scoring that did not overlap decoding)."""
+        return self.stage_s - self.decode_end_s
+
+
+class MigrationController:
+    """Runs generation + scoring for this rank's requests, with or without inter-stage fusion.
+
+    Args:
+        engine: this rank's generation instance (all ranks' engines must share the seed).
+        scorer: scores finished samples (Reference, Reward, Critic on this rank).
+        fusion: migrate the tail and overlap scoring (False: score only after all decoding ends).
+        threshold: migrate when global unfinished <= ``threshold * batch`` (0 < threshold < 1), or ``"auto"``.
+        mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
+        check_interval: decode steps between statistics all-gathers.
+        costs: stage costs for ``auto``; default: fitted from this controller's own earlier measurements.
+        group: process group of the generation instances (one per rank).
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        scorer: Scorer,
+        *,
+        fusion: bool = True,
+        threshold: float | Literal["auto"] = "auto",
+        mode: MigrationMode = "kv",
+        check_interval: int = 8,
+        costs: StageCosts | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if threshold != "auto" and not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
+            raise ValueError(f'migration threshold must be a fraction in (0, 1) or "auto", got {threshold!r}')
+        if mode not in ("kv", "reprefill"):
+            raise ValueError(f"migration mode must be 'kv' or 'reprefill', got {mode!r}")
+        if check_interval < 1:
+            raise ValueError(f"check_interval must be >= 1, got {check_interval}")
+        self.engine, self.scorer = engine, scorer
+        self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
+        self.costs, self.group = costs, group
+        self._history = Measurements()  # kept across stages: "auto" fits its costs to them
+
+    # ------------------------------------------------------------------------------------------ stage
+    def run(self, requests: Sequence[Request], *, gather: bool = False) -> StageResult:
+        """Generate and score this rank's ``requests`` (a collective over ``group``)."""
+        for r in requests:
+            if not isinstance(r.id, int):
+                raise ValueError(f"request id {r.id!r} is not an int; the controller needs int ids (sample ids)")
+            self.engine.add_request(r)
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        ids_per_rank = self._all_gather([r.id for r in requests])
+        all_ids = [i for ids in ids_per_rank for i in ids]
+        if len(set(all_ids)) != len(all_ids):
+            raise ValueError("request ids must be unique across ranks")
+        run = _StageRun(self, rank, world, len(all_ids))
+        run.execute()
+        end = run.clock()
+        exp = run.scored_experience()
+        self._reconcile(exp, all_ids)
+        if gather:
+            parts = self._all_gather(exp)
+            exp = Experience.concat([p for p in parts if p is not None], pad_token_id=self.scorer.pad_id)
+            exp = exp.select(exp.sample_ids.argsort())
+        times = self._all_gather((end, run.decode_end, run.spans))
+        trace = ChromeTrace()
+        for r, (_, _, spans) in enumerate(times):
+            trace.name_process(r, f"rank {r}")
+            for kind, start, end, args in spans:
+                trace.complete(kind, start, end - start, pid=r, tid=0, **args)
+        self._history.decode += run.measurements.decode
+        self._history.score += run.measurements.score
+        return StageResult(
+            experience=exp,
+            stage_s=max(t for t, _, _ in times),
+            decode_end_s=max(d for _, d, _ in times),
+            scoring_s=run.scoring_s,
+            migration=run.migration,
+            trace=trace,
+            measurements=run.measurements,
+        )
+
+    def _reconcile(self, exp: Experience | None, all_ids: list[int]) -> None:
+        scored = [i for part in self._all_gather([] if exp is None else exp.sample_ids.tolist()) for i in part]
+        counts: dict[int, int] = {}
+        for i in scored:
+            counts[i] = counts.get(i, 0) + 1
+        lost = sorted(set(all_ids) - set(counts))
+        dup = sorted(i for i, c in counts.items() if c > 1)
+        extra = sorted(set(counts) - set(all_ids))
+        if lost or dup or extra:
+            raise RuntimeError(f"stage results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}")
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _fitted_costs(self, decode: list[tuple[int, int, float]]) -> StageCosts | None:
+        if self.costs is not None:
+            return self.costs
+        if len(self._history.score) < 2 or len(decode) < 3:
+            return None
+        return StageCosts.fit(decode, self._history.score)
+
+
+_SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
+
+
+class _StageRun:
+    """State of one rank during one stage."""
+
+    def __init__(self, ctl: MigrationController, rank: int, world: int, batch: int) -> None:
+        self.ctl, self.engine, self.rank, self.world, self.batch = ctl, ctl.engine, rank, world, batch
+        self.finished: list[Sample] = []  # finished here, not yet scored
+        self.parts: list[Experience] = []
+        self.spans: list[tuple[str, float, float, dict]] = []
+        self.measurements = Measurements()
+        self.migration: MigrationStats | None = None
+        self.scoring_s = 0.0
+        self.decode_end = 0.0
+        self.steps = 0
+        self.observed_lengths: list[int] = []
+        self.auto_threshold: int | None = None
+        self.auto_evaluated_at: int | None = None
+        dist.barrier(group=ctl.group)
+        self.t0 = time.perf_counter()
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # -------------------------------------------------------------------------------------- phases
+    def execute(self) -> None:
+        ctl = self.ctl
+        if not ctl.fusion or self.world == 1:
+            self._decode_until_done()
+            dist.barrier(group=ctl.group)  # scoring starts only after every instance finished decoding
+            self._score(self.finished)
+            return
+        plan = self._decode_until_threshold()
+        if plan is None:  # decoding ended before the threshold was reached
+            self._score(self.finished)
+            return
+        if self.rank in plan.kept:
+            self._decode_tail(plan)
+        else:
+            self._score(self.finished)
+            self._score_tail_streams(plan)
+
+    def _step(self) -> None:
+        stats = self.engine.stats()
+        start = self.clock()
+        for res in self.engine.step():
+            self._finish(res)
+        end = self.clock()
+        if stats.waiting == 0 and stats.active:  # a pure decode step (no admission / prefill)
+            self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
+        elif stats.waiting:  # admission: tokens that entered the KV cache beyond one per decoded request
+            self.measurements.prefill.append((self.engine.stats().cached_tokens - stats.cached_tokens - stats.active, end - start))
+        self._span("decode", start, end)
+        self.decode_end = end
+
+    def _finish(self, res: RequestResult) -> None:
+        if not res.ok:
+            raise ValueError(f"request {res.id} was rejected: {res.error}")
+        self.finished.append(Sample(int(res.id), res.prompt, res.tokens, res.logprobs))
+
+    def _decode_until_done(self) -> None:
+        while self.engine.has_work():
+            self._step()
+
+    def _decode_until_threshold(self) -> MigrationPlan | None:
+        k = self.ctl.check_interval
+        new_lengths: list[int] = []
+        while True:
+            for _ in range(k):
+                if self.engine.has_work():
+                    before = len(self.finished)
+                    self._step()
+                    new_lengths += [len(s.response) for s in self.finished[before:]]
+            self.steps += k
+            start = self.clock()
+            stats = self._instance_stats()
+            auto = self.ctl.threshold == "auto"
+            detail = (self._progress(), [s.num_tokens for s in self.finished]) if auto else None
+            gathered = self.ctl._all_gather((stats, new_lengths, detail))
+            self.measurements.checks.append(self.clock() - start)
+            new_lengths = []
+            all_stats = [g[0] for g in gathered]
+            for g in gathered:
+                self.observed_lengths += g[1]
+            unfinished = sum(s.unfinished for s in all_stats)
+            if unfinished == 0:
+                return None
+            threshold = self._threshold([g[2] for g in gathered], unfinished)
+            if unfinished <= threshold:
+                return self._migrate(all_stats, threshold, unfinished)
+
+    def _instance_stats(self) -> InstanceStats:
+        s = self.engine.stats()
+        return InstanceStats(
+            rank=self.rank,
+            unfinished=s.active + s.waiting,
+            remaining_tokens=s.remaining_tokens,
+            max_slots=self.engine.max_slots,
+            kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
+            kv_reserved_tokens=s.cached_tokens + s.remaining_tokens,
+            finished_unscored=len(self.finished),
+        )
+
+    def _progress(self) -> list[tuple[int, int, int | None, int]]:
+        """(context tokens, generated, forced length or None, token budget) per unfinished request."""
+        return [(p.seq_len, p.generated, p.budget if p.forced else None, p.budget) for p in self.engine.progress()]
+
+    # -------------------------------------------------------------------------------------- threshold
+    def _threshold(self, details: list, unfinished: int) -> int:
+        ctl = self.ctl
+        if ctl.threshold != "auto":
+            return max(1, round(ctl.threshold * self.batch))
+        # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides.
+        if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
+            choice = [None]
+            if self.rank == 0:
+                choice[0] = self._simulate_threshold(details)
+            dist.broadcast_object_list(choice, src=dist.get_global_rank(ctl.group, 0) if ctl.group else 0, group=ctl.group)
+            self.auto_threshold, self.auto_evaluated_at = choice[0], unfinished
+        return self.auto_threshold
+
+    def _simulate_threshold(self, details: list) -> int:
+        costs = self.ctl._fitted_costs(self.measurements.decode)
+        if costs is None:
+            log.info("auto migration threshold: no scoring cost measured yet, using %.0f%% of the batch", 100 * AUTO_FALLBACK_FRACTION)
+            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch))
+        observed = sorted(self.observed_lengths)
+        instances = [
+            [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
+            for progress, _ in details
+        ]
+        config = StageConfig(
+            max_slots=self.engine.max_slots,
+            kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
+            check_interval=self.ctl.check_interval,
+            micro_batch_size=self.ctl.scorer.micro_batch_size,
+            mode=self.ctl.mode,
+            prefill=False,
+        )
+        backlog = [finished for _, finished in details]
+        threshold, _ = best_threshold(instances, costs, config, backlog=backlog, batch_size=self.batch)
+        return threshold
+
+    # -------------------------------------------------------------------------------------- migration
+    def _migrate(self, stats: list[InstanceStats], threshold: int, unfinished: int) -> MigrationPlan:
+        ctl, start = self.ctl, self.clock()
+        kept = choose_kept(stats)
+        exported = []
+        if self.rank not in kept:
+            exported = [self.engine.export_request(i, mode=ctl.mode) for i in self.engine.unfinished_ids()]
+        mine = {
+            "moved": [MovedRequest(int(s.id), self.rank, s.cache_len, s.request.sampling.new_token_budget - len(s.generated)) for s in exported],
+            "samples": [(s.id, s.num_tokens) for s in self.finished] if self.rank in kept else [],
+            "load": float(sum(s.num_tokens for s in self.finished)),
+        }
+        parts = ctl._all_gather(mine)
+        moved = [m for p in parts for m in p["moved"]]
+        kept_samples = {r: parts[r]["samples"] for r in kept}
+        plan = build_plan(stats, kept, moved, kept_samples, {r: parts[r]["load"] for r in range(self.world) if r not in kept})
+        verify_plan(plan, stats, moved, kept_samples)
+
+        states = {int(s.id): s for s in exported}
+        by_id = {s.id: s for s in self.finished}
+        sent_req = sent_samples = 0
+        for op, peer, t in plan.program(self.rank):
+            t_start = self.clock()
+            if t.kind == "request" and op == "send":
+                nbytes = send_request_state(states.pop(t.ids[0]), _global(peer, ctl.group), group=ctl.group)
+                sent_req += nbytes
+                self.measurements.transfers.append((nbytes, self.clock() - t_start))
+            elif t.kind == "request":
+                self.engine.import_request(recv_request_state(_global(peer, ctl.group), group=ctl.group))
+            elif op == "send":
+                batch = [by_id.pop(i) for i in t.ids]
+                sent_samples += _send_samples(batch, peer, ctl.group)
+            else:
+                received = _recv_samples(peer, ctl.group)
+                if [s.id for s in received] != list(t.ids):
+                    raise RuntimeError(f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}")
+                self.finished += received
+        if states:
+            raise RuntimeError(f"rank {self.rank} kept exported requests {sorted(states)} that the plan did not send")
+        if self.rank in kept:
+            self.finished = list(by_id.values())  # sent ones are scored elsewhere
+        end = self.clock()
+        self._span("migrate", start, end, moved=len(exported))
+        totals = ctl._all_gather((sent_req, sent_samples, end - start))
+        self.migration = MigrationStats(
+            step=self.steps,
+            time_s=start,
+            threshold=threshold,
+            unfinished=unfinished,
+            moved=len(moved),
+            moved_bytes=sum(t[0] for t in totals),
+            sample_bytes=sum(t[1] for t in totals),
+            kept=plan.kept,
+            duration_s=max(t[2] for t in totals),
+        )
+        return plan
+
+    # -------------------------------------------------------------------------------------- after it
+    def _decode_tail(self, plan: MigrationPlan) -> None:
+        """Kept rank: decode the tail; stream each step's finished samples to a freed rank."""
+        pending: list[tuple[Any, list[torch.Tensor]]] = []
+        group = 0
+        if self.finished:
+            raise RuntimeError(f"kept rank {self.rank} still holds finished samples after the migration")
+        while self.engine.has_work():
+            self._step()
+            if self.finished:
+                pending += _isend_samples(self.finished, plan.tail_destination(self.rank, group), self.ctl.group)
+                self.finished = []
+                group += 1
+        for f in plan.freed:
+            pending += _isend_samples([], f, self.ctl.group)  # end of this rank's tail stream
+        for work, _ in pending:
+            work.wait()
+
+    def _score_tail_streams(self, plan: MigrationPlan) -> None:
+        """Freed rank: score the tail samples streamed by each kept rank, in kept-rank order."""
+        for k in plan.kept:
+            while batch := _recv_samples(k, self.ctl.group):
+                self._score(batch)
+
+    def _score(self, samples: list[Sample]) -> None:
+        if not samples:
+            return
+        scorer = self.ctl.scorer
+        first = len(scorer.timings)
+        start = self.clock()
+        self.parts.append(scorer.score(samples))
+        end = self.clock()
+        self.scoring_s += end - start
+        self.measurements.score += scorer.timings[first:]
+        self._span("score", start, end, samples=len(samples))
+        if samples is self.finished:
+            self.finished = []
+
+    def _span(self, kind: str, start: float, end: float, **args: Any) -> None:
+        """Record a span; consecutive decode steps merge into one span."""
+        if kind == "decode" and self.spans and self.spans[-1][0] == "decode" and start - self.spans[-1][2] < 1e-3:
+            k, s, _, a = self.spans[-1]
+            self.spans[-1] = (k, s, end, {"steps": a.get("steps", 1) + 1})
+            return
+        self.spans.append((kind, start, end, args or ({"steps": 1} if kind == "decode" else {})))
+
+    def scored_experience(self) -> Experience | None:
+        if not self.parts:
+            return None
+        exp = Experience.concat(self.parts, pad_token_id=self.ctl.scorer.pad_id)
+        return exp.select(exp.sample_ids.argsort())
+
+
+def _estimate_remaining(generated: int, forced: int | None, budget: int, observed: list[int]) -> int:
+    """Tokens left: exact for a forced length, else the median observed length beyond what it has (or its budget)."""
+    if forced is not None:
+        return max(1, forced - generated)
+    longer = [n for n in observed if n > generated]
+    if longer:
+        return max(1, min(budget, longer[len(longer) // 2]) - generated)
+    return max(1, budget - generated)
+
+
+# ---------------------------------------------------------------------------------- samples on the wire
+def _pack(samples: list[Sample]) -> list[torch.Tensor]:
+    header = torch.tensor([len(samples), sum(s.num_tokens for s in samples)], dtype=torch.int64)
+    if not samples:
+        return [header]
+    meta = torch.tensor([[s.id, len(s.prompt), len(s.response)] for s in samples], dtype=torch.int64)
+    tokens = torch.tensor([t for s in samples for t in (*s.prompt, *s.response)], dtype=torch.int64)
+    logprobs = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32)
+    if logprobs.numel() != int(meta[:, 2].sum()):
+        raise ValueError("every sample sent between ranks needs one log-prob per response token")
+    return [header, meta, tokens, logprobs]
+
+
+def _send_samples(samples: list[Sample], dst: int, group) -> int:
+    tensors = _pack(samples)
+    for t in tensors:
+        dist.send(t, _global(dst, group), group=group, tag=_SAMPLES_TAG)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _isend_samples(samples: list[Sample], dst: int, group) -> list[tuple[Any, list[torch.Tensor]]]:
+    tensors = _pack(samples)  # kept alive with their handles until the sends complete
+    return [(dist.isend(t, _global(dst, group), group=group, tag=_SAMPLES_TAG), tensors) for t in tensors]
+
+
+def _recv_samples(src: int, group) -> list[Sample]:
+    header = torch.empty(2, dtype=torch.int64)
+    dist.recv(header, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    n, total = header.tolist()
+    if n == 0:
+        return []
+    meta = torch.empty(n, 3, dtype=torch.int64)
+    dist.recv(meta, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    tokens = torch.empty(total, dtype=torch.int64)
+    dist.recv(tokens, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    logprobs = torch.empty(int(meta[:, 2].sum()), dtype=torch.float32)
+    dist.recv(logprobs, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    out, t, lp = [], tokens.tolist(), logprobs.tolist()
+    pos = lpos = 0
+    for sid, p, r in meta.tolist():
+        out.append(Sample(sid, t[pos : pos + p], t[pos + p : pos + p + r], lp[lpos : lpos + r]))
+        pos += p + r
+        lpos += r
+    return out
+
+
+def _global(rank: int, group) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)

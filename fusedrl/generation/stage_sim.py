@@ -1,0 +1,370 @@
+"""Simulator of the generation + scoring stage, unfused (decode everything, then score) vs fused
+(at a threshold, migrate the tail onto a few instances and score on the freed ones).
+
+It mirrors what :class:`fusedrl.generation.MigrationController` does: lockstep checks every
+``check_interval`` decode steps while fused, the same plan (:mod:`.migration_plan`), transfers in one
+global order with blocking send/receive, scoring in length-sorted micro-batches, and tail samples
+streamed round-robin to the freed instances. It is used to pick the ``auto`` threshold and, at paper
+scale, to estimate the gain; :meth:`StageCosts.fit` fits its costs to measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+from fusedrl.generation.migration_plan import InstanceStats, MovedRequest, build_plan, choose_kept
+
+TOKEN_BYTES = 12  # a finished sample sent as tokens: int64 id + float32 log-prob per token
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-instance costs in seconds.
+
+    decode step = ``decode_base_s + decode_per_seq_s * batch + decode_per_ctx_token_s * sum(context)``;
+    prefill = ``prefill_per_token_s * tokens``; one scoring micro-batch (Reference, Reward, Critic) =
+    ``score_base_s + score_per_token_s * rows * padded_len``; one transfer = ``transfer_latency_s +
+    bytes / transfer_bytes_per_s``; ``check_s`` is one all-gather of the statistics.
+    """
+
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+    prefill_per_token_s: float
+    score_base_s: float
+    score_per_token_s: float
+    transfer_latency_s: float
+    transfer_bytes_per_s: float
+    kv_bytes_per_token: float
+    check_s: float = 0.0
+
+    def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * ctx_tokens
+
+    def score_s(self, sample_tokens: Sequence[int], micro_batch_size: int) -> float:
+        """Scoring time of samples of these lengths, length-sorted into micro-batches (as the Scorer does)."""
+        lengths = sorted(sample_tokens)
+        total = 0.0
+        for i in range(0, len(lengths), micro_batch_size):
+            mb = lengths[i : i + micro_batch_size]
+            total += self.score_base_s + self.score_per_token_s * len(mb) * mb[-1]
+        return total
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.transfer_latency_s + nbytes / self.transfer_bytes_per_s
+
+    @classmethod
+    def for_models(
+        cls,
+        *,
+        actor_params: float,
+        scorer_params: float,
+        kv_bytes_per_token: float,
+        hbm_bytes_per_s: float = 3.35e12,
+        flops_per_s: float = 989e12,
+        decode_bw_util: float = 0.6,
+        mfu: float = 0.4,
+        bytes_per_param: float = 2.0,
+        step_overhead_s: float = 2e-3,
+        per_seq_s: float = 2e-5,
+        transfer_bytes_per_s: float = 25e9,
+        transfer_latency_s: float = 50e-6,
+        check_s: float = 1e-4,
+    ) -> "StageCosts":
+        """Roofline costs of one GPU instance: decode reads the weights and the KV cache each step
+        (memory bound), prefill and scoring are compute bound (2 FLOPs per parameter per token).
+        ``scorer_params`` is the sum of the Reference, Reward and Critic sizes. Defaults: H100 SXM
+        (3.35 TB/s, 989 dense bf16 TFLOP/s), 60% of bandwidth in decode, 40% MFU, 25 GB/s between instances."""
+        bw = hbm_bytes_per_s * decode_bw_util
+        return cls(
+            decode_base_s=step_overhead_s + actor_params * bytes_per_param / bw,
+            decode_per_seq_s=per_seq_s,
+            decode_per_ctx_token_s=kv_bytes_per_token / bw,
+            prefill_per_token_s=2 * actor_params / (flops_per_s * mfu),
+            score_base_s=step_overhead_s,
+            score_per_token_s=2 * scorer_params / (flops_per_s * mfu),
+            transfer_latency_s=transfer_latency_s,
+            transfer_bytes_per_s=transfer_bytes_per_s,
+            kv_bytes_per_token=kv_bytes_per_token,
+            check_s=check_s,
+        )
+
+    @classmethod
+    def fit(
+        cls,
+        decode: Sequence[tuple[int, int, float]],
+        score: Sequence[tuple[int, int, float]],
+        prefill: Sequence[tuple[int, float]] = (),
+        transfers: Sequence[tuple[int, float]] = (),
+        kv_bytes_per_token: float = 0.0,
+        check_s: float = 0.0,
+    ) -> "StageCosts":
+        """Least-squares fit to measurements: decode (batch, ctx_tokens, s), score (rows, padded_len, s),
+        prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0."""
+        if len(decode) < 3 or len(score) < 2:
+            raise ValueError("fit needs >= 3 decode and >= 2 scoring measurements; run more steps/micro-batches")
+        a, b, c = _lstsq([[1.0, bt, ctx] for bt, ctx, _ in decode], [s for *_, s in decode])
+        s0, s1 = _lstsq([[1.0, rows * plen] for rows, plen, _ in score], [s for *_, s in score])
+        p = sum(s for _, s in prefill) / max(1, sum(t for t, _ in prefill)) if prefill else 0.0
+        lat, bw = fit_transfers(transfers)
+        return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s)
+
+
+def fit_transfers(transfers: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(latency s, bytes/s) fitted to (bytes, seconds) measurements. When the sizes barely vary the
+    bandwidth cannot be told from the latency: then the mean time is the latency (infinite bandwidth)."""
+    sizes = [nb for nb, _ in transfers]
+    if len(transfers) >= 3 and min(sizes) > 0 and max(sizes) / min(sizes) >= 1.5:
+        lat, inv_bw = _lstsq([[1.0, nb] for nb, _ in transfers], [s for _, s in transfers])
+    else:
+        lat, inv_bw = (statistics.fmean(s for _, s in transfers), 0.0) if transfers else (0.0, 0.0)
+    return lat, 1.0 / inv_bw if inv_bw > 0 else math.inf
+
+
+def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Plain least squares (mean-unbiased: slow steps on a busy machine are real time and stay in)."""
+    a = torch.tensor(rows, dtype=torch.float64)
+    scale = a.abs().amax(0).clamp_min(1e-30)
+    sol = torch.linalg.lstsq(a / scale, torch.tensor(y, dtype=torch.float64)[:, None]).solution[:, 0] / scale
+    return [max(0.0, float(x)) for x in sol]
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """A request as the simulator sees it: tokens in its context now, and tokens still to generate."""
+
+    ctx: int
+    remaining: int
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Instance capacities and controller settings."""
+
+    max_slots: int
+    kv_capacity_tokens: int
+    check_interval: int = 8
+    micro_batch_size: int = 8
+    mode: Literal["kv", "reprefill"] = "kv"
+    prefill: bool = True  # requests start with a prefill of their context (False: resuming mid-stage)
+
+
+@dataclass
+class StageTimes:
+    """Outcome of one simulated stage (seconds from its start)."""
+
+    total_s: float
+    decode_end_s: float
+    migration_step: int | None = None
+    migration_start_s: float | None = None
+    migration_s: float = 0.0
+    moved: int = 0
+    moved_bytes: float = 0.0
+    kept: tuple[int, ...] = ()
+    spans: list[tuple[int, str, float, float]] = field(default_factory=list)  # (instance, kind, start, end)
+
+
+def _step_times(reqs: Sequence[SimRequest], costs: StageCosts, steps: int) -> torch.Tensor:
+    """Per-step decode time of one instance for steps 1..steps (0 once all its requests are done)."""
+    if not reqs or steps <= 0:
+        return torch.zeros(max(steps, 0), dtype=torch.float64)
+    rem = torch.tensor([min(r.remaining, steps) for r in reqs], dtype=torch.int64)
+    ctx = torch.tensor([float(r.ctx) for r in reqs], dtype=torch.float64)
+    # A request with `remaining` = R is active in steps 1..R: reverse cumulative sums over R give the
+    # batch size and the summed starting context of the active requests at each step.
+    batch = torch.bincount(rem, minlength=steps + 1).double().flip(0).cumsum(0).flip(0)[1:]
+    ctx0 = torch.bincount(rem, weights=ctx, minlength=steps + 1).flip(0).cumsum(0).flip(0)[1:]
+    s = torch.arange(steps, dtype=torch.float64)
+    t = costs.decode_base_s + costs.decode_per_seq_s * batch + costs.decode_per_ctx_token_s * (ctx0 + s * batch)
+    return torch.where(batch > 0, t, torch.zeros_like(t))
+
+
+def simulate_stage(
+    instances: Sequence[Sequence[SimRequest]],
+    costs: StageCosts,
+    config: StageConfig,
+    *,
+    fused: bool,
+    threshold: int | None = None,
+    backlog: Sequence[Sequence[int]] | None = None,
+) -> StageTimes:
+    """Time of the stage. ``instances[i]`` are instance i's unfinished requests; ``backlog[i]`` the token
+    counts of its finished, unscored samples. ``threshold``: migrate when at most this many requests are
+    unfinished at a check (fused only)."""
+    n = len(instances)
+    backlog = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
+    start = [costs.prefill_per_token_s * sum(r.ctx for r in reqs) if config.prefill else 0.0 for reqs in instances]
+    horizon = max((r.remaining for reqs in instances for r in reqs), default=0)
+    steps = [_step_times(reqs, costs, horizon) for reqs in instances]
+    final = [backlog[i] + [r.ctx + r.remaining for r in instances[i]] for i in range(n)]
+    spans: list[tuple[int, str, float, float]] = []
+
+    if not fused or n == 1 or threshold is None:
+        ends = [start[i] + float(steps[i].sum()) for i in range(n)]
+        dec_end = max(ends, default=0.0)
+        for i in range(n):
+            spans.append((i, "decode", 0.0, ends[i]))
+        score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
+        for i in range(n):
+            spans.append((i, "score", dec_end, dec_end + score[i]))
+        return StageTimes(dec_end + max(score, default=0.0), dec_end, spans=spans)
+
+    # Lockstep until a check finds at most `threshold` unfinished requests.
+    k = config.check_interval
+    intervals = -(-horizon // k)
+    per_step = torch.stack(steps) if steps else torch.zeros(0, horizon, dtype=torch.float64)
+    per_step = torch.nn.functional.pad(per_step, (0, intervals * k - horizon))
+    interval_s = per_step.view(n, intervals, k).sum(-1).amax(0) + costs.check_s
+    clock = max(start, default=0.0) + torch.cumsum(interval_s, 0)
+    rem_all = torch.tensor(sorted(r.remaining for reqs in instances for r in reqs), dtype=torch.int64)
+    check_steps = torch.arange(1, intervals + 1) * k
+    unfinished = len(rem_all) - torch.searchsorted(rem_all, check_steps, right=True)
+    hits = ((unfinished <= threshold) & (unfinished > 0) & (check_steps < horizon)).nonzero().flatten()
+    s0 = int(check_steps[hits[0]]) if len(hits) else None
+    t = float(clock[hits[0]]) if len(hits) else float(clock[-1]) if intervals else max(start, default=0.0)
+    if s0 is None:  # decoding ended before the threshold: everyone scores its own samples
+        score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
+        for i in range(n):
+            spans += [(i, "decode", 0.0, t), (i, "score", t, t + score[i])]
+        return StageTimes(t + max(score), t, spans=spans)
+
+    for i in range(n):
+        spans.append((i, "decode", 0.0, t))
+    done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
+    alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
+    unscored = [backlog[i] + done[i] for i in range(n)]
+    stats = [
+        InstanceStats(
+            rank=i,
+            unfinished=len(alive[i]),
+            remaining_tokens=sum(r.remaining for r in alive[i]),
+            max_slots=config.max_slots,
+            kv_capacity_tokens=config.kv_capacity_tokens,
+            kv_reserved_tokens=sum(r.ctx + r.remaining for r in alive[i]),
+            finished_unscored=len(unscored[i]),
+        )
+        for i in range(n)
+    ]
+    kept = choose_kept(stats)
+    ids = {}  # synthetic request / sample ids
+    moved, kept_samples = [], {}
+    for i in range(n):
+        if i in kept:
+            kept_samples[i] = []
+            for tok in unscored[i]:
+                ids[len(ids)] = tok
+                kept_samples[i].append((len(ids) - 1, tok))
+        else:
+            for r in alive[i]:
+                ids[len(ids)] = r
+                moved.append(MovedRequest(len(ids) - 1, i, r.ctx, r.remaining))
+    freed_load = {i: float(sum(unscored[i])) for i in range(n) if i not in kept}
+    plan = build_plan(stats, kept, moved, kept_samples, freed_load)
+
+    # Transfers in the global order; each occupies both endpoints (blocking send/recv).
+    free_at = [t] * n
+    moved_bytes = 0.0
+    received: dict[int, list[SimRequest]] = {k_: [] for k_ in kept}
+    for tr in plan.transfers:
+        if tr.kind == "request":
+            r = ids[tr.ids[0]]
+            nbytes = TOKEN_BYTES * r.ctx + (costs.kv_bytes_per_token * (r.ctx - 1) if config.mode == "kv" else 0.0)
+            received[tr.dst].append(r)
+        else:
+            nbytes = TOKEN_BYTES * sum(ids[i] for i in tr.ids)
+        moved_bytes += nbytes
+        begin = max(free_at[tr.src], free_at[tr.dst])
+        free_at[tr.src] = free_at[tr.dst] = begin + costs.transfer_s(nbytes)
+    mig_end = max(free_at)
+    for i in range(n):
+        if free_at[i] > t:
+            spans.append((i, "migrate", t, free_at[i]))
+
+    # Freed instances score their own finished samples and the kept ones' they received.
+    busy = {}
+    for f in plan.freed:
+        got = [ids[i] for tr in plan.transfers if tr.kind == "samples" and tr.dst == f for i in tr.ids]
+        dur = costs.score_s(unscored[f] + got, config.micro_batch_size)
+        busy[f] = free_at[f] + dur
+        spans.append((f, "score", free_at[f], busy[f]))
+
+    # Kept instances decode the tail; each step's finished samples go round-robin to the freed ones,
+    # which take the kept instances' streams in rank order.
+    tail_end = {}
+    streams: dict[int, list[tuple[int, float, list[int]]]] = {f: [] for f in plan.freed}
+    for k_ in kept:
+        reqs = alive[k_] + received[k_]
+        clock = free_at[k_]
+        if config.mode == "reprefill" and received[k_]:
+            clock += costs.prefill_per_token_s * sum(r.ctx for r in received[k_])
+        st = _step_times(reqs, costs, max((r.remaining for r in reqs), default=0))
+        ends = clock + torch.cumsum(st, 0)
+        group = 0
+        finish: dict[int, list[int]] = {}
+        for r in reqs:
+            finish.setdefault(r.remaining, []).append(r.ctx + r.remaining)
+        for step in sorted(finish):
+            streams[plan.tail_destination(k_, group)].append((k_, float(ends[step - 1]), finish[step]))
+            group += 1
+        tail_end[k_] = float(ends[-1]) if len(ends) else clock
+        spans.append((k_, "decode", clock, tail_end[k_]))
+        if unscored[k_]:
+            spans.append((k_, "send", t, free_at[k_]))
+    for f in plan.freed:
+        clock = busy[f]
+        for _, ready, toks in sorted(streams[f], key=lambda x: (x[0], x[1])):
+            clock = max(clock, ready)
+            dur = costs.score_s(toks, config.micro_batch_size)
+            spans.append((f, "score", clock, clock + dur))
+            clock += dur
+        busy[f] = clock
+    total = max(list(tail_end.values()) + list(busy.values()))
+    return StageTimes(
+        total_s=total,
+        decode_end_s=max(tail_end.values()),
+        migration_step=s0,
+        migration_start_s=t,
+        migration_s=mig_end - t,
+        moved=len(moved),
+        moved_bytes=moved_bytes,
+        kept=tuple(kept),
+        spans=spans,
+    )
+
+
+DEFAULT_FRACTIONS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3, 0.4, 0.5)
+
+
+def best_threshold(
+    instances: Sequence[Sequence[SimRequest]],
+    costs: StageCosts,
+    config: StageConfig,
+    *,
+    backlog: Sequence[Sequence[int]] | None = None,
+    batch_size: int | None = None,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+) -> tuple[int, StageTimes]:
+    """The unfinished-count threshold with the shortest simulated stage, among ``fractions`` of
+    ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more)."""
+    batch = batch_size if batch_size is not None else sum(len(r) for r in instances)
+    candidates = [0] + sorted({max(1, round(f * batch)) for f in fractions})
+    best = None
+    for c in candidates:
+        res = simulate_stage(instances, costs, config, fused=True, threshold=c, backlog=backlog)
+        if best is None or res.total_s < best[1].total_s - 1e-12:
+            best = (c, res)
+    return best
+
+
+def split_round_robin(lengths: Sequence[int], prompt_lens: Sequence[int] | int, num_instances: int) -> list[list[SimRequest]]:
+    """Requests i -> instance i % num_instances (how a batch is spread over instances)."""
+    prompts = [prompt_lens] * len(lengths) if isinstance(prompt_lens, int) else list(prompt_lens)
+    out: list[list[SimRequest]] = [[] for _ in range(num_instances)]
+    for i, (length, p) in enumerate(zip(lengths, prompts)):
+        out[i % num_instances].append(SimRequest(p, length))
+    return out

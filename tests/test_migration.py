@@ -1,0 +1,274 @@
+"""Inter-stage fusion: migration plans, the stage simulator, and fused vs unfused stages on 2 and 4 ranks."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.generation.migration import MigrationController
+from fusedrl.generation.migration_plan import (
+    InstanceStats,
+    MigrationPlan,
+    MovedRequest,
+    PlanError,
+    Transfer,
+    build_plan,
+    choose_kept,
+    verify_plan,
+)
+from fusedrl.generation.stage_sim import (
+    DEFAULT_FRACTIONS,
+    SimRequest,
+    StageConfig,
+    StageCosts,
+    best_threshold,
+    simulate_stage,
+    split_round_robin,
+)
+from fusedrl.generation.workload import lmsys_lengths
+from fusedrl.models import build_model
+from fusedrl.rlhf import Scorer, ScoringModels
+from fusedrl.testing import run_multirank
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+def _stats(unfinished, remaining, slots=4):
+    return [InstanceStats(r, u, rem, slots, slots * 100, 10 * u + rem) for r, (u, rem) in enumerate(zip(unfinished, remaining))]
+
+
+def test_plan_keeps_fewest_instances_with_most_work_and_verifies():
+    stats = _stats([2, 1, 1, 0], [30, 5, 8, 0])
+    kept = choose_kept(stats)
+    assert kept == [0]  # 4 unfinished fit into rank 0's 4 slots
+    moved = [MovedRequest(10, 1, 7, 5), MovedRequest(11, 2, 9, 8)]
+    samples = {0: [(1, 12), (2, 30)]}
+    plan = build_plan(stats, kept, moved, samples, {1: 50.0, 2: 10.0, 3: 0.0})
+    verify_plan(plan, stats, moved, samples)
+    assert sorted(plan.moved_ids) == [10, 11] and plan.freed == (1, 2, 3)
+    assert {t.dst for t in plan.transfers if t.kind == "samples"} <= {2, 3}  # least-loaded freed ranks
+
+
+def test_plan_needs_more_instances_when_slots_run_out():
+    stats = _stats([3, 3, 1], [30, 20, 1], slots=4)
+    assert choose_kept(stats) == [0, 1]
+
+
+def test_verifier_rejects_lost_duplicated_overfull_and_unpaired_plans():
+    stats = _stats([1, 1], [5, 3], slots=2)
+    moved = [MovedRequest(7, 1, 4, 3)]
+    good = build_plan(stats, [0], moved, {0: []}, {1: 0.0})
+    verify_plan(good, stats, moved, {0: []})
+    with pytest.raises(PlanError, match="loses ids"):
+        verify_plan(MigrationPlan((0,), (1,), ()), stats, moved, {0: []})
+    dup = MigrationPlan((0,), (1,), good.transfers * 2)
+    with pytest.raises(PlanError, match="duplicates"):
+        verify_plan(dup, stats, moved, {0: []})
+    full = _stats([2, 1], [5, 3], slots=2)
+    with pytest.raises(PlanError, match="capacity"):
+        verify_plan(good, full, moved, {0: []})
+    # Two ranks each sending before receiving from the other would block forever with blocking P2P.
+    stats3 = _stats([0, 1, 1], [0, 3, 3], slots=3)
+    moved3 = [MovedRequest(1, 1, 4, 3), MovedRequest(2, 2, 4, 3)]
+    a, b = Transfer(0, 1, "samples", (5,)), Transfer(1, 0, "request", (1,))
+    crossed = MigrationPlan((0,), (1, 2), (b, Transfer(2, 0, "request", (2,)), a))
+    verify_plan(crossed, stats3, moved3, {0: [(5, 3)]})  # one global order: fine
+
+    class Reordered(MigrationPlan):
+        def program(self, rank):
+            ops = super().program(rank)
+            return ops[::-1] if rank == 0 else ops
+
+    with pytest.raises(PlanError, match="deadlock"):
+        verify_plan(Reordered(crossed.kept, crossed.freed, crossed.transfers), stats3, moved3, {0: [(5, 3)]})
+
+
+# ------------------------------------------------------------------------------------------------ simulator
+
+PAPER_COSTS = StageCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200)
+PAPER_CONFIG = StageConfig(max_slots=128, kv_capacity_tokens=128 * 2200, check_interval=8, micro_batch_size=8)
+
+
+def test_step_times_match_a_direct_sum():
+    reqs = [SimRequest(5, 3), SimRequest(2, 7), SimRequest(9, 1)]
+    times = simulate_stage([reqs], PAPER_COSTS, PAPER_CONFIG, fused=False)
+    want = PAPER_COSTS.prefill_per_token_s * 16
+    for step in range(1, 8):
+        active = [r for r in reqs if r.remaining >= step]
+        want += PAPER_COSTS.decode_step_s(len(active), sum(r.ctx + step - 1 for r in active))
+    assert times.decode_end_s == pytest.approx(want)
+    assert times.total_s == pytest.approx(want + PAPER_COSTS.score_s([8, 9, 10], 8))
+
+
+def test_fused_is_no_slower_and_gains_grow_with_scoring_cost():
+    instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 16)
+    gains = []
+    for factor in (0.5, 1.0, 2.0, 4.0):
+        costs = StageCosts(**{**PAPER_COSTS.__dict__, "score_per_token_s": PAPER_COSTS.score_per_token_s * factor})
+        unfused = simulate_stage(instances, costs, PAPER_CONFIG, fused=False)
+        _, fused = best_threshold(instances, costs, PAPER_CONFIG)
+        assert fused.total_s <= unfused.total_s
+        assert fused.moved > 0 and fused.migration_step is not None
+        gains.append(unfused.total_s / fused.total_s)
+    assert gains == sorted(gains) and gains[-1] > gains[0]
+
+
+def test_more_instances_decode_faster_and_threshold_zero_never_migrates():
+    lengths = lmsys_lengths(256, seed=1)
+    t = [simulate_stage(split_round_robin(lengths, 70, n), PAPER_COSTS, PAPER_CONFIG, fused=False).total_s for n in (2, 4, 8)]
+    assert t[0] > t[1] > t[2]
+    inst = split_round_robin(lengths, 70, 4)
+    never = simulate_stage(inst, PAPER_COSTS, PAPER_CONFIG, fused=True, threshold=0)
+    assert never.migration_step is None and never.moved == 0
+
+
+def test_fit_recovers_costs():
+    truth = StageCosts(2e-3, 1e-4, 1e-7, 5e-6, 3e-3, 2e-6, 1e-4, 1e9, 1000.0)
+    decode = [(b, c, truth.decode_step_s(b, c)) for b, c in [(1, 10), (4, 300), (8, 100), (16, 2000), (3, 50)]]
+    score = [(r, w, truth.score_base_s + truth.score_per_token_s * r * w) for r, w in [(1, 20), (8, 40), (4, 100)]]
+    fit = StageCosts.fit(decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0)
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "score_base_s", "score_per_token_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert fit.transfer_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    assert fit.transfer_latency_s == pytest.approx(1e-4, rel=1e-6)
+    same_size = StageCosts.fit(decode, score, transfers=[(5000, 1e-3), (5001, 3e-3), (5000, 2e-3)])
+    assert same_size.transfer_bytes_per_s == float("inf") and same_size.transfer_latency_s == pytest.approx(2e-3)
+
+
+# ------------------------------------------------------------------------------------------------ multi-rank
+
+SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.95)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    lengths: tuple[int, ...]
+    threshold: float | str
+    mode: str = "kv"
+    check_interval: int = 2
+    costs: StageCosts | None = None
+
+
+def _models():
+    torch.manual_seed(0)
+    actor = build_model("debug", "policy").eval()
+    scoring = ScoringModels(build_model("debug", "policy").eval(), build_model("debug", "value").eval(),
+                            build_model("debug", "value").eval())
+    return actor, scoring
+
+
+def _requests(lengths, rank, world):
+    g = torch.Generator().manual_seed(42)
+    prompts = [torch.randint(0, 512, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in lengths]
+    return [Request(i, prompts[i], SamplingParams(target_len=n, **SAMPLED)) for i, n in enumerate(lengths) if i % world == rank]
+
+
+def _run_scenarios(scenarios: dict) -> dict:
+    import torch.distributed as dist
+
+    actor, scoring = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, sc in scenarios.items():
+        res = {}
+        for fusion in (False, True):
+            engine = GenerationEngine(actor, max_slots=len(sc.lengths), max_len=64, seed=11)
+            ctl = MigrationController(engine, Scorer(scoring, micro_batch_size=3), fusion=fusion, threshold=sc.threshold,
+                                      mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs)
+            r = ctl.run(_requests(sc.lengths, rank, world), gather=True)
+            e = r.experience
+            spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
+            res[fusion] = dict(exp={k: getattr(e, k) for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")},
+                               migration=None if r.migration is None else r.migration.as_dict(), spans=spans)
+        out[name] = res
+    return out
+
+
+def _check_same_outputs(off, on):
+    a, b = off["exp"], on["exp"]
+    assert a["sample_ids"].tolist() == b["sample_ids"].tolist()
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["response_mask"], b["response_mask"])
+    # Decode batches differ in size once requests move, so log-probs may differ by float reassociation
+    # (~1e-7); re-prefilled KV adds the same kind of difference.
+    for k in ("logprobs", "ref_logprobs", "values", "scores"):
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+
+TAIL_LAST_STEP = (2, 4, 4, 2, 2, 2, 2, 2)  # ids 1, 2 (ranks 1, 0) have one token left at the check after step 2
+TAIL_ON_ONE_RANK = (6, 2, 6, 2, 2, 2, 2, 2)  # the tail (ids 0, 2) is all on rank 0
+SCENARIOS_2 = {
+    "kv": Scenario(tuple(lmsys_lengths(16, seed=3, max_len=48)), 0.3, "kv"),
+    "reprefill": Scenario(tuple(lmsys_lengths(16, seed=3, max_len=48)), 0.3, "reprefill"),
+    "last_step": Scenario(TAIL_LAST_STEP, 0.25, "kv"),
+    "nothing_to_move": Scenario(TAIL_ON_ONE_RANK, 0.25, "kv"),
+    "never_reached": Scenario((5,) * 8, 0.1, "kv"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_multirank(_run_scenarios, 2, SCENARIOS_2, timeout_s=240)[0]
+
+
+@pytest.mark.parametrize("name", ["kv", "reprefill"])
+def test_two_ranks_fusion_changes_no_output(two_ranks, name):
+    off, on = two_ranks[name][False], two_ranks[name][True]
+    _check_same_outputs(off, on)
+    assert off["migration"] is None
+    m = on["migration"]
+    assert m["moved"] > 0 and m["moved_bytes"] > 0 and len(m["kept"]) == 1
+    assert m["unfinished"] <= m["threshold"] == round(0.3 * 16)
+    assert {"decode", "migrate", "score"} <= on["spans"]
+
+
+def test_two_ranks_migration_at_the_last_step(two_ranks):
+    off, on = two_ranks["last_step"][False], two_ranks["last_step"][True]
+    _check_same_outputs(off, on)
+    m = on["migration"]
+    assert m["step"] == 2 and m["moved"] == 1 and m["kept"] == [0] and m["unfinished"] == 2
+    assert on["exp"]["sample_ids"].tolist() == list(range(8))
+
+
+def test_two_ranks_threshold_with_nothing_to_move(two_ranks):
+    off, on = two_ranks["nothing_to_move"][False], two_ranks["nothing_to_move"][True]
+    _check_same_outputs(off, on)
+    m = on["migration"]
+    assert m["moved"] == 0 and m["moved_bytes"] == 0 and m["kept"] == [0] and m["sample_bytes"] > 0
+
+
+def test_two_ranks_threshold_never_reached(two_ranks):
+    off, on = two_ranks["never_reached"][False], two_ranks["never_reached"][True]
+    _check_same_outputs(off, on)
+    assert on["migration"] is None and on["exp"]["sample_ids"].tolist() == list(range(8))
+
+
+SIM_COSTS = StageCosts(1e-3, 1e-5, 1e-7, 1e-5, 2e-3, 5e-5, 1e-4, 1e9, 1024.0)
+LENGTHS_4 = tuple(lmsys_lengths(24, seed=5, max_len=48)[:4]) + (40, 36, 30, 24) + tuple(lmsys_lengths(24, seed=5, max_len=48)[8:])
+SCENARIOS_4 = {
+    "auto_kv": Scenario(LENGTHS_4, "auto", "kv", costs=SIM_COSTS),
+    "reprefill": Scenario(LENGTHS_4, 0.25, "reprefill"),
+}
+
+
+def test_four_ranks_fusion_changes_no_output():
+    results = run_multirank(_run_scenarios, 4, SCENARIOS_4, timeout_s=240)[0]
+    for name, sc in SCENARIOS_4.items():
+        off, on = results[name][False], results[name][True]
+        _check_same_outputs(off, on)
+        assert on["exp"]["sample_ids"].tolist() == list(range(24))
+    m = results["reprefill"][True]["migration"]
+    assert m["moved"] > 0 and 1 <= len(m["kept"]) < 4 and m["unfinished"] <= m["threshold"]  # tail on all 4 ranks
+    auto = results["auto_kv"][True]["migration"]
+    assert auto is not None, "with these costs the simulator finds migrating worthwhile"
+    candidates = {0} | {max(1, round(f * 24)) for f in DEFAULT_FRACTIONS}
+    assert auto["threshold"] in candidates and auto["unfinished"] <= auto["threshold"]  # chosen by the simulator
+
+
+def test_bad_controller_arguments():
+    actor, scoring = _models()
+    engine = GenerationEngine(actor, max_slots=2, max_len=32)
+    with pytest.raises(ValueError, match="threshold"):
+        MigrationController(engine, Scorer(scoring), threshold=1.5)
+    with pytest.raises(ValueError, match="mode"):
+        MigrationController(engine, Scorer(scoring), mode="copy")
