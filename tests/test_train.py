@@ -1,0 +1,160 @@
+"""End-to-end PPO trainer on 4 CPU ranks (pp=2 x dp_shard=2): fusions on == off, exact resume, config refusal."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fusedrl.testing import free_port, run_multirank
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
+# Tiny and fast: random-init debug models, 8 prompts (2 per rank), short responses, 2 iterations. A quarter of
+# the vocabulary stops a response, so lengths vary and the tail migrates at the threshold.
+TINY = [
+    "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
+    "--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--model.reference_path=",
+    "--ppo.batch_size=8", "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1",
+    "--generation.max_new_tokens=10", "--generation.max_slots=4", "--data.max_prompt_len=32",
+    "--fusion.schedule_search_budget_s=0.2", "--fusion.migration_threshold=0.5", "--fusion.migration_check_interval=1",
+    "--training.steps=2", "--checkpoint.keep=0", "--checkpoint.export_hf=false", "--metrics.trace=[]",
+    "--lr_scheduler.warmup_steps=0", "--optimizer.actor_lr=1e-3", "--optimizer.critic_lr=1e-3",
+]
+# Figures that must not depend on when work runs (timings, bubbles and migration counts do).
+COMPARED = ("policy_loss", "value_loss", "kl", "reward_mean", "reward_std", "clip_frac", "entropy", "approx_kl",
+            "explained_variance", "grad_norm_actor", "grad_norm_critic", "response_len_mean", "return_mean")
+
+
+def _runs(out: str) -> dict[str, list[dict]]:
+    """Fusions on (checkpoint every step), fusions off, and a resume of the first run from its step 1."""
+    from fusedrl.config import load_config
+    from fusedrl.train import run
+
+    def cfg(name: str, *extra: str):
+        return load_config(["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}/{name}", *extra])
+
+    histories = {
+        "on": run(cfg("on", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.interval=1")),
+        "off": run(cfg("off", "--fusion.inter_stage=false", "--fusion.intra_stage=false")),
+    }
+    if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint of "on" exists in its folder
+        src = Path(out, "on", "checkpoints")
+        step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
+        shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
+    dist.barrier()
+    histories["resumed"] = run(cfg("resumed", "--fusion.inter_stage=true", "--fusion.intra_stage=true",
+                                   "--checkpoint.resume=true"))
+    return histories
+
+
+@pytest.fixture(scope="module")
+def histories(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("train")
+    return run_multirank(_runs, 4, str(out), timeout_s=420.0)[0]
+
+
+def _assert_close(a: dict, b: dict, keys, rel: float, what: str) -> None:
+    for k in keys:
+        x, y = a[k], b[k]
+        if math.isnan(x) and math.isnan(y):
+            continue
+        assert x == pytest.approx(y, rel=rel, abs=1e-6), f"{what}: {k} differs: {x} vs {y}"
+
+
+def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
+    on, off = histories["on"], histories["off"]
+    assert [len(on), len(off)] == [2, 2]
+    for step, (a, b) in enumerate(zip(on, off), start=1):
+        _assert_close(a, b, COMPARED, 1e-4, f"step {step} on vs off")
+    # the runs trained: the second iteration sampled from updated weights
+    assert on[1]["lr_actor"] > 0 and on[0]["grad_norm_actor"] > 0
+    # inter-stage fusion migrated the tail in the fused run, and only there
+    assert any(h["migration_moved"] > 0 for h in on) and all(h["migration_moved"] == 0 for h in off)
+    # every stage was timed in both modes
+    for h in (on[0], off[0]):
+        assert all(h[f"time_{s}"] > 0 for s in ("weight_sync", "generation", "scoring", "advantages", "training", "step"))
+        assert 0.0 <= h["bubble_ratio"] < 1.0
+
+
+def test_resume_continues_exactly(histories):
+    on, resumed = histories["on"], histories["resumed"]
+    assert len(resumed) == 1, "the resumed run must start after the checkpointed step 1"
+    _assert_close(resumed[0], on[1], COMPARED + ("true_score", "lr_actor", "lr_critic"), 1e-6, "resumed step 2")
+
+
+def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
+    from fusedrl.components import read_jsonl
+    from fusedrl.models import build_model, load_hf_checkpoint
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+         "-m", "fusedrl.train", "--job.config_file", CONFIG, *TINY, "--training.steps=1", "--checkpoint.export_hf=true",
+         f"--job.output_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "step 1: true_score=" in proc.stdout
+    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert record["step"] == 1 and math.isfinite(record["policy_loss"]) and record["samples_per_s"] > 0
+    load_hf_checkpoint(build_model("debug", "policy"), tmp_path / "actor_hf", "debug", "policy")
+
+
+# ------------------------------------------------------------------------------------------- bad configs
+
+
+BAD_CONFIGS = [
+    (["--parallelism.pp=1", "--parallelism.dp_shard=4"], "parallelism.pp = 1: the trainer's fused pipeline executor needs pp >= 2"),
+    (["--parallelism.dp_shard=1"], "must equal the world size 4"),
+    (["--ppo.minibatch_size=12"], "must be a multiple of ppo.minibatch_size = 12 (command line)"),
+    (["--ppo.clip_epss=0.1"], "unknown key in [ppo]; did you mean clip_eps?"),
+    (["--generation.max_new_tokens=500"], "exceeds the models' max_seq_len 512"),
+    (["--training.float8=true"], "float8 training needs CUDA"),
+    (["--model.actor_path=/no/such/folder", "--model.critic_path=", "--model.reward_path="], "folder not found"),
+    (["--generation.max_slots=4"], "each rank's 16 prompts (ppo.batch_size / world size) must fit its KV-cache slots"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
+                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights", "slots"])
+def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
+    from fusedrl.config import ConfigError
+    from fusedrl.train import prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as err:
+        prepare(["--job.config_file", "train_configs/debug_ppo.toml", *overrides])
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_cli_refuses_a_bad_config_with_one_line_and_exit_status_2():
+    # Rank 0 of 4 with a rendezvous nobody else joins: starting a process group would hang until the timeout.
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedrl.train", "--job.config_file", "train_configs/debug_ppo.toml", "--parallelism.dp_shard=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.rstrip().splitlines()[-1] == errors[0], proc.stderr
+    assert "must equal the world size 4; set --parallelism.dp_shard=2 or launch 2 processes" in errors[0]
+
+
+def test_ppo_doc_covers_every_config_key():
+    from fusedrl.config.loader import section_keys, section_types
+
+    doc = (ROOT / "docs" / "ppo.md").read_text()
+    missing = [f"{s}.{k}" for s in section_types() for k in section_keys(s)
+               if (s, k) != ("job", "config_file") and f"`{s}.{k}`" not in doc]
+    assert not missing, f"docs/ppo.md does not explain {missing}"
