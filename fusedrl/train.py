@@ -48,6 +48,7 @@ from fusedrl.components import (
     Tokenizer,
     build_lr_scheduler,
     build_optimizer,
+    export_hf,
     check_vocab,
     clip_grad_norm,
     grad_norm,
@@ -57,12 +58,11 @@ from fusedrl.components import (
     peak_memory_gib,
 )
 from fusedrl.config import ConfigError, JobConfig, load_config, validate_paths, validate_world_size
-from fusedrl.distributed import ParallelDims, apply_fsdp, init_distributed, split_decoder
+from fusedrl.distributed import ParallelDims, apply_fsdp, gather_full_state_dict, init_distributed, split_decoder
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.generation.migration import MigrationController, StageResult
-from fusedrl.generation.weight_sync import gather_full_state_dict
 from fusedrl.generation.weight_sync import sync_weights as sync_engine_weights
-from fusedrl.models import FLAVORS, CheckpointError, build_model, load_hf_checkpoint, save_hf_checkpoint
+from fusedrl.models import FLAVORS, CheckpointError, build_model, load_hf_checkpoint
 from fusedrl.pipelining import (
     ACTOR,
     CRITIC,
@@ -121,12 +121,6 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
     if cfg.ppo.batch_size % world_size:
         raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the world size {world_size} "
                           "(each rank generates an equal share of the prompts)")
-    share = cfg.ppo.batch_size // world_size
-    if cfg.fusion.inter_stage and share > gen.max_slots:
-        # The migration planner counts queued requests against a kept instance's slots.
-        raise ConfigError(f"generation.max_slots = {gen.max_slots}: with fusion.inter_stage each rank's "
-                          f"{share} prompts (ppo.batch_size / world size) must fit its KV-cache slots; "
-                          f"set --generation.max_slots={share} or more")
     for key in ("actor", "critic", "reward"):
         flavor = getattr(cfg.model, key)
         if flavor not in FLAVORS:
@@ -702,11 +696,10 @@ class Trainer:
 
     def export(self) -> Path | None:
         """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
-        state = gather_full_state_dict(self.layout.actor_stage, self.layout.pp_group)
-        if self.rank != 0:
-            return None
         folder = self.out / "actor_hf"
-        path = save_hf_checkpoint({k: v.cpu() for k, v in state.items()}, folder, self.cfg.model.actor, "policy")
+        path = export_hf(self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group)
+        if path is None:
+            return None
         if hasattr(self.tokenizer, "save"):
             self.tokenizer.save(folder)
         print(f"fusedrl: Actor exported to {path}", flush=True)

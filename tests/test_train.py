@@ -118,12 +118,11 @@ BAD_CONFIGS = [
     (["--generation.max_new_tokens=500"], "exceeds the models' max_seq_len 512"),
     (["--training.float8=true"], "float8 training needs CUDA"),
     (["--model.actor_path=/no/such/folder", "--model.critic_path=", "--model.reward_path="], "folder not found"),
-    (["--generation.max_slots=4"], "each rank's 16 prompts (ppo.batch_size / world size) must fit its KV-cache slots"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
-                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights", "slots"])
+                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights"])
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError
     from fusedrl.train import prepare

@@ -1,7 +1,7 @@
 """Training plumbing reusable by any loop: tokenizers, prompt data, optimizers, LR schedules,
 metrics and checkpoints."""
 
-from fusedrl.components.checkpoint import CheckpointManager, export_hf, full_state_dict
+from fusedrl.components.checkpoint import CheckpointManager, export_hf
 from fusedrl.components.data import DataReport, PromptBatch, PromptDataset, PromptLoader, load_prompts
 from fusedrl.components.lr_schedule import build_lr_scheduler, lr_factor
 from fusedrl.components.metrics import (
@@ -36,7 +36,6 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm",
     "export_hf",
-    "full_state_dict",
     "grad_norm",
     "length_stats",
     "load_prompts",

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -94,6 +93,9 @@ class CheckpointManager:
 
     ``models`` maps a name to this rank's module; ``optimizers``/``schedulers`` use the same names
     (a missing name has none). ``keep_last`` keeps only the newest k complete checkpoints (None: all).
+    Name pipeline stages per stage (``actor_stage0``, ``actor_stage1``, ...): DCP keeps one copy of
+    every non-tensor entry per name, so two ranks holding different stages under one name would
+    share one optimizer ``param_groups`` entry and fail to resume.
     """
 
     def __init__(
@@ -240,38 +242,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def full_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """The full (unsharded) CPU state dict of a model whose stages/shards are spread over ranks.
-
-    Collective over ``group`` (default: all ranks): FSDP2/TP shards are gathered with
-    ``get_model_state_dict(full_state_dict=True)``, then the per-stage dicts of pipeline ranks are
-    merged on rank 0 of ``group``. Other ranks get ``{}``.
-    """
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    local = get_model_state_dict(model, options=opts)
-    if not dist.is_initialized():
-        return local
-    group_rank = dist.get_rank(group)
-    parts: list[dict[str, torch.Tensor]] | None = [None] * dist.get_world_size(group) if group_rank == 0 else None
-    dist.gather_object(local, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if group_rank != 0:
-        return {}
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
-
-
 def export_hf(
-    model: nn.Module, folder: str | os.PathLike, flavor: str, role: str = "policy", group: dist.ProcessGroup | None = None
+    stages: nn.Module | list[nn.Module],
+    folder: str | os.PathLike,
+    flavor: str,
+    role: str = "policy",
+    pp_group: dist.ProcessGroup | None = None,
 ) -> Path | None:
-    """Write ``model`` (sharded and/or pipeline-split over ranks) as an HF safetensors folder; collective.
+    """Write a model (pipeline stages and/or FSDP2 / TP shards over ranks) as an HF safetensors folder.
 
-    Returns the folder on the writing rank (rank 0 of ``group``), None elsewhere.
+    Collective: every rank passes its own stage(s) (see ``fusedrl.distributed.gather_full_state_dict``).
+    Returns the folder on global rank 0, which writes it, and None elsewhere.
     """
+    from fusedrl.distributed import gather_full_state_dict
     from fusedrl.models.hf import save_hf_checkpoint
 
-    state = full_state_dict(model, group)
-    if dist.is_initialized() and dist.get_rank(group) != 0:
+    state = gather_full_state_dict(stages, pp_group)
+    if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return save_hf_checkpoint(state, folder, flavor, role)
+    return save_hf_checkpoint({k: v.cpu() for k, v in state.items()}, folder, flavor, role)

@@ -1,9 +1,11 @@
-"""Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, float8."""
+"""Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, full state
+dicts from a training layout, float8."""
 
 from fusedrl.distributed.float8 import convert_to_float8
 from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
 from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed
 from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
+from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import apply_tp
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "convert_to_float8",
+    "gather_full_state_dict",
     "init_distributed",
     "split_decoder",
     "stage_layer_ranges",

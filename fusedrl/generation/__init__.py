@@ -7,7 +7,7 @@ from fusedrl.generation.stage_sim import StageConfig, StageCosts, best_threshold
 from fusedrl.generation.workload import LengthDistribution, lmsys_lengths
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.state import RequestState, recv_request_state, send_request_state
-from fusedrl.generation.weight_sync import WeightSyncStats, gather_full_state_dict, sync_weights
+from fusedrl.generation.weight_sync import WeightSyncStats, sync_weights
 
 __all__ = [
     "LengthDistribution",
@@ -33,6 +33,5 @@ __all__ = [
     "request_seed",
     "send_request_state",
     "sync_weights",
-    "gather_full_state_dict",
     "WeightSyncStats",
 ]

@@ -86,18 +86,24 @@ class PlanError(ValueError):
 def choose_kept(stats: Sequence[InstanceStats]) -> list[int]:
     """Fewest instances, most remaining work first, whose slots and KV memory hold every unfinished request."""
     order = sorted(stats, key=lambda s: (-s.remaining_tokens, -s.unfinished, s.rank))
-    total = sum(s.unfinished for s in stats)
-    kv_need = sum(s.kv_reserved_tokens for s in stats)
     for m in range(1, len(order) + 1):
-        kept = order[:m]
-        if sum(s.max_slots for s in kept) >= total and sum(s.kv_capacity_tokens for s in kept) >= kv_need:
+        kept, freed = order[:m], order[m:]
+        moved = sum(s.unfinished for s in freed)
+        kv_moved = sum(s.kv_reserved_tokens for s in freed)
+        if sum(free_slots(s) for s in kept) >= moved and sum(max(0, s.free_kv_tokens) for s in kept) >= kv_moved:
             return sorted(s.rank for s in kept)
-    raise PlanError(f"{total} unfinished requests do not fit into all {len(stats)} instances; raise max_slots")
+    raise PlanError(f"the unfinished requests do not fit into all {len(stats)} instances' KV memory")
+
+
+def free_slots(s: InstanceStats) -> int:
+    """Slots a kept instance can give to moved requests: an instance whose own requests already queue gets none,
+    so a migration never makes a queue longer."""
+    return max(0, s.max_slots - s.unfinished)
 
 
 def assign_requests(moved: Sequence[MovedRequest], kept: Sequence[InstanceStats]) -> dict[int, int]:
     """Request id -> kept rank: longest remaining first, onto the kept instance with the least work that fits."""
-    slots = {s.rank: s.max_slots - s.unfinished for s in kept}
+    slots = {s.rank: free_slots(s) for s in kept}
     kv = {s.rank: s.free_kv_tokens for s in kept}
     work = {s.rank: s.remaining_tokens for s in kept}
     out = {}
@@ -184,8 +190,11 @@ def verify_plan(
     for k in plan.kept:
         incoming = [expected_moves[t.ids[0]] for t in plan.transfers if t.kind == "request" and t.dst == k]
         s = by_rank[k]
-        if s.unfinished + len(incoming) > s.max_slots or sum(r.final_tokens for r in incoming) > s.free_kv_tokens:
-            raise PlanError(f"kept rank {k} over capacity: {s.unfinished}+{len(incoming)} requests for {s.max_slots} slots")
+        if len(incoming) > free_slots(s) or sum(r.final_tokens for r in incoming) > s.free_kv_tokens:
+            raise PlanError(
+                f"kept rank {k} over capacity: {len(incoming)} moved requests for {free_slots(s)} free slots "
+                f"({s.unfinished} own unfinished, {s.max_slots} slots)"
+            )
     _check_rendezvous(plan, sorted(ranks))
 
 

@@ -1,0 +1,45 @@
+"""Migration plans when a kept instance already queues requests beyond its slots."""
+
+import pytest
+
+from fusedrl.generation.migration_plan import (
+    InstanceStats,
+    MigrationPlan,
+    MovedRequest,
+    PlanError,
+    Transfer,
+    build_plan,
+    choose_kept,
+    verify_plan,
+)
+
+
+def _stats(rank: int, unfinished: int, remaining: int, max_slots: int = 8) -> InstanceStats:
+    return InstanceStats(rank, unfinished, remaining, max_slots, kv_capacity_tokens=10_000, kv_reserved_tokens=unfinished * 50)
+
+
+def test_queued_instance_is_kept_without_receiving_requests():
+    # Rank 0 holds 9 unfinished requests for 8 slots (one queued) and the most work: it is kept, but its queue
+    # must not grow, so rank 1's requests go to another kept instance.
+    stats = [_stats(0, 9, 900), _stats(1, 2, 100), _stats(2, 1, 300)]
+    kept = choose_kept(stats)
+    assert kept == [0, 2]
+    moved = [MovedRequest(100, 1, 20, 30), MovedRequest(101, 1, 20, 10)]
+    plan = build_plan(stats, kept, moved, kept_samples={}, freed_load={})
+    verify_plan(plan, stats, moved, kept_samples={})
+    assert {t.ids[0]: t.dst for t in plan.transfers} == {100: 2, 101: 2}
+
+
+def test_plan_sending_to_a_full_instance_is_rejected():
+    stats = [_stats(0, 9, 900), _stats(1, 1, 100)]
+    moved = [MovedRequest(100, 1, 20, 30)]
+    plan = build_plan(stats, [0, 1], [], kept_samples={}, freed_load={})  # nothing freed: valid
+    verify_plan(plan, stats, [], kept_samples={})
+    bad = MigrationPlan(kept=(0,), freed=(1,), transfers=(Transfer(1, 0, "request", (100,)),))
+    with pytest.raises(PlanError, match="over capacity"):
+        verify_plan(bad, stats, moved, kept_samples={})
+
+
+def test_everything_kept_when_nothing_fits_elsewhere():
+    stats = [_stats(0, 8, 500), _stats(1, 8, 400)]
+    assert choose_kept(stats) == [0, 1]
