@@ -55,7 +55,7 @@ def test_debug_config_has_every_section_and_key_and_fits_four_ranks():
     assert (cfg.parallelism.pp, cfg.parallelism.dp_shard, cfg.parallelism.tp, cfg.parallelism.gen_tp) == (2, 2, 1, 1)
     assert cfg.model.actor == cfg.model.critic == cfg.model.reward == "debug"
     assert cfg.fusion.inter_stage and cfg.fusion.intra_stage and cfg.data.format == "synthetic"
-    assert cfg.model.actor_path is None  # "" in the file means unset
+    assert cfg.model.actor_path == "assets/debug/actor" and cfg.model.reference_path is None  # "" means unset
     validate_world_size(cfg, 4)
     validate_paths(cfg)
 
@@ -136,8 +136,8 @@ def test_override_syntax_and_parsing():
         ("--parallelism.dp_shard=0", ["parallelism.dp_shard", ">= 1"]),
         ("--parallelism.tp=-2", ["parallelism.tp", ">= 1"]),
         ("--fusion.migration_threshold=1.0", ["fusion.migration_threshold", '(0, 1)', '"auto"']),
-        ("--ppo.batch_size=40", ["ppo.batch_size = 40", "command line", "ppo.minibatch_size = 16", DEBUG, "1, 2, 4, 5, 8"]),
-        ("--ppo.microbatch_size=3", ["ppo.microbatch_size = 3", "= 16 / 2 = 8", "1, 2, 4, 8"]),
+        ("--ppo.batch_size=40", ["ppo.batch_size = 40", "command line", "ppo.minibatch_size = 32", DEBUG, "1, 2, 4, 5, 8"]),
+        ("--ppo.microbatch_size=3", ["ppo.microbatch_size = 3", "= 32 / 2 = 16", "1, 2, 4, 8, 16"]),
         ("--ppo.minibatch_size=2", ["ppo.microbatch_size = 4", DEBUG, "ppo.minibatch_size / parallelism.dp_shard = 2 / 2 = 1"]),
         ("--ppo.minibatch_size=1", ["ppo.minibatch_size = 1", "multiple of parallelism.dp_shard = 2"]),
         ("--data.format=parquet", ["data.path", "unset", "parquet"]),
