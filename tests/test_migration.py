@@ -88,6 +88,7 @@ def test_verifier_rejects_lost_duplicated_overfull_and_unpaired_plans():
 
 PAPER_COSTS = StageCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200)
 PAPER_CONFIG = StageConfig(max_slots=128, kv_capacity_tokens=128 * 2200, check_interval=8, micro_batch_size=8)
+SIM_COSTS = StageCosts(1e-3, 1e-5, 1e-7, 1e-5, 2e-3, 5e-5, 1e-4, 1e9, 1024.0)
 
 
 def test_step_times_match_a_direct_sum():
@@ -134,6 +135,58 @@ def test_fit_recovers_costs():
     assert fit.transfer_latency_s == pytest.approx(1e-4, rel=1e-6)
     same_size = StageCosts.fit(decode, score, transfers=[(5000, 1e-3), (5001, 3e-3), (5000, 2e-3)])
     assert same_size.transfer_bytes_per_s == float("inf") and same_size.transfer_latency_s == pytest.approx(2e-3)
+
+
+def test_bucketed_step_times_match_the_engine_padding():
+    costs = StageCosts(**{**SIM_COSTS.__dict__, "decode_per_row_s": 3e-5, "batch_buckets": (1, 2, 4, 8), "len_buckets": (8, 16, 32)})
+    reqs = [SimRequest(5, 3), SimRequest(7, 9), SimRequest(2, 12)]
+    times = simulate_stage([reqs], costs, PAPER_CONFIG, fused=False)
+    want = costs.prefill_per_token_s * 14
+    for step in range(1, 13):
+        active = [r for r in reqs if r.remaining >= step]
+        longest = max(r.ctx + step - 2 for r in active)  # cached positions: all but the pending token
+        rows = {1: 1, 2: 2, 3: 4}[len(active)]
+        attended = rows * next(b for b in (8, 16, 32) if b > longest)
+        want += costs.decode_base_s + costs.decode_per_seq_s * len(active) + 3e-5 * rows + costs.decode_per_ctx_token_s * attended
+        assert costs.decode_step_s(len(active), sum(r.ctx + step - 2 for r in active), longest) == pytest.approx(
+            costs.decode_base_s + costs.decode_per_seq_s * len(active) + 3e-5 * rows + costs.decode_per_ctx_token_s * attended)
+    assert times.decode_end_s == pytest.approx(want)
+
+
+def test_fit_recovers_bucketed_costs_and_the_attention_term():
+    truth = StageCosts(2e-3, 4e-5, 3e-8, 0.0, 3e-3, 2e-6, 0.0, float("inf"), 0.0, decode_per_row_s=1e-4, score_per_token_sq_s=4e-9,
+                       batch_buckets=(1, 2, 4, 8, 16), len_buckets=(64, 128, 256))
+    # Requests that started together share one context length, as in an unfused stage.
+    decode = [(n, n * c, truth.decode_step_s(n, n * c)) for n, c in [(16, 40), (13, 70), (9, 100), (5, 130), (3, 200), (2, 230), (1, 250), (7, 90)]]
+    score = [(r, w, truth.score_s([w] * r, r)) for r, w in [(1, 20), (8, 40), (4, 100), (2, 300), (6, 10)]]
+    fit = StageCosts.fit(decode, score, batch_buckets=truth.batch_buckets, len_buckets=truth.len_buckets)
+    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_row_s", "decode_per_ctx_token_s", "score_base_s",
+                 "score_per_token_s", "score_per_token_sq_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_fit_drops_negative_coefficients_and_keeps_the_measured_sum():
+    # Step times that fall with the context (load noise) would give a negative per-token cost: it is
+    # dropped, not clamped after the fit, so the refitted model still sums to the measured time.
+    decode = [(4, 100, 0.010), (4, 400, 0.008), (2, 300, 0.006), (8, 200, 0.015), (1, 500, 0.004)]
+    fit = StageCosts.fit(decode, [(1, 10, 1e-3), (2, 10, 2e-3)])
+    assert fit.decode_per_ctx_token_s == 0.0 and fit.decode_per_seq_s > 0
+    assert sum(fit.decode_step_s(b, c) for b, c, _ in decode) == pytest.approx(sum(s for *_, s in decode))
+
+
+def test_balanced_unfused_scoring_is_no_slower_and_tensor_parallel_costs_scale():
+    lengths = lmsys_lengths(256, seed=2)
+    inst = split_round_robin(lengths, 70, 8)
+    own = simulate_stage(inst, PAPER_COSTS, PAPER_CONFIG, fused=False)
+    balanced = simulate_stage(inst, PAPER_COSTS, StageConfig(**{**PAPER_CONFIG.__dict__, "unfused_scoring": "balanced"}), fused=False)
+    assert balanced.decode_end_s == own.decode_end_s and balanced.total_s <= own.total_s
+    tp4 = StageCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200, gpus_per_instance=4, actor_layers=40)
+    assert tp4.score_per_token_s == pytest.approx(PAPER_COSTS.score_per_token_s / 4)
+    assert tp4.transfer_bytes_per_s == pytest.approx(4 * PAPER_COSTS.transfer_bytes_per_s)
+    weights_tp1 = PAPER_COSTS.decode_base_s - 2e-3
+    assert tp4.decode_base_s == pytest.approx(2e-3 + 80 * 15e-6 + weights_tp1 / 4)
+    with pytest.raises(ValueError, match="gpus_per_instance"):
+        StageCosts.for_models(actor_params=1e9, scorer_params=1e9, kv_bytes_per_token=1.0, gpus_per_instance=0)
 
 
 # ------------------------------------------------------------------------------------------------ multi-rank
@@ -243,7 +296,6 @@ def test_two_ranks_threshold_never_reached(two_ranks):
     assert on["migration"] is None and on["exp"]["sample_ids"].tolist() == list(range(8))
 
 
-SIM_COSTS = StageCosts(1e-3, 1e-5, 1e-7, 1e-5, 2e-3, 5e-5, 1e-4, 1e9, 1024.0)
 LENGTHS_4 = tuple(lmsys_lengths(24, seed=5, max_len=48)[:4]) + (40, 36, 30, 24) + tuple(lmsys_lengths(24, seed=5, max_len=48)[8:])
 SCENARIOS_4 = {
     "auto_kv": Scenario(LENGTHS_4, "auto", "kv", costs=SIM_COSTS),

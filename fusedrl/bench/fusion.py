@@ -3,13 +3,16 @@
     python -m fusedrl.bench.fusion [--json] [--repeats N] [--trace-dir DIR]
 
 (a) Real: 2 ranks (gloo, one thread each), ``debug`` Actor / Reference / Reward / Critic, a batch with
-    LMSYS-shaped forced response lengths (scaled to ``--max-new``); the stage with fusion off and on
-    (``auto`` threshold, costs fitted to the unfused run of the same repeat), interleaved, ``--repeats``
-    times; medians count. Migration stats: when, how many requests, bytes.
-(b) The stage simulator at paper scale (batch 512, max length 2048, 8-64 instances, roofline costs of
-    H100 instances; see ``StageCosts.for_models``), best threshold per configuration.
-(c) The simulator fed with (a)'s measured costs (decode steps, scoring micro-batches, transfers, checks),
-    predicting (a)'s fused time with (a)'s threshold: ``real_vs_sim_error`` is its relative error.
+    LMSYS-shaped forced response lengths (scaled to ``--max-new``); stages with fusion off and on
+    (``auto`` threshold) run off, on, off, ..., off, and each fused run is compared with the mean of its
+    two unfused neighbours; medians count. Migration stats: when, how many requests, bytes.
+(b) The stage simulator at paper scale (batch 512, max length 2048, 32 GPUs as tensor-parallel instances
+    of 1-8 GPUs, H100 and A100 roofline costs; see ``StageCosts.for_models`` and docs/fusion.md for every
+    parameter), best threshold per configuration; ``sim_speedup`` compares the unfused and the fused stage
+    each at its fastest instance size (13B/33B models on H100s).
+(c) The simulator fed with (a)'s measured costs (decode steps with the engine's buckets, scoring
+    micro-batches and prefill from the unfused runs around each fused run; transfers and checks from the
+    fused run), predicting the fused time at (a)'s threshold: ``real_vs_sim_error`` is its relative error.
 
 With ``--json`` the last line is {"real_speedup", "sim_speedup", "real_vs_sim_error", "migration"}.
 """
@@ -41,12 +44,19 @@ from fusedrl.rlhf import Scorer, ScoringModels
 from fusedrl.testing import run_multirank
 
 PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT = 512, 2048, 70  # LMSYS-Chat-1M: 69.5 prompt tokens on average
-# (name, actor params, Reference + Reward + Critic params, KV bytes per token of the Actor)
+PAPER_GPUS = 32
+GPU_MEMORY_FOR_MODELS = 0.9  # of HBM; the rest is activations and allocator slack
+# (name, HBM bytes/s, dense bf16 FLOP/s, HBM bytes, per-GPU bytes/s between instances): vendor data sheets;
+# the link is half of one 400 Gb/s (H100) or 200 Gb/s (A100) NIC per GPU.
+HARDWARE = [("H100 SXM", 3.35e12, 989e12, 80e9, 25e9), ("A100 SXM 80GB", 2.039e12, 312e12, 80e9, 12.5e9)]
+# (name, Actor params, Reference + Reward + Critic params, Actor KV bytes per token, Actor layers): LLaMA
+# 7B (32 layers, dim 4096) and 13B (40 layers, dim 5120), LLaMA-1 33B; KV = layers * 2 * dim * 2 bytes.
 PAPER_MODELS = [
-    ("7B actor, 7B ref/reward/critic", 7e9, 3 * 7e9, 32 * 2 * 4096 * 2),
-    ("13B actor+ref, 33B reward/critic", 13e9, 13e9 + 2 * 33e9, 40 * 2 * 5120 * 2),
+    ("7B actor, 7B ref/reward/critic", 7e9, 3 * 7e9, 32 * 2 * 4096 * 2, 32),
+    ("13B actor+ref, 33B reward/critic", 13e9, 13e9 + 2 * 33e9, 40 * 2 * 5120 * 2, 40),
 ]
-PRIMARY = (1, 32)  # (model row, instances) reported as sim_speedup
+PAPER_TP = (1, 2, 4, 8)  # GPUs per generation instance (tensor parallel); instances = PAPER_GPUS / TP
+PRIMARY = ("H100 SXM", "13B actor+ref, 33B reward/critic")  # sim_speedup: best unfused TP vs best fused TP
 
 
 # ---------------------------------------------------------------------------------------------- (a) real
@@ -73,19 +83,30 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
         dist.all_gather_object(out, getattr(res.measurements, name))
         return [x for part in out for x in part]
 
-    stage(False, None)  # warm-up
-    off, on, fits, fused_meas = [], [], [], []
-    for _ in range(repeats):
-        r_off = stage(False, None)
-        costs = StageCosts.fit(gathered(r_off, "decode"), gathered(r_off, "score"), gathered(r_off, "prefill"))
-        r_on = stage(True, costs)
-        off.append(r_off)
-        on.append(r_on)
-        fits.append(costs)
+    def fitted(runs: list[StageResult], engine: GenerationEngine, check_s: float = 0.0) -> StageCosts:
+        return StageCosts.fit(*(sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill")),
+                              check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets)
+
+    def check_cost(res: StageResult) -> float:
         per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, r_on.measurements.checks)
-        # At a check the last rank to arrive waits only for the collective itself: its time is the cost.
-        fused_meas.append({"transfers": gathered(r_on, "transfers"), "checks": [min(c) for c in zip(*per_rank)]})
+        dist.all_gather_object(per_rank, _check_gaps(res, rank, check_interval))
+        return min(per_rank)
+
+    shapes = GenerationEngine(actor, max_slots=batch, max_len=prompt_len + max_new)  # stage()'s buckets, for the fits
+    warm_off = stage(False, None)  # warm-up, and the first check cost for "auto"
+    check_s = check_cost(stage(True, fitted([warm_off], shapes)))
+    # off_0, on_0, off_1, on_1, ..., off_R: each fused run lies between two unfused runs, so that load drift
+    # on this shared machine hits both sides of its comparison alike.
+    off, on, fused_meas = [stage(False, None)], [], []
+    for _ in range(repeats):
+        # "auto" gets what a controller knows before the run: the preceding unfused run's costs and the
+        # previous fused run's check cost.
+        r_on = stage(True, fitted(off[-1:], shapes, check_s))
+        off.append(stage(False, None))
+        on.append(r_on)
+        check_s = check_cost(r_on)
+        fused_meas.append({"transfers": gathered(r_on, "transfers"), "check_s": check_s})
+    fits = [fitted(off[i : i + 2], shapes) for i in range(repeats)]  # both neighbours of fused run i
     if rank != 0:
         return {}
     return {
@@ -102,6 +123,19 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
     }
 
 
+def _check_gaps(res: StageResult, rank: int, check_interval: int) -> float:
+    """This rank's mean time per statistics check before the migration, from its trace: the wall time
+    between its decode spans (the all-gather, and with ``auto`` the threshold simulation rank 0 runs and
+    broadcasts). At a check the last rank to arrive waits least: the minimum over ranks is the check cost."""
+    spans = sorted((e for e in res.trace.events if e.get("ph") == "X" and e["pid"] == rank), key=lambda e: e["ts"])
+    end_us = next((e["ts"] for e in spans if e["name"] == "migrate"), None)
+    checks = (res.migration.step if res.migration else 0) // check_interval
+    if end_us is None or checks == 0:
+        return 0.0
+    decode = [e for e in spans if e["name"] == "decode" and e["ts"] < end_us]
+    return (end_us - decode[0]["ts"] - sum(e["dur"] for e in decode)) / 1e6 / checks
+
+
 def _kv_bytes_per_token(model) -> int:
     attn = model.layers[0].attn
     return len(model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.tok_embeddings.weight.element_size()
@@ -110,18 +144,33 @@ def _kv_bytes_per_token(model) -> int:
 # ---------------------------------------------------------------------------------------------- (b) paper
 def paper_scale() -> list[dict]:
     lengths = lmsys_lengths(PAPER_BATCH, seed=0, max_len=PAPER_MAX_LEN)
-    config = StageConfig(max_slots=256, kv_capacity_tokens=256 * (PAPER_MAX_LEN + 256), check_interval=8, micro_batch_size=8)
     rows = []
-    for mi, (name, actor, scorer, kvb) in enumerate(PAPER_MODELS):
-        costs = StageCosts.for_models(actor_params=actor, scorer_params=scorer, kv_bytes_per_token=kvb)
-        for n in (8, 16, 32, 64):
-            instances = split_round_robin(lengths, PAPER_PROMPT, n)
-            unfused = simulate_stage(instances, costs, config, fused=False)
-            threshold, fused = best_threshold(instances, costs, config, batch_size=PAPER_BATCH)
-            rows.append(dict(models=name, instances=n, unfused_s=unfused.total_s, fused_s=fused.total_s,
-                             speedup=unfused.total_s / fused.total_s, threshold=threshold, kept=len(fused.kept),
-                             moved=fused.moved, primary=(mi, n) == PRIMARY))
+    for hw, hbm_bw, flops, hbm, link in HARDWARE:
+        for name, actor, scorer, kvb, layers in PAPER_MODELS:
+            for tp in PAPER_TP:
+                costs = StageCosts.for_models(actor_params=actor, scorer_params=scorer, kv_bytes_per_token=kvb,
+                                              gpus_per_instance=tp, actor_layers=layers, hbm_bytes_per_s=hbm_bw,
+                                              flops_per_s=flops, link_bytes_per_s=link)
+                kv_tokens = int((tp * hbm * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
+                config = StageConfig(max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8,
+                                     unfused_scoring="balanced")
+                n = PAPER_GPUS // tp
+                instances = split_round_robin(lengths, PAPER_PROMPT, n)
+                unfused = simulate_stage(instances, costs, config, fused=False)
+                threshold, fused = best_threshold(instances, costs, config, batch_size=PAPER_BATCH)
+                rows.append(dict(hardware=hw, models=name, tp=tp, instances=n, unfused_s=unfused.total_s,
+                                 decode_s=unfused.decode_end_s, scoring_s=unfused.total_s - unfused.decode_end_s,
+                                 fused_s=fused.total_s, speedup=unfused.total_s / fused.total_s, threshold=threshold,
+                                 kept=len(fused.kept), moved=fused.moved, migration_s=fused.migration_s))
     return rows
+
+
+def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, dict, float]:
+    """(fastest unfused row, fastest fused row, speedup): each variant at its own best instance size."""
+    mine = [r for r in rows if r["hardware"] == hardware and r["models"] == models]
+    unfused = min(mine, key=lambda r: r["unfused_s"])
+    fused = min(mine, key=lambda r: r["fused_s"])
+    return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
 
 
 # ---------------------------------------------------------------------------------------------- (c) model check
@@ -130,7 +179,7 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
     base = dict(real["costs"][rep])
     meas = real["fused_meas"][rep]
     base["transfer_latency_s"], base["transfer_bytes_per_s"] = fit_transfers(meas["transfers"])
-    base["check_s"] = statistics.median(meas["checks"]) if meas["checks"] else 0.0
+    base["check_s"] = meas["check_s"]
     base["kv_bytes_per_token"] = real["kv_bytes_per_token"]
     costs = StageCosts(**base)
     batch = len(real["lengths"])
@@ -142,7 +191,8 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
     fused = simulate_stage(instances, costs, config, fused=True, threshold=threshold)
     unfused = simulate_stage(instances, costs, config, fused=False)
     measured = real["on"][rep][0]
-    return dict(costs=costs, threshold=threshold, fused=fused, unfused=unfused, measured=measured,
+    measured_off = statistics.fmean(real["off"][i][0] for i in (rep, rep + 1))
+    return dict(costs=costs, threshold=threshold, fused=fused, unfused=unfused, measured=measured, measured_off=measured_off,
                 error=abs(fused.total_s - measured) / measured)
 
 
@@ -186,14 +236,17 @@ def main() -> None:
 
     real = run_multirank(_real_rank, world, args.batch, args.prompt_len, args.max_new, args.repeats,
                          args.check_interval, args.seed, timeout_s=1800)[0]
-    speedups = [a[0] / b[0] for a, b in zip(real["off"], real["on"])]
-    rep = sorted(range(args.repeats), key=lambda i: speedups[i])[args.repeats // 2]  # the median pair
-    off, on, real_speedup = real["off"][rep], real["on"][rep], speedups[rep]
+    # Fused run i against the mean of its two neighbouring unfused runs.
+    speedups = [statistics.fmean(real["off"][i][0] for i in (r, r + 1)) / real["on"][r][0] for r in range(args.repeats)]
+    rep = sorted(range(args.repeats), key=lambda i: speedups[i])[args.repeats // 2]  # the median one
+    off = [statistics.fmean(real["off"][i][j] for i in (rep, rep + 1)) for j in range(3)]
+    on, real_speedup = real["on"][rep], speedups[rep]
     mig = real["migration"][rep]
     lengths = torch.tensor(real["lengths"], dtype=torch.float64)
     print(f"(a) real: 2 ranks x 1 thread, debug models, batch {args.batch}, prompt {args.prompt_len}, LMSYS-shaped "
           f"lengths (median {lengths.median():.0f}, p99.9 {torch.quantile(lengths, 0.999):.0f}, max {lengths.max():.0f}), "
-          f"k={args.check_interval}, median of {args.repeats} off/on pairs (speedups {', '.join(f'{x:.2f}' for x in speedups)})")
+          f"k={args.check_interval}, runs off/on/off/.../off, each fused run vs the mean of its two unfused neighbours, "
+          f"median of {args.repeats} (speedups {', '.join(f'{x:.2f}' for x in speedups)})")
     print(f"    fusion off: stage {off[0]:.3f}s (decode ends {off[1]:.3f}s, scoring exposed {off[2]:.3f}s)")
     print(f"    fusion on : stage {on[0]:.3f}s (decode ends {on[1]:.3f}s, scoring exposed {on[2]:.3f}s)")
     print(f"    real_speedup {real_speedup:.3f}x")
@@ -206,13 +259,22 @@ def main() -> None:
 
     rows = paper_scale()
     print(f"(b) simulator at paper scale: batch {PAPER_BATCH}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
-          "H100 roofline costs (decode 60% of HBM bandwidth, scoring 40% MFU), best threshold")
-    print(f"    {'models':34s} {'inst':>4s} {'unfused s':>10s} {'fused s':>9s} {'speedup':>8s} {'thresh':>6s} {'kept':>4s} {'moved':>5s}")
+          f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
+          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring balanced over all instances, "
+          "best threshold")
+    print(f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
+          f"{'fused s':>8s} {'speedup':>8s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}")
     for r in rows:
-        mark = " <- sim_speedup" if r["primary"] else ""
-        print(f"    {r['models']:34s} {r['instances']:4d} {r['unfused_s']:10.2f} {r['fused_s']:9.2f} {r['speedup']:7.3f}x "
-              f"{r['threshold']:6d} {r['kept']:4d} {r['moved']:5d}{mark}")
-    sim_speedup = next(r["speedup"] for r in rows if r["primary"])
+        print(f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
+              f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x {r['threshold']:6d} "
+              f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}")
+    for hw, _, _, _, _ in HARDWARE:
+        for name, *_ in PAPER_MODELS:
+            u, f, x = best_vs_best(rows, hw, name)
+            mark = "  <- sim_speedup" if (hw, name) == PRIMARY else ""
+            print(f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
+                  f"(TP {f['tp']}) = {x:.3f}x{mark}")
+    sim_speedup = best_vs_best(rows, *PRIMARY)[2]
 
     if args.trace_dir is not None:
         raw = {k: v for k, v in real.items() if not k.startswith("trace")}
@@ -223,12 +285,17 @@ def main() -> None:
     err = sorted(errors)[len(errors) // 2]
     check = checks[errors.index(err)]
     c = check["costs"]
-    print(f"(c) simulator with each pair's measured costs (median pair shown): decode {c.decode_base_s * 1e3:.2f} ms + "
-          f"{c.decode_per_seq_s * 1e6:.1f} us/seq + {c.decode_per_ctx_token_s * 1e9:.2f} ns/ctx token, scoring "
-          f"{c.score_base_s * 1e3:.2f} ms + {c.score_per_token_s * 1e6:.2f} us/token, check {c.check_s * 1e3:.2f} ms")
-    print(f"    unfused: predicted {check['unfused'].total_s:.3f}s; fused (threshold {check['threshold']}): predicted "
-          f"{check['fused'].total_s:.3f}s vs measured {check['measured']:.3f}s")
-    print(f"    real_vs_sim_error per pair {', '.join(f'{e:.1%}' for e in errors)} -> median {err:.1%}")
+    m = real["migration"][checks.index(check)]
+    print(f"(c) simulator with costs fitted to the two unfused runs around each fused run (median shown): decode "
+          f"{c.decode_base_s * 1e3:.2f} ms + {c.decode_per_seq_s * 1e6:.1f} us/seq + {c.decode_per_row_s * 1e6:.1f} us/padded row "
+          f"+ {c.decode_per_ctx_token_s * 1e9:.2f} ns/attended token (engine buckets), scoring {c.score_base_s * 1e3:.2f} ms + "
+          f"{c.score_per_token_s * 1e6:.2f} us/token, check {c.check_s * 1e3:.2f} ms (trace gaps of the fused run)")
+    print(f"    unfused: predicted {check['unfused'].total_s:.3f}s vs measured {check['measured_off']:.3f}s; fused (threshold "
+          f"{check['threshold']}): predicted {check['fused'].total_s:.3f}s vs measured {check['measured']:.3f}s")
+    if m and check["fused"].migration_start_s is not None:
+        print(f"    per phase (predicted / measured): migration at {check['fused'].migration_start_s:.3f} / {m['time_s']:.3f}s, "
+              f"transfers {check['fused'].migration_s * 1e3:.1f} / {m['duration_s'] * 1e3:.1f} ms")
+    print(f"    real_vs_sim_error per fused run {', '.join(f'{e:.1%}' for e in errors)} -> median {err:.1%}")
 
     if args.trace_dir is not None:
         from fusedrl.components.metrics import ChromeTrace

@@ -22,14 +22,29 @@ from fusedrl.generation.migration_plan import InstanceStats, MovedRequest, build
 TOKEN_BYTES = 12  # a finished sample sent as tokens: int64 id + float32 log-prob per token
 
 
+def bucket(x: int, buckets: Sequence[int], *, strictly_above: bool = False) -> int:
+    """Smallest bucket >= x (> x with ``strictly_above``), or x itself without buckets (no padding)."""
+    for b in buckets:
+        if b > x or (b == x and not strictly_above):
+            return b
+    return buckets[-1] if buckets else x
+
+
 @dataclass(frozen=True)
 class StageCosts:
     """Per-instance costs in seconds.
 
-    decode step = ``decode_base_s + decode_per_seq_s * batch + decode_per_ctx_token_s * sum(context)``;
-    prefill = ``prefill_per_token_s * tokens``; one scoring micro-batch (Reference, Reward, Critic) =
-    ``score_base_s + score_per_token_s * rows * padded_len``; one transfer = ``transfer_latency_s +
-    bytes / transfer_bytes_per_s``; ``check_s`` is one all-gather of the statistics.
+    decode step = ``decode_base_s + decode_per_seq_s * batch + decode_per_row_s * rows +
+    decode_per_ctx_token_s * attended``. Without buckets (a paged-attention engine) ``rows = batch`` and
+    ``attended`` = the summed context of the batch. With ``batch_buckets`` / ``len_buckets`` (the
+    :class:`~fusedrl.generation.GenerationEngine` pads its decode step to static shapes) ``rows`` is the
+    batch rounded up to a batch bucket and ``attended = rows * L``, L the smallest length bucket above
+    the longest cached position. Per sequence (sampling, bookkeeping) and per padded row (the forward
+    pass) are separate terms. Prefill = ``prefill_per_token_s * tokens``; one scoring micro-batch
+    (Reference, Reward, Critic) = ``score_base_s + score_per_token_s * rows * padded_len +
+    score_per_token_sq_s * rows * padded_len**2`` (the last term: attention, quadratic in length); one transfer
+    = ``transfer_latency_s + bytes / transfer_bytes_per_s``; ``check_s`` is one all-gather of the
+    statistics (plus, with ``auto``, the controller's share of re-simulating the threshold).
     """
 
     decode_base_s: float
@@ -42,9 +57,25 @@ class StageCosts:
     transfer_bytes_per_s: float
     kv_bytes_per_token: float
     check_s: float = 0.0
+    decode_per_row_s: float = 0.0
+    score_per_token_sq_s: float = 0.0
+    batch_buckets: tuple[int, ...] = ()
+    len_buckets: tuple[int, ...] = ()
 
-    def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * ctx_tokens
+    def padded_shape(self, batch: int, ctx_tokens: float, max_cached: float | None = None) -> tuple[float, float]:
+        """(rows, attended tokens) of a decode step of ``batch`` requests holding ``ctx_tokens`` in all;
+        ``max_cached`` (longest cached position) matters only with ``len_buckets`` (default: the mean)."""
+        rows = bucket(batch, self.batch_buckets)
+        if not self.len_buckets:
+            return rows, ctx_tokens
+        longest = max_cached if max_cached is not None else ctx_tokens / batch
+        return rows, rows * bucket(int(longest), self.len_buckets, strictly_above=True)
+
+    def decode_step_s(self, batch: int, ctx_tokens: int, max_cached: int | None = None) -> float:
+        if batch <= 0:
+            return 0.0
+        rows, attended = self.padded_shape(batch, ctx_tokens, max_cached)
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_row_s * rows + self.decode_per_ctx_token_s * attended
 
     def score_s(self, sample_tokens: Sequence[int], micro_batch_size: int) -> float:
         """Scoring time of samples of these lengths, length-sorted into micro-batches (as the Scorer does)."""
@@ -52,7 +83,7 @@ class StageCosts:
         total = 0.0
         for i in range(0, len(lengths), micro_batch_size):
             mb = lengths[i : i + micro_batch_size]
-            total += self.score_base_s + self.score_per_token_s * len(mb) * mb[-1]
+            total += self.score_base_s + (self.score_per_token_s + self.score_per_token_sq_s * mb[-1]) * len(mb) * mb[-1]
         return total
 
     def transfer_s(self, nbytes: float) -> float:
@@ -65,6 +96,8 @@ class StageCosts:
         actor_params: float,
         scorer_params: float,
         kv_bytes_per_token: float,
+        gpus_per_instance: int = 1,
+        actor_layers: int = 0,
         hbm_bytes_per_s: float = 3.35e12,
         flops_per_s: float = 989e12,
         decode_bw_util: float = 0.6,
@@ -72,24 +105,34 @@ class StageCosts:
         bytes_per_param: float = 2.0,
         step_overhead_s: float = 2e-3,
         per_seq_s: float = 2e-5,
-        transfer_bytes_per_s: float = 25e9,
+        allreduce_s: float = 15e-6,
+        link_bytes_per_s: float = 25e9,
         transfer_latency_s: float = 50e-6,
         check_s: float = 1e-4,
     ) -> "StageCosts":
-        """Roofline costs of one GPU instance: decode reads the weights and the KV cache each step
-        (memory bound), prefill and scoring are compute bound (2 FLOPs per parameter per token).
-        ``scorer_params`` is the sum of the Reference, Reward and Critic sizes. Defaults: H100 SXM
-        (3.35 TB/s, 989 dense bf16 TFLOP/s), 60% of bandwidth in decode, 40% MFU, 25 GB/s between instances."""
-        bw = hbm_bytes_per_s * decode_bw_util
+        """Roofline costs of one instance of ``gpus_per_instance`` GPUs (tensor parallel): a decode step
+        reads the Actor's weight shard and the batch's KV cache once (memory bound) and, with TP > 1, runs
+        two all-reduces per layer (``allreduce_s`` each, latency bound at decode sizes); prefill and
+        scoring are compute bound (2 FLOPs per parameter per token, attention FLOPs left out) on all the
+        instance's GPUs. ``scorer_params`` is the sum of the Reference, Reward and Critic sizes. A transfer
+        between instances moves every TP rank's shard in parallel over its own ``link_bytes_per_s`` link.
+        Defaults: H100 SXM (3.35 TB/s HBM, 989 dense bf16 TFLOP/s), 60% of bandwidth in decode, 40% MFU,
+        25 GB/s per GPU between instances (half a 400 Gb/s NIC)."""
+        if gpus_per_instance < 1:
+            raise ValueError(f"gpus_per_instance must be >= 1, got {gpus_per_instance}")
+        tp = gpus_per_instance
+        bw = hbm_bytes_per_s * decode_bw_util * tp
+        flops = flops_per_s * mfu * tp
+        comm = 2 * actor_layers * allreduce_s if tp > 1 else 0.0
         return cls(
-            decode_base_s=step_overhead_s + actor_params * bytes_per_param / bw,
+            decode_base_s=step_overhead_s + comm + actor_params * bytes_per_param / bw,
             decode_per_seq_s=per_seq_s,
             decode_per_ctx_token_s=kv_bytes_per_token / bw,
-            prefill_per_token_s=2 * actor_params / (flops_per_s * mfu),
+            prefill_per_token_s=2 * actor_params / flops,
             score_base_s=step_overhead_s,
-            score_per_token_s=2 * scorer_params / (flops_per_s * mfu),
+            score_per_token_s=2 * scorer_params / flops,
             transfer_latency_s=transfer_latency_s,
-            transfer_bytes_per_s=transfer_bytes_per_s,
+            transfer_bytes_per_s=link_bytes_per_s * tp,
             kv_bytes_per_token=kv_bytes_per_token,
             check_s=check_s,
         )
@@ -103,16 +146,28 @@ class StageCosts:
         transfers: Sequence[tuple[int, float]] = (),
         kv_bytes_per_token: float = 0.0,
         check_s: float = 0.0,
+        batch_buckets: Sequence[int] = (),
+        len_buckets: Sequence[int] = (),
     ) -> "StageCosts":
-        """Least-squares fit to measurements: decode (batch, ctx_tokens, s), score (rows, padded_len, s),
-        prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0."""
+        """Least-squares fit to measurements: decode (batch, cached tokens, s), score (rows, padded_len, s),
+        prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0. With the
+        engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
+        position of a measured step is taken as its mean (exact when its requests started together)."""
         if len(decode) < 3 or len(score) < 2:
             raise ValueError("fit needs >= 3 decode and >= 2 scoring measurements; run more steps/micro-batches")
-        a, b, c = _lstsq([[1.0, bt, ctx] for bt, ctx, _ in decode], [s for *_, s in decode])
-        s0, s1 = _lstsq([[1.0, rows * plen] for rows, plen, _ in score], [s for *_, s in score])
+        bb, lb = tuple(batch_buckets), tuple(len_buckets)
+        shape = cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, batch_buckets=bb, len_buckets=lb).padded_shape
+        rows = [[1.0, float(n), *map(float, shape(n, ctx))] for n, ctx, _ in decode]
+        if not bb:  # rows == batch: one per-sequence term
+            rows = [r[:2] + r[3:] for r in rows]
+        coef = _lstsq(rows, [s for *_, s in decode])
+        a, b, c = coef[0], coef[1], coef[-1]
+        row = coef[2] if bb else 0.0
+        quadratic = len(score) >= 4  # the attention term needs one more measurement than the linear fit
+        s0, s1, *s2 = _lstsq([[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score])
         p = sum(s for _, s in prefill) / max(1, sum(t for t, _ in prefill)) if prefill else 0.0
         lat, bw = fit_transfers(transfers)
-        return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s)
+        return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s, row, s2[0] if s2 else 0.0, bb, lb)
 
 
 def fit_transfers(transfers: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -127,11 +182,21 @@ def fit_transfers(transfers: Sequence[tuple[int, float]]) -> tuple[float, float]
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Plain least squares (mean-unbiased: slow steps on a busy machine are real time and stay in)."""
+    """Least squares with non-negative coefficients (mean-unbiased: slow steps on a busy machine are real
+    time and stay in). A coefficient that comes out negative is dropped (set to 0) and the rest refitted,
+    so that, while the intercept stays, the fitted times still sum to the measured ones."""
     a = torch.tensor(rows, dtype=torch.float64)
     scale = a.abs().amax(0).clamp_min(1e-30)
-    sol = torch.linalg.lstsq(a / scale, torch.tensor(y, dtype=torch.float64)[:, None]).solution[:, 0] / scale
-    return [max(0.0, float(x)) for x in sol]
+    a, target = a / scale, torch.tensor(y, dtype=torch.float64)[:, None]
+    active = list(range(a.shape[1]))
+    sol = torch.zeros(a.shape[1], dtype=torch.float64)
+    while active:
+        part = torch.linalg.lstsq(a[:, active], target).solution[:, 0]
+        if bool((part >= 0).all()):
+            sol[active] = part
+            break
+        active.pop(int(part.argmin()))
+    return [float(x) for x in sol / scale]
 
 
 @dataclass(frozen=True)
@@ -152,6 +217,10 @@ class StageConfig:
     micro_batch_size: int = 8
     mode: Literal["kv", "reprefill"] = "kv"
     prefill: bool = True  # requests start with a prefill of their context (False: resuming mid-stage)
+    # Unfused scoring: "own" = each instance scores its own samples (what MigrationController does with
+    # fusion off); "balanced" = all samples length-sorted into micro-batches, spread over all instances
+    # longest first to the least loaded (a tuned baseline).
+    unfused_scoring: Literal["own", "balanced"] = "own"
 
 
 @dataclass
@@ -175,12 +244,21 @@ def _step_times(reqs: Sequence[SimRequest], costs: StageCosts, steps: int) -> to
         return torch.zeros(max(steps, 0), dtype=torch.float64)
     rem = torch.tensor([min(r.remaining, steps) for r in reqs], dtype=torch.int64)
     ctx = torch.tensor([float(r.ctx) for r in reqs], dtype=torch.float64)
-    # A request with `remaining` = R is active in steps 1..R: reverse cumulative sums over R give the
-    # batch size and the summed starting context of the active requests at each step.
+    # A request with `remaining` = R is active in steps 1..R: reverse cumulative sums (max) over R give
+    # the batch size and the summed (longest) starting context of the active requests at each step.
     batch = torch.bincount(rem, minlength=steps + 1).double().flip(0).cumsum(0).flip(0)[1:]
     ctx0 = torch.bincount(rem, weights=ctx, minlength=steps + 1).flip(0).cumsum(0).flip(0)[1:]
     s = torch.arange(steps, dtype=torch.float64)
-    t = costs.decode_base_s + costs.decode_per_seq_s * batch + costs.decode_per_ctx_token_s * (ctx0 + s * batch)
+    rows, attended = batch, ctx0 + s * batch
+    if costs.batch_buckets:
+        buckets = torch.tensor(costs.batch_buckets, dtype=torch.float64)
+        rows = buckets[torch.searchsorted(buckets, batch).clamp_max(len(buckets) - 1)]
+    if costs.len_buckets:
+        longest0 = torch.zeros(steps + 1, dtype=torch.float64).scatter_reduce(0, rem, ctx, "amax").flip(0).cummax(0).values.flip(0)[1:]
+        cached = longest0 + s - 1  # the engine caches all but the pending token
+        buckets = torch.tensor(costs.len_buckets, dtype=torch.float64)
+        attended = rows * buckets[torch.searchsorted(buckets, cached, right=True).clamp_max(len(buckets) - 1)]
+    t = costs.decode_base_s + costs.decode_per_seq_s * batch + costs.decode_per_row_s * rows + costs.decode_per_ctx_token_s * attended
     return torch.where(batch > 0, t, torch.zeros_like(t))
 
 
@@ -209,7 +287,7 @@ def simulate_stage(
         dec_end = max(ends, default=0.0)
         for i in range(n):
             spans.append((i, "decode", 0.0, ends[i]))
-        score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
+        score = _unfused_scoring(final, costs, config)
         for i in range(n):
             spans.append((i, "score", dec_end, dec_end + score[i]))
         return StageTimes(dec_end + max(score, default=0.0), dec_end, spans=spans)
@@ -228,7 +306,7 @@ def simulate_stage(
     s0 = int(check_steps[hits[0]]) if len(hits) else None
     t = float(clock[hits[0]]) if len(hits) else float(clock[-1]) if intervals else max(start, default=0.0)
     if s0 is None:  # decoding ended before the threshold: everyone scores its own samples
-        score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
+        score = _unfused_scoring(final, costs, config)
         for i in range(n):
             spans += [(i, "decode", 0.0, t), (i, "score", t, t + score[i])]
         return StageTimes(t + max(score), t, spans=spans)
@@ -335,6 +413,19 @@ def simulate_stage(
         kept=tuple(kept),
         spans=spans,
     )
+
+
+def _unfused_scoring(samples: list[list[int]], costs: StageCosts, config: StageConfig) -> list[float]:
+    """Each instance's scoring time once decoding has ended everywhere (see ``StageConfig.unfused_scoring``)."""
+    mbs = config.micro_batch_size
+    if config.unfused_scoring == "own":
+        return [costs.score_s(s, mbs) for s in samples]
+    lengths = sorted(t for s in samples for t in s)
+    batches = sorted((costs.score_s(lengths[i : i + mbs], mbs) for i in range(0, len(lengths), mbs)), reverse=True)
+    load = [0.0] * len(samples)
+    for b in batches:
+        load[load.index(min(load))] += b
+    return load
 
 
 DEFAULT_FRACTIONS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3, 0.4, 0.5)
