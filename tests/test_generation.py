@@ -238,6 +238,26 @@ def test_load_weights_replaces_the_generation_weights(model, quantize):
     assert res.tokens == _reference_greedy(expected_model, prompt, GREEDY.max_new_tokens)[0]
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_weights_changed_in_place_after_decoding_are_used(compile):
+    # The engine may cache derived copies of the weights (prepacked CPU linears); an in-place update
+    # (an optimizer step, load_state_dict, weight sync) after a first decode must reach the next decode.
+    torch.manual_seed(5)
+    model = build_model("debug").eval()
+    buckets = dict(batch_buckets=[1], len_buckets=[32]) if compile else {}
+    engine = GenerationEngine(model, max_slots=1, max_len=32, compile=compile, **buckets)
+    prompt = _prompt(5, 11)
+    first = engine.generate([Request(0, prompt, GREEDY)])[0]
+    assert first.tokens == _reference_greedy(model, prompt, GREEDY.max_new_tokens)[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    second = engine.generate([Request(1, prompt, GREEDY)])[0]
+    ref_tokens, ref_logprobs = _reference_greedy(model, prompt, GREEDY.max_new_tokens)
+    assert second.tokens == ref_tokens and second.tokens != first.tokens
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
+
+
 def test_weight_sync_checks_the_stages_and_the_layout(model):
     from fusedrl.distributed import split_decoder
     from fusedrl.generation import sync_weights
