@@ -200,28 +200,16 @@ def train_reward(tokenizer, steps: int, batch: int, seed: int, lr: float = 3e-3)
     return model, losses
 
 
-@torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, seed: int = 0):
-    """Plain sampling without a KV cache (tiny models only); returns ``(response ids without EOS, finished)``."""
-    g = torch.Generator().manual_seed(seed)
+    """Sample with fusedrl's generation engine; returns ``(response ids without EOS, finished)``."""
+    from fusedrl.generation import GenerationEngine, Request, SamplingParams
+
     seqs = [tokenizer.encode(p, add_bos=True) for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    for _ in range(max_new_tokens):
-        live = [i for i, d in enumerate(done) if not d]
-        if not live:
-            break
-        cur = [seqs[i] + out[i] for i in live]
-        tokens = _pad(cur, tokenizer.pad_id)
-        logits = model(tokens)
-        last = logits[torch.arange(len(live)), torch.tensor([len(c) - 1 for c in cur])] / temperature
-        nxt = torch.multinomial(torch.softmax(last.float(), -1), 1, generator=g).squeeze(1).tolist()
-        for i, t in zip(live, nxt):
-            if t == tokenizer.eos_id:
-                done[i] = True
-            else:
-                out[i].append(t)
-    return out, done
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
+    engine = GenerationEngine(model, max_slots=len(seqs), max_len=max(map(len, seqs)) + max_new_tokens, seed=seed)
+    results = engine.generate([Request(i, s, params) for i, s in enumerate(seqs)])
+    finished = [r.finish_reason == "stop" for r in results]
+    return [r.tokens[:-1] if f else r.tokens for r, f in zip(results, finished)], finished
 
 
 def _pearson(x: list[float], y: list[float]) -> float:
