@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LRScheduler
@@ -410,15 +409,7 @@ def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dic
 def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
     """Right-pad the batch to one of a few lengths so the executor builds few stage shapes."""
     step = max(16, -(-max_len // 8))
-    target = bucket_length(exp.seq_len, list(range(step, max_len + step, step)))
-    extra = target - exp.seq_len
-    if extra == 0:
-        return exp
-    fields = {}
-    for name in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns"):
-        t = getattr(exp, name)
-        fields[name] = None if t is None else F.pad(t, (0, extra), value=pad_id if name == "tokens" else 0)
-    return Experience(**fields, scores=exp.scores, sample_ids=exp.sample_ids)
+    return exp.pad_to(bucket_length(exp.seq_len, list(range(step, max_len + step, step))), pad_id)
 
 
 # ---------------------------------------------------------------------------------------------- training

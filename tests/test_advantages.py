@@ -152,3 +152,9 @@ def test_experience_split_concat():
         Experience(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="set in some"):
         Experience.concat([a, Experience(a.tokens, a.response_mask)])
+    padded = a.pad_to(8, pad_token_id=3)
+    assert padded.tokens.shape == padded.logprobs.shape == (4, 8)
+    assert (padded.tokens[:, 5:] == 3).all() and (padded.logprobs[:, 5:] == 0).all() and (padded.response_mask[:, 5:] == 0).all()
+    assert torch.equal(padded.tokens[:, :5], a.tokens) and torch.equal(padded.scores, a.scores) and padded.values is None
+    with pytest.raises(ValueError, match="cannot pad"):
+        a.pad_to(4)

@@ -88,12 +88,29 @@ class Experience:
             raise ValueError(f"Experience fields {missing} are not computed yet; fill them before building loss targets")
         return {n: getattr(self, n) for n in names}
 
+    def pad_to(self, seq_len: int, pad_token_id: int = 0) -> Experience:
+        """Right-pad every per-token field to ``seq_len``: tokens with ``pad_token_id``, the rest with 0
+        (so padding has mask 0)."""
+        extra = seq_len - self.seq_len
+        if extra < 0:
+            raise ValueError(f"cannot pad a batch of sequence length {self.seq_len} down to {seq_len}")
+        if extra == 0:
+            return self
+        out = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None and f.name not in PER_SAMPLE_FIELDS:
+                t = F.pad(t, (0, extra), value=pad_token_id if f.name == "tokens" else 0)
+            out[f.name] = t
+        return Experience(**out)
+
     @staticmethod
     def concat(batches: list[Experience], pad_token_id: int = 0) -> Experience:
         """Stack batches along the batch dim, right-padding shorter sequences (padding has mask 0)."""
         if not batches:
             raise ValueError("Experience.concat needs at least one batch")
         seq = max(b.seq_len for b in batches)
+        batches = [b.pad_to(seq, pad_token_id) for b in batches]
         out = {}
         for f in dataclasses.fields(Experience):
             parts = [getattr(b, f.name) for b in batches]
@@ -103,9 +120,5 @@ class Experience:
                 continue
             if not all(present):
                 raise ValueError(f"cannot concat Experience batches: field {f.name!r} is set in some batches and None in others")
-            if f.name in PER_SAMPLE_FIELDS:
-                out[f.name] = torch.cat(parts)
-            else:
-                fill = pad_token_id if f.name == "tokens" else 0
-                out[f.name] = torch.cat([F.pad(p, (0, seq - p.shape[1]), value=fill) for p in parts])
+            out[f.name] = torch.cat(parts)
         return Experience(**out)
