@@ -157,13 +157,18 @@ def train_sft(tokenizer, steps: int, batch: int, noise: float, seed: int, lr: fl
             labels[i, len(s):] = -100
         logits = model(tokens)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(_optimizer_step(model, opt, sched, loss))
     return model, losses
+
+
+def _optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched, loss: torch.Tensor) -> float:
+    """One clipped AdamW step of the asset-building loops; returns the loss value."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
 
 
 def reward_inputs(tokenizer, examples: list[tuple[str, str, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,12 +196,7 @@ def train_reward(tokenizer, steps: int, batch: int, seed: int, lr: float = 3e-3)
         target = torch.tensor([true_score(p, r, f) for p, r, f in examples])
         tokens, last = reward_inputs(tokenizer, examples)
         loss = F.mse_loss(reward_scores(model, tokens, last), target)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(_optimizer_step(model, opt, sched, loss))
     return model, losses
 
 
