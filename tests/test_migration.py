@@ -22,7 +22,7 @@ from fusedrl.generation.stage_sim import (
     SimRequest,
     StageConfig,
     StageCosts,
-    best_threshold,
+    best_migration,
     simulate_stage,
     split_round_robin,
 )
@@ -35,7 +35,7 @@ from fusedrl.testing import run_multirank
 
 
 def _stats(unfinished, remaining, slots=4):
-    return [InstanceStats(r, u, rem, slots, slots * 100, 10 * u + rem) for r, (u, rem) in enumerate(zip(unfinished, remaining))]
+    return [InstanceStats(r, u, rem, slots, slots * 100, 10 * u + rem, 100 if u else 0) for r, (u, rem) in enumerate(zip(unfinished, remaining))]
 
 
 def test_plan_keeps_fewest_instances_with_most_work_and_verifies():
@@ -108,11 +108,25 @@ def test_fused_is_no_slower_and_gains_grow_with_scoring_cost():
     for factor in (0.5, 1.0, 2.0, 4.0):
         costs = StageCosts(**{**PAPER_COSTS.__dict__, "score_per_token_s": PAPER_COSTS.score_per_token_s * factor})
         unfused = simulate_stage(instances, costs, PAPER_CONFIG, fused=False)
-        _, fused = best_threshold(instances, costs, PAPER_CONFIG)
+        *_, fused = best_migration(instances, costs, PAPER_CONFIG)
         assert fused.total_s <= unfused.total_s
-        assert fused.moved > 0 and fused.migration_step is not None
+        assert fused.migration_step is not None and len(fused.kept) < len(instances)
         gains.append(unfused.total_s / fused.total_s)
     assert gains == sorted(gains) and gains[-1] > gains[0]
+
+
+def test_auto_keeps_more_instances_when_the_tails_kv_reads_dominate():
+    # TP1 13B instances: a decode step reads the batch's KV cache (800 KB per token), so 26 long requests on
+    # one instance decode ~2x slower than the weights alone; keeping 4-8 instances is faster.
+    instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 32)
+    config = StageConfig(max_slots=256, kv_capacity_tokens=57_000, check_interval=8, micro_batch_size=8)
+    fewest = min((simulate_stage(instances, PAPER_COSTS, config, fused=True, threshold=c) for c in (3, 5, 10, 26, 41)),
+                 key=lambda t: t.total_s)
+    threshold, min_kept, best = best_migration(instances, PAPER_COSTS, config)
+    assert min_kept > 1 and len(best.kept) >= min_kept
+    assert best.total_s < 0.97 * fewest.total_s
+    again = simulate_stage(instances, PAPER_COSTS, config, fused=True, threshold=threshold, min_kept=min_kept)
+    assert again.total_s == best.total_s
 
 
 def test_more_instances_decode_faster_and_threshold_zero_never_migrates():
@@ -201,6 +215,7 @@ class Scenario:
     mode: str = "kv"
     check_interval: int = 2
     costs: StageCosts | None = None
+    max_slots: int | None = None  # default: the whole batch fits
 
 
 def _models():
@@ -226,7 +241,7 @@ def _run_scenarios(scenarios: dict) -> dict:
     for name, sc in scenarios.items():
         res = {}
         for fusion in (False, True):
-            engine = GenerationEngine(actor, max_slots=len(sc.lengths), max_len=64, seed=11)
+            engine = GenerationEngine(actor, max_slots=sc.max_slots or len(sc.lengths), max_len=64, seed=11)
             ctl = MigrationController(engine, Scorer(scoring, micro_batch_size=3), fusion=fusion, threshold=sc.threshold,
                                       mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs)
             r = ctl.run(_requests(sc.lengths, rank, world), gather=True)
@@ -256,6 +271,9 @@ SCENARIOS_2 = {
     "last_step": Scenario(TAIL_LAST_STEP, 0.25, "kv"),
     "nothing_to_move": Scenario(TAIL_ON_ONE_RANK, 0.25, "kv"),
     "never_reached": Scenario((5,) * 8, 0.1, "kv"),
+    # 2 slots per rank: at the first check each rank holds 3 unfinished requests (one queued), at most the
+    # threshold of 6, but neither rank has a free slot for the other's, so migration is skipped.
+    "no_room": Scenario((8, 8, 8, 8, 3, 3), 0.99, "kv", max_slots=2),
 }
 
 
@@ -288,6 +306,13 @@ def test_two_ranks_threshold_with_nothing_to_move(two_ranks):
     _check_same_outputs(off, on)
     m = on["migration"]
     assert m["moved"] == 0 and m["moved_bytes"] == 0 and m["kept"] == [0] and m["sample_bytes"] > 0
+
+
+def test_two_ranks_no_room_to_migrate_skips_migration(two_ranks):
+    off, on = two_ranks["no_room"][False], two_ranks["no_room"][True]
+    _check_same_outputs(off, on)
+    assert on["migration"] is None and "migrate" not in on["spans"]
+    assert on["exp"]["sample_ids"].tolist() == list(range(6))
 
 
 def test_two_ranks_threshold_never_reached(two_ranks):

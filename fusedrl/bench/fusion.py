@@ -33,7 +33,7 @@ from fusedrl.generation.stage_sim import (
     SimRequest,
     StageConfig,
     StageCosts,
-    best_threshold,
+    best_migration,
     fit_transfers,
     simulate_stage,
     split_round_robin,
@@ -142,8 +142,8 @@ def _kv_bytes_per_token(model) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- (b) paper
-def paper_scale() -> list[dict]:
-    lengths = lmsys_lengths(PAPER_BATCH, seed=0, max_len=PAPER_MAX_LEN)
+def paper_scale(batch: int = PAPER_BATCH) -> list[dict]:
+    lengths = lmsys_lengths(batch, seed=0, max_len=PAPER_MAX_LEN)
     rows = []
     for hw, hbm_bw, flops, hbm, link in HARDWARE:
         for name, actor, scorer, kvb, layers in PAPER_MODELS:
@@ -157,7 +157,7 @@ def paper_scale() -> list[dict]:
                 n = PAPER_GPUS // tp
                 instances = split_round_robin(lengths, PAPER_PROMPT, n)
                 unfused = simulate_stage(instances, costs, config, fused=False)
-                threshold, fused = best_threshold(instances, costs, config, batch_size=PAPER_BATCH)
+                threshold, _, fused = best_migration(instances, costs, config, batch_size=batch)
                 rows.append(dict(hardware=hw, models=name, tp=tp, instances=n, unfused_s=unfused.total_s,
                                  decode_s=unfused.decode_end_s, scoring_s=unfused.total_s - unfused.decode_end_s,
                                  fused_s=fused.total_s, speedup=unfused.total_s / fused.total_s, threshold=threshold,
@@ -171,6 +171,31 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
     unfused = min(mine, key=lambda r: r["unfused_s"])
     fused = min(mine, key=lambda r: r["fused_s"])
     return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
+
+
+def _print_paper_scale(batch: int) -> float:
+    """Print (b) and return sim_speedup."""
+    rows = paper_scale(batch)
+    print(f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
+          f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
+          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring balanced over all instances, "
+          "best threshold and kept count; bound = unfused / decode, the most any fusion can gain while the tail decodes "
+          "no faster")
+    print(f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
+          f"{'fused s':>8s} {'speedup':>8s} {'bound':>6s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}")
+    for r in rows:
+        print(f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
+              f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x "
+              f"{r['unfused_s'] / r['decode_s']:5.2f}x {r['threshold']:6d} "
+              f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}")
+    for hw, _, _, _, _ in HARDWARE:
+        for name, *_ in PAPER_MODELS:
+            u, f, x = best_vs_best(rows, hw, name)
+            mark = "  <- sim_speedup" if (hw, name) == PRIMARY else ""
+            bound = u["unfused_s"] / min(r["decode_s"] for r in rows if r["hardware"] == hw and r["models"] == name)
+            print(f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
+                  f"(TP {f['tp']}) = {x:.3f}x (bound {bound:.2f}x){mark}")
+    return best_vs_best(rows, *PRIMARY)[2]
 
 
 # ---------------------------------------------------------------------------------------------- (c) model check
@@ -188,7 +213,7 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
                          check_interval=check_interval, micro_batch_size=8)
     mig = real["migration"][rep]
     threshold = mig["threshold"] if mig else 0
-    fused = simulate_stage(instances, costs, config, fused=True, threshold=threshold)
+    fused = simulate_stage(instances, costs, config, fused=True, threshold=threshold, min_kept=len(mig["kept"]) if mig else 1)
     unfused = simulate_stage(instances, costs, config, fused=False)
     measured = real["on"][rep][0]
     measured_off = statistics.fmean(real["off"][i][0] for i in (rep, rep + 1))
@@ -231,8 +256,15 @@ def main() -> None:
     ap.add_argument("--check-interval", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces and PNG timelines here")
+    ap.add_argument("--paper-batch", type=int, default=PAPER_BATCH, help="global batch of the paper-scale simulation (b)")
+    ap.add_argument("--sim-only", action="store_true", help="run only (b); --json then prints only sim_speedup")
     args = ap.parse_args()
     world = 2
+    if args.sim_only:
+        sim_speedup = _print_paper_scale(args.paper_batch)
+        if args.json:
+            print(json.dumps({"sim_speedup": round(sim_speedup, 4)}))
+        return
 
     real = run_multirank(_real_rank, world, args.batch, args.prompt_len, args.max_new, args.repeats,
                          args.check_interval, args.seed, timeout_s=1800)[0]
@@ -257,24 +289,7 @@ def main() -> None:
     else:
         print("    migration: none (auto found no threshold worth migrating at)")
 
-    rows = paper_scale()
-    print(f"(b) simulator at paper scale: batch {PAPER_BATCH}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
-          f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
-          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring balanced over all instances, "
-          "best threshold")
-    print(f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
-          f"{'fused s':>8s} {'speedup':>8s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}")
-    for r in rows:
-        print(f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
-              f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x {r['threshold']:6d} "
-              f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}")
-    for hw, _, _, _, _ in HARDWARE:
-        for name, *_ in PAPER_MODELS:
-            u, f, x = best_vs_best(rows, hw, name)
-            mark = "  <- sim_speedup" if (hw, name) == PRIMARY else ""
-            print(f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
-                  f"(TP {f['tp']}) = {x:.3f}x{mark}")
-    sim_speedup = best_vs_best(rows, *PRIMARY)[2]
+    sim_speedup = _print_paper_scale(args.paper_batch)
 
     if args.trace_dir is not None:
         raw = {k: v for k, v in real.items() if not k.startswith("trace")}

@@ -3,7 +3,7 @@
 from fusedrl.generation.engine import EngineStats, GenerationEngine, RequestProgress
 from fusedrl.generation.migration import MigrationController, MigrationStats, StageResult
 from fusedrl.generation.migration_plan import MigrationPlan, PlanError, verify_plan
-from fusedrl.generation.stage_sim import StageConfig, StageCosts, best_threshold, simulate_stage
+from fusedrl.generation.stage_sim import StageConfig, StageCosts, best_migration, simulate_stage
 from fusedrl.generation.workload import LengthDistribution, lmsys_lengths
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.state import RequestState, recv_request_state, send_request_state
@@ -18,7 +18,7 @@ __all__ = [
     "StageConfig",
     "StageCosts",
     "StageResult",
-    "best_threshold",
+    "best_migration",
     "lmsys_lengths",
     "simulate_stage",
     "verify_plan",

@@ -6,9 +6,9 @@ generation + scoring stage for that rank's requests:
 - fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
 - fusion on: every ``check_interval`` decode steps the ranks all-gather their unfinished count,
   remaining work and free KV capacity. When the global unfinished count falls to the threshold
-  (a fraction of the batch, or ``"auto"``: the best threshold found by simulating the rest of the
-  stage with the lengths observed so far, see :mod:`.stage_sim`), the plan keeps the fewest
-  instances that hold the tail (most remaining work first), moves every other instance's unfinished
+  (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
+  simulating the rest of the stage with the lengths observed so far, see :mod:`.stage_sim`), the plan
+  keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first), moves every other instance's unfinished
   requests to them (KV + tokens + RNG state over point-to-point, or tokens only in ``reprefill`` mode),
   and sends the kept instances' finished samples (as tokens) to the freed ones. The plan is verified
   (:func:`.migration_plan.verify_plan`) before it runs. Freed instances then score while the tail
@@ -34,7 +34,7 @@ from fusedrl.generation.engine import GenerationEngine
 from fusedrl.generation.migration_plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
 from fusedrl.generation.request import Request, RequestResult
 from fusedrl.generation.state import recv_request_state, send_request_state
-from fusedrl.generation.stage_sim import SimRequest, StageConfig, StageCosts, best_threshold
+from fusedrl.generation.stage_sim import SimRequest, StageConfig, StageCosts, best_migration
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.scoring import Sample, Scorer
 
@@ -208,7 +208,7 @@ class _StageRun:
         self.decode_end = 0.0
         self.steps = 0
         self.observed_lengths: list[int] = []
-        self.auto_threshold: int | None = None
+        self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
         self.auto_evaluated_at: int | None = None
         dist.barrier(group=ctl.group)
         self.t0 = time.perf_counter()
@@ -279,12 +279,18 @@ class _StageRun:
             unfinished = sum(s.unfinished for s in all_stats)
             if unfinished == 0:
                 return None
-            threshold = self._threshold([g[2] for g in gathered], unfinished)
+            threshold, min_kept = self._threshold([g[2] for g in gathered], unfinished)
             if unfinished <= threshold:
-                return self._migrate(all_stats, threshold, unfinished)
+                kept = choose_kept(all_stats, min_kept)
+                if len(kept) == self.world:  # every rank computes the same: all skip together
+                    log.info("migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished)
+                    self._decode_until_done()
+                    return None
+                return self._migrate(all_stats, kept, threshold, unfinished)
 
     def _instance_stats(self) -> InstanceStats:
         s = self.engine.stats()
+        needs = [p.prompt_len + p.budget for p in self.engine.progress()]
         return InstanceStats(
             rank=self.rank,
             unfinished=s.active + s.waiting,
@@ -292,6 +298,7 @@ class _StageRun:
             max_slots=self.engine.max_slots,
             kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
             kv_reserved_tokens=s.cached_tokens + s.remaining_tokens,
+            largest_request_tokens=max(needs, default=0),
             finished_unscored=len(self.finished),
         )
 
@@ -300,24 +307,25 @@ class _StageRun:
         return [(p.seq_len, p.generated, p.budget if p.forced else None, p.budget) for p in self.engine.progress()]
 
     # -------------------------------------------------------------------------------------- threshold
-    def _threshold(self, details: list, unfinished: int) -> int:
+    def _threshold(self, details: list, unfinished: int) -> tuple[int, int]:
+        """(unfinished-count threshold, fewest instances to keep)."""
         ctl = self.ctl
         if ctl.threshold != "auto":
-            return max(1, round(ctl.threshold * self.batch))
+            return max(1, round(ctl.threshold * self.batch)), 1
         # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides.
         if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
             choice = [None]
             if self.rank == 0:
                 choice[0] = self._simulate_threshold(details)
             dist.broadcast_object_list(choice, src=dist.get_global_rank(ctl.group, 0) if ctl.group else 0, group=ctl.group)
-            self.auto_threshold, self.auto_evaluated_at = choice[0], unfinished
-        return self.auto_threshold
+            self.auto_choice, self.auto_evaluated_at = choice[0], unfinished
+        return self.auto_choice
 
-    def _simulate_threshold(self, details: list) -> int:
+    def _simulate_threshold(self, details: list) -> tuple[int, int]:
         costs = self.ctl._fitted_costs(self.measurements.decode)
         if costs is None:
             log.info("auto migration threshold: no scoring cost measured yet, using %.0f%% of the batch", 100 * AUTO_FALLBACK_FRACTION)
-            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch))
+            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch)), 1
         observed = sorted(self.observed_lengths)
         instances = [
             [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
@@ -332,13 +340,12 @@ class _StageRun:
             prefill=False,
         )
         backlog = [finished for _, finished in details]
-        threshold, _ = best_threshold(instances, costs, config, backlog=backlog, batch_size=self.batch)
-        return threshold
+        threshold, min_kept, _ = best_migration(instances, costs, config, backlog=backlog, batch_size=self.batch)
+        return threshold, min_kept
 
     # -------------------------------------------------------------------------------------- migration
-    def _migrate(self, stats: list[InstanceStats], threshold: int, unfinished: int) -> MigrationPlan:
+    def _migrate(self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int) -> MigrationPlan:
         ctl, start = self.ctl, self.clock()
-        kept = choose_kept(stats)
         exported = []
         if self.rank not in kept:
             exported = [self.engine.export_request(i, mode=ctl.mode) for i in self.engine.unfinished_ids()]

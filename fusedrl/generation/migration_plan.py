@@ -21,6 +21,7 @@ class InstanceStats:
     max_slots: int
     kv_capacity_tokens: int
     kv_reserved_tokens: int  # KV its unfinished requests need until they finish (cached + remaining)
+    largest_request_tokens: int  # KV the largest of them needs until it finishes (0: none unfinished)
     finished_unscored: int = 0
 
     @property
@@ -83,14 +84,22 @@ class PlanError(ValueError):
     """A migration plan broke an invariant (lost/duplicated request, capacity, unmatched transfer)."""
 
 
-def choose_kept(stats: Sequence[InstanceStats]) -> list[int]:
-    """Fewest instances, most remaining work first, whose slots and KV memory hold every unfinished request."""
+def choose_kept(stats: Sequence[InstanceStats], at_least: int = 1) -> list[int]:
+    """Fewest instances (but ``at_least``), most remaining work first, that can take every unfinished request
+    of the others. Keeping more than the fewest spreads the tail's KV reads over more instances: a decode
+    step reads every cached token of its batch, so a tail crammed onto one instance can decode slower.
+
+    A kept instance's room is counted in requests of the largest moved size (free slots, and free KV tokens
+    over that size), so :func:`assign_requests` always finds a place for each request: summed free KV
+    alone can be fragmented over instances that each lack room for the largest request."""
+    if at_least < 1:
+        raise ValueError(f"at_least must be >= 1, got {at_least}")
     order = sorted(stats, key=lambda s: (-s.remaining_tokens, -s.unfinished, s.rank))
-    for m in range(1, len(order) + 1):
+    for m in range(min(at_least, len(order)), len(order) + 1):
         kept, freed = order[:m], order[m:]
         moved = sum(s.unfinished for s in freed)
-        kv_moved = sum(s.kv_reserved_tokens for s in freed)
-        if sum(free_slots(s) for s in kept) >= moved and sum(max(0, s.free_kv_tokens) for s in kept) >= kv_moved:
+        largest = max((s.largest_request_tokens for s in freed if s.unfinished), default=1)
+        if sum(min(free_slots(s), max(0, s.free_kv_tokens) // max(1, largest)) for s in kept) >= moved:
             return sorted(s.rank for s in kept)
     raise PlanError(f"the unfinished requests do not fit into all {len(stats)} instances' KV memory")
 

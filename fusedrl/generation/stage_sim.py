@@ -270,10 +270,11 @@ def simulate_stage(
     fused: bool,
     threshold: int | None = None,
     backlog: Sequence[Sequence[int]] | None = None,
+    min_kept: int = 1,
 ) -> StageTimes:
     """Time of the stage. ``instances[i]`` are instance i's unfinished requests; ``backlog[i]`` the token
     counts of its finished, unscored samples. ``threshold``: migrate when at most this many requests are
-    unfinished at a check (fused only)."""
+    unfinished at a check (fused only); ``min_kept``: keep at least this many instances decoding."""
     n = len(instances)
     backlog = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
     start = [costs.prefill_per_token_s * sum(r.ctx for r in reqs) if config.prefill else 0.0 for reqs in instances]
@@ -311,8 +312,6 @@ def simulate_stage(
             spans += [(i, "decode", 0.0, t), (i, "score", t, t + score[i])]
         return StageTimes(t + max(score), t, spans=spans)
 
-    for i in range(n):
-        spans.append((i, "decode", 0.0, t))
     done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
     alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
     unscored = [backlog[i] + done[i] for i in range(n)]
@@ -324,11 +323,20 @@ def simulate_stage(
             max_slots=config.max_slots,
             kv_capacity_tokens=config.kv_capacity_tokens,
             kv_reserved_tokens=sum(r.ctx + r.remaining for r in alive[i]),
+            largest_request_tokens=max((r.ctx + r.remaining for r in alive[i]), default=0),
             finished_unscored=len(unscored[i]),
         )
         for i in range(n)
     ]
-    kept = choose_kept(stats)
+    kept = choose_kept(stats, min_kept)
+    if len(kept) == n:  # no instance can be freed: the controller skips migration, decodes on and scores its own
+        ends = [t + float(_step_times(alive[i], costs, horizon - s0).sum()) for i in range(n)]
+        score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
+        for i in range(n):
+            spans += [(i, "decode", 0.0, ends[i]), (i, "score", ends[i], ends[i] + score[i])]
+        return StageTimes(max(e + c for e, c in zip(ends, score)), max(ends), spans=spans)
+    for i in range(n):
+        spans.append((i, "decode", 0.0, t))
     ids = {}  # synthetic request / sample ids
     moved, kept_samples = [], {}
     for i in range(n):
@@ -431,7 +439,12 @@ def _unfused_scoring(samples: list[list[int]], costs: StageCosts, config: StageC
 DEFAULT_FRACTIONS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
-def best_threshold(
+def kept_candidates(num_instances: int) -> list[int]:
+    """Kept-instance counts ``auto`` tries: 1, 2, 4, ... below the number of instances."""
+    return [m for m in (1 << i for i in range(num_instances.bit_length())) if m < num_instances] or [1]
+
+
+def best_migration(
     instances: Sequence[Sequence[SimRequest]],
     costs: StageCosts,
     config: StageConfig,
@@ -439,16 +452,19 @@ def best_threshold(
     backlog: Sequence[Sequence[int]] | None = None,
     batch_size: int | None = None,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
-) -> tuple[int, StageTimes]:
-    """The unfinished-count threshold with the shortest simulated stage, among ``fractions`` of
-    ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more)."""
+) -> tuple[int, int, StageTimes]:
+    """(threshold, min_kept, simulated stage) with the shortest simulated stage. Thresholds: ``fractions``
+    of ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more);
+    min_kept: :func:`kept_candidates` (fewer kept instances free more for scoring, more decode the tail
+    faster)."""
     batch = batch_size if batch_size is not None else sum(len(r) for r in instances)
-    candidates = [0] + sorted({max(1, round(f * batch)) for f in fractions})
-    best = None
-    for c in candidates:
-        res = simulate_stage(instances, costs, config, fused=True, threshold=c, backlog=backlog)
-        if best is None or res.total_s < best[1].total_s - 1e-12:
-            best = (c, res)
+    thresholds = sorted({max(1, round(f * batch)) for f in fractions})
+    best = (0, 1, simulate_stage(instances, costs, config, fused=True, threshold=0, backlog=backlog))
+    for m in kept_candidates(len(instances)):
+        for c in thresholds:
+            res = simulate_stage(instances, costs, config, fused=True, threshold=c, backlog=backlog, min_kept=m)
+            if res.total_s < best[2].total_s - 1e-12:
+                best = (c, m, res)
     return best
 
 
