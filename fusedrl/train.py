@@ -477,8 +477,7 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
             timeline = layout.schedule.timeline.gather(layout.pp_group)
             bubbles.append(timeline.bubble_ratio())
             finite = True
-            for name, stage, optimizer, sched in (("actor", layout.actor_stage, opt.actor, opt.actor_lr),
-                                                  ("critic", layout.critic_stage, opt.critic, opt.critic_lr)):
+            for name, stage in (("actor", layout.actor_stage), ("critic", layout.critic_stage)):
                 params = list(stage.parameters())
                 if cfg.optimizer.grad_clip > 0:
                     norm = clip_grad_norm(params, cfg.optimizer.grad_clip, layout.pp_group)

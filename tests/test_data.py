@@ -127,3 +127,15 @@ def test_loader_sharding_determinism_and_resume():
     assert [b.next_batch().sample_ids for _ in range(3)] == expected
     with pytest.raises(ValueError, match="same data"):
         PromptLoader(ds, batch_size=3, seed=2).load_state_dict(state)
+
+
+def test_out_of_vocab_rows_are_counted_with_line_numbers_and_the_rest_kept(tmp_path):
+    class CodePoints:  # one id per character: non-ASCII text gives ids beyond a 128-entry vocabulary
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    path = _write(tmp_path / "v.jsonl", [b'{"prompt": "abc"}', json.dumps({"prompt": "caf\u00e9"}).encode(), b'{"prompt": "xyz"}'])
+    ds = load_prompts(path, CodePoints(), vocab_size=128)
+    assert ds.prompts == ["abc", "xyz"] and ds.source_rows == [1, 3]
+    assert [(b.where, b.reason) for b in ds.report.bad] == [
+        ("line 2", "token id 233 out of range for vocab size 128 (tokenizer does not match the model)")]

@@ -49,7 +49,7 @@ class DataReport:
     def summary(self, max_listed: int = 10) -> str:
         s = f"{self.source}: {self.rows} rows, {self.kept} prompts kept, {len(self.bad)} bad rows"
         s += f", {self.overlong_dropped} over-long dropped, {self.overlong_truncated} over-long truncated"
-        if self.bad:
+        if self.bad and max_listed > 0:
             listed = "; ".join(f"{b.where}: {b.reason}" for b in self.bad[:max_listed])
             more = f"; ... and {len(self.bad) - max_listed} more" if len(self.bad) > max_listed else ""
             s += f" ({listed}{more})"
