@@ -2,7 +2,8 @@
 
 - generation parameters refused by SamplingParams (the config side is in tests/test_config.py);
 - NaN/inf in rewards, losses or gradients: the PPO update is skipped with a logged reason, or the run stops,
-  depending on training.nan_policy; the weights and optimizer state are never touched by a skipped update;
+  depending on training.nan_policy; the weights and optimizer state are never touched by a skipped update
+  (one rank with the update alone; 4 ranks with the whole trainer);
 - a rank SIGKILLed mid-iteration under torchrun: the job ends (no hang) and the failure names the dead rank.
 """
 
@@ -237,3 +238,54 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
     # torchrun's failure summary names the dead rank as the root cause, with its signal.
     root_cause = out[out.index("Root Cause"):] if "Root Cause" in out else ""
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", root_cause), out[-3000:]
+
+
+# ------------------------------------------------------------------------------------- NaN in a full trainer run
+
+
+def _local_checksum(module: nn.Module) -> float:
+    """Sum of this rank's parameter shards (FSDP parameters are DTensors: their local shard)."""
+    return float(sum((p.to_local() if hasattr(p, "to_local") else p).detach().double().sum() for p in module.parameters()))
+
+
+def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
+    from fusedrl.config import load_config
+    from fusedrl.testing.stress import SMALL
+    from fusedrl.train import Trainer
+
+    cfg = load_config(["--job.config_file", DEBUG, *SMALL, f"--job.output_dir={out}", "--training.steps=3",
+                       *(f"--model.{k}={ROOT / 'assets' / 'debug' / v}" for k, v in
+                         (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward")))])
+    trainer = Trainer(cfg)
+    run_stage, train_step = trainer.controller.run, trainer.train_step
+
+    def poisoned_stage(requests, gather: bool = False):
+        result = run_stage(requests, gather=gather)
+        if trainer.step == 2:  # one sample's reward of iteration 2 is NaN, on every rank
+            result.experience.scores[3] = float("nan")
+        return result
+
+    checksums = []
+
+    def checked_step(step: int) -> dict:
+        stages = (trainer.layout.actor_stage, trainer.layout.critic_stage)
+        before = sum(map(_local_checksum, stages))
+        record = train_step(step)
+        checksums.append((before, sum(map(_local_checksum, stages))))
+        return record
+
+    trainer.controller.run, trainer.train_step = poisoned_stage, checked_step
+    return trainer.train(), checksums
+
+
+def test_nan_reward_in_a_full_trainer_run_skips_that_update_on_every_rank(tmp_path):
+    """End to end on 4 ranks (pp=2 x dp_shard=2) through the pipeline executor and FSDP: the NaN reaches
+    every rank's loss via KL shaping, GAE and whitening; all ranks skip together and then train on."""
+    from fusedrl.testing import run_multirank
+
+    results = run_multirank(_nan_reward_run, 4, str(tmp_path), timeout_s=300)
+    for history, checksums in results:
+        assert [h["skipped_updates"] for h in history] == [0, 1, 0]
+        assert checksums[1][0] == checksums[1][1]  # iteration 2 changed no weight on this rank
+        assert checksums[0][0] != checksums[0][1] and checksums[2][0] != checksums[2][1]
+        assert math.isfinite(history[2]["policy_loss"]) and math.isfinite(history[2]["value_loss"])
