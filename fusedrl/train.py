@@ -47,9 +47,10 @@ from fusedrl.components import (
     Tokenizer,
     build_lr_scheduler,
     build_optimizer,
-    export_hf,
     check_vocab,
     clip_grad_norm,
+    drop_steps_after,
+    export_hf,
     grad_norm,
     length_stats,
     load_prompts,
@@ -57,7 +58,15 @@ from fusedrl.components import (
     peak_memory_gib,
 )
 from fusedrl.config import ConfigError, JobConfig, load_config, validate_paths, validate_world_size
-from fusedrl.distributed import ParallelDims, apply_fsdp, gather_full_state_dict, init_distributed, split_decoder
+from fusedrl.distributed import (
+    Heartbeat,
+    ParallelDims,
+    apply_fsdp,
+    describe_failure,
+    gather_full_state_dict,
+    init_distributed,
+    split_decoder,
+)
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.generation.migration import MigrationController, StageResult
 from fusedrl.generation.weight_sync import sync_weights as sync_engine_weights
@@ -581,12 +590,15 @@ class Trainer:
             keep_last=cfg.checkpoint.keep or None,
         )
         m = cfg.metrics
-        resuming = cfg.checkpoint.resume and self.ckpt.latest_step() is not None
+        resume_step = self.ckpt.latest_step() if cfg.checkpoint.resume else None
         old = self.out / "metrics.jsonl"
-        if self.rank == 0 and not resuming and m.jsonl and old.exists():  # a fresh run starts a fresh file
-            kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
-            old.rename(kept)
-            print(f"fusedrl: fresh run: the previous metrics were moved to {kept}", flush=True)
+        if self.rank == 0 and m.jsonl and old.exists():
+            if resume_step is None:  # a fresh run starts a fresh file
+                kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
+                old.rename(kept)
+                print(f"fusedrl: fresh run: the previous metrics were moved to {kept}", flush=True)
+            else:  # steps after the checkpoint are run again: drop their old records
+                drop_steps_after(old, resume_step)
         self.metrics = MetricsLogger(self.out, rank=self.rank, log_freq=m.log_freq, jsonl=m.jsonl,
                                      tensorboard=m.tensorboard, stdout_keys=STDOUT_KEYS)
         self.step = 0
@@ -752,11 +764,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     device = _device(cfg)
-    init_distributed(device.type, timeout_s=1800.0)
+    init_distributed(device.type, timeout_s=cfg.training.collective_timeout_s)
+    heartbeat = Heartbeat.from_env()
     try:
         run(cfg)
         dist.barrier()
+    except Exception as e:
+        print(f"error: {describe_failure(e, dist.get_rank(), heartbeat)}; restart with --checkpoint.resume=true to "
+              "continue from the last complete checkpoint", file=sys.stderr, flush=True)
+        raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         dist.destroy_process_group()
     return 0
 

@@ -219,6 +219,7 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
     import sys
 
     from fusedrl.testing import free_port
+    from fusedrl.testing.launcher import kill_job
 
     script = tmp_path / "job.py"
     script.write_text(_KILLED_RANK_SCRIPT)
@@ -230,8 +231,8 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
     try:
         out, _ = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
+        kill_job(proc)
+        out = proc.stdout.read()
         pytest.fail(f"the job hung after a rank was killed:\n{out[-3000:]}")
     assert proc.returncode != 0, out[-3000:]
     assert "rank 0 iteration 2 done" in out and "rank 1 iteration 3 done" not in out, out[-3000:]

@@ -224,6 +224,20 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def drop_steps_after(path: str | os.PathLike, step: int) -> int:
+    """Rewrite a metrics JSONL file without the records of steps after ``step`` (a resumed run logs them
+    again); atomic: a crash leaves the old file. Returns how many records were dropped."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 def _number(key: str, v) -> float | int:
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:

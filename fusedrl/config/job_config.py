@@ -218,6 +218,9 @@ class TrainingSection:
     nan_policy: Literal["skip", "stop"] = _key(
         "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
     )
+    collective_timeout_s: float = _key(
+        1800.0, "Seconds a collective waits for a peer before the run fails (a hung rank; a dead one fails at once).", positive
+    )
 
 
 @dataclass

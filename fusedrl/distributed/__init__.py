@@ -1,8 +1,9 @@
 """Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, full state
-dicts from a training layout, float8."""
+dicts from a training layout, float8; a heartbeat that names dead ranks after a failed collective."""
 
 from fusedrl.distributed.float8 import convert_to_float8
 from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
+from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
 from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed
 from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
 from fusedrl.distributed.state_dict import gather_full_state_dict
@@ -10,10 +11,12 @@ from fusedrl.distributed.tp import apply_tp
 
 __all__ = [
     "DecoderStage",
+    "Heartbeat",
     "ParallelDims",
     "apply_fsdp",
     "apply_tp",
     "convert_to_float8",
+    "describe_failure",
     "gather_full_state_dict",
     "init_distributed",
     "split_decoder",
