@@ -34,7 +34,7 @@ from fusedrl.generation.engine import GenerationEngine
 from fusedrl.generation.migration_plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
 from fusedrl.generation.request import Request, RequestResult
 from fusedrl.generation.state import recv_request_state, send_request_state
-from fusedrl.generation.stage_sim import SimRequest, StageConfig, StageCosts, best_migration
+from fusedrl.generation.stage_sim import DEFAULT_FRACTIONS, SimRequest, StageConfig, StageCosts, best_migration
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.scoring import Sample, Scorer
 
@@ -312,6 +312,9 @@ class _StageRun:
         ctl = self.ctl
         if ctl.threshold != "auto":
             return max(1, round(ctl.threshold * self.batch)), 1
+        # No candidate threshold can trigger yet: do not simulate (it costs every rank a wait at this check).
+        if unfinished > round(max(DEFAULT_FRACTIONS) * self.batch):
+            return 0, 1
         # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides.
         if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
             choice = [None]

@@ -459,6 +459,9 @@ def best_migration(
     faster)."""
     batch = batch_size if batch_size is not None else sum(len(r) for r in instances)
     thresholds = sorted({max(1, round(f * batch)) for f in fractions})
+    unfinished = sum(len(r) for r in instances)
+    at_once = [t for t in thresholds if t >= unfinished]  # all of these migrate at the first check: simulate one
+    thresholds = [t for t in thresholds if t < unfinished] + at_once[:1]
     best = (0, 1, simulate_stage(instances, costs, config, fused=True, threshold=0, backlog=backlog))
     for m in kept_candidates(len(instances)):
         for c in thresholds:
