@@ -3,9 +3,10 @@
 A collective that loses a peer fails on the survivors with a transport error that names an address,
 not a rank (gloo: "Connection reset by peer [10.0.0.7]:29500"; NCCL: a timeout or remote error). Every
 rank stamps a counter in the rendezvous store (torchrun's agent hosts it, so it outlives the workers)
-every ``interval_s``; after a failure, :meth:`Heartbeat.silent_ranks` watches the counters for a few
-intervals and names the ranks whose counter stopped. It works across nodes, where torchrun's own failure
-summary only lists the local workers.
+every ``interval_s``; after a failure, :meth:`Heartbeat.peer_report` watches the counters for a few
+intervals and names the ranks whose counter stopped (a rank stopping on its own error records it first, so
+it is not taken for a dead one). It works across nodes, where torchrun's own failure summary only lists the
+local workers.
 """
 
 from __future__ import annotations

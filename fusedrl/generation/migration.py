@@ -8,8 +8,8 @@ generation + scoring stage for that rank's requests:
   remaining work and free KV capacity. When the global unfinished count falls to the threshold
   (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
   simulating the rest of the stage with the lengths observed so far, see :mod:`.stage_sim`), the plan
-  keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first), moves every other instance's unfinished
-  requests to them (KV + tokens + RNG state over point-to-point, or tokens only in ``reprefill`` mode),
+  keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first),
+  moves every other instance's unfinished requests to them (KV + tokens + RNG state over point-to-point, or tokens only in ``reprefill`` mode),
   and sends the kept instances' finished samples (as tokens) to the freed ones. The plan is verified
   (:func:`.migration_plan.verify_plan`) before it runs. Freed instances then score while the tail
   decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
