@@ -33,4 +33,5 @@ def test_fifty_iterations_with_random_migrations_and_bad_prompts_lose_nothing(tm
     assert {m for _, m, _ in r["settings"]} == {"kv", "reprefill"} and "auto" in {t for t, _, _ in r["settings"]}
     assert len({t for t, _, _ in r["settings"]}) >= 5 and len({k for _, _, k in r["settings"]}) >= 3
     assert r["migrations"] >= 10 and r["moved"] > 0
+    assert max(r["kept_counts"]) >= 2  # several kept ranks streaming tail samples to the freed ones at once
     assert sum(r["bad_rows_injected"].values()) == 51 and all(r["bad_rows_injected"].values())

@@ -404,27 +404,39 @@ class _StageRun:
 
     # -------------------------------------------------------------------------------------- after it
     def _decode_tail(self, plan: MigrationPlan) -> None:
-        """Kept rank: decode the tail; stream each step's finished samples to a freed rank."""
+        """Kept rank: decode the tail; stream its finished samples to the freed ranks, round-robin per sample
+        (the longest samples tend to finish together at the very end: each freed rank scores one of them)."""
         pending: list[tuple[Any, list[torch.Tensor]]] = []
-        group = 0
+        sent = 0
         if self.finished:
             raise RuntimeError(f"kept rank {self.rank} still holds finished samples after the migration")
         while self.engine.has_work():
             self._step()
-            if self.finished:
-                pending += _isend_samples(self.finished, plan.tail_destination(self.rank, group), self.ctl.group)
-                self.finished = []
-                group += 1
+            by_dst: dict[int, list[Sample]] = {}
+            for sample in self.finished:
+                by_dst.setdefault(plan.tail_destination(self.rank, sent), []).append(sample)
+                sent += 1
+            for dst, samples in by_dst.items():
+                pending += _isend_samples(samples, dst, self.ctl.group)
+            self.finished = []
         for f in plan.freed:
             pending += _isend_samples([], f, self.ctl.group)  # end of this rank's tail stream
         for work, _ in pending:
             work.wait()
 
     def _score_tail_streams(self, plan: MigrationPlan) -> None:
-        """Freed rank: score the tail samples streamed by each kept rank, in kept-rank order."""
-        for k in plan.kept:
-            while batch := _recv_samples(k, self.ctl.group):
+        """Freed rank: score the tail samples streamed by the kept ranks, taking whichever stream has a batch
+        first (one kept rank's late samples must not hold back another's)."""
+        group = self.ctl.group
+        streams = {_global(k, group) for k in plan.kept}
+        header = torch.empty(2, dtype=torch.int64)
+        while streams:
+            src = dist.recv(header, group=group, tag=_SAMPLES_TAG)  # from any kept rank; returns its global rank
+            batch = _recv_body(src, header, group)
+            if batch:
                 self._score(batch)
+            else:  # the end of src's stream
+                streams.discard(src)
 
     def _score(self, samples: list[Sample]) -> None:
         if not samples:
@@ -493,15 +505,20 @@ def _isend_samples(samples: list[Sample], dst: int, group) -> list[tuple[Any, li
 def _recv_samples(src: int, group) -> list[Sample]:
     header = torch.empty(2, dtype=torch.int64)
     dist.recv(header, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    return _recv_body(_global(src, group), header, group)
+
+
+def _recv_body(global_src: int, header: torch.Tensor, group) -> list[Sample]:
+    """The samples announced by ``header`` (count, total tokens; count 0: none follow) from ``global_src``."""
     n, total = header.tolist()
     if n == 0:
         return []
     meta = torch.empty(n, 3, dtype=torch.int64)
-    dist.recv(meta, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    dist.recv(meta, global_src, group=group, tag=_SAMPLES_TAG)
     tokens = torch.empty(total, dtype=torch.int64)
-    dist.recv(tokens, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    dist.recv(tokens, global_src, group=group, tag=_SAMPLES_TAG)
     logprobs = torch.empty(int(meta[:, 2].sum()), dtype=torch.float32)
-    dist.recv(logprobs, _global(src, group), group=group, tag=_SAMPLES_TAG)
+    dist.recv(logprobs, global_src, group=group, tag=_SAMPLES_TAG)
     out, t, lp = [], tokens.tolist(), logprobs.tolist()
     pos = lpos = 0
     for sid, p, r in meta.tolist():

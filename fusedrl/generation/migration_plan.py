@@ -71,9 +71,9 @@ class MigrationPlan:
                 ops.append(("recv", t.src, t))
         return ops
 
-    def tail_destination(self, kept_rank: int, group: int) -> int:
-        """Freed rank that scores the ``group``-th batch of tail samples finished on ``kept_rank``."""
-        return self.freed[(self.kept.index(kept_rank) + group) % len(self.freed)]
+    def tail_destination(self, kept_rank: int, index: int) -> int:
+        """Freed rank that scores the ``index``-th tail sample finished on ``kept_rank``."""
+        return self.freed[(self.kept.index(kept_rank) + index) % len(self.freed)]
 
     @property
     def moved_ids(self) -> list[int]:

@@ -379,8 +379,8 @@ def simulate_stage(
         busy[f] = free_at[f] + dur
         spans.append((f, "score", free_at[f], busy[f]))
 
-    # Kept instances decode the tail; each step's finished samples go round-robin to the freed ones,
-    # which take the kept instances' streams in rank order.
+    # Kept instances decode the tail; their finished samples go round-robin (per sample) to the freed ones,
+    # which score them in the order they become ready.
     tail_end = {}
     streams: dict[int, list[tuple[int, float, list[int]]]] = {f: [] for f in plan.freed}
     for k_ in kept:
@@ -390,20 +390,24 @@ def simulate_stage(
             clock += costs.prefill_per_token_s * sum(r.ctx for r in received[k_])
         st = _step_times(reqs, costs, max((r.remaining for r in reqs), default=0))
         ends = clock + torch.cumsum(st, 0)
-        group = 0
+        sent = 0
         finish: dict[int, list[int]] = {}
         for r in reqs:
             finish.setdefault(r.remaining, []).append(r.ctx + r.remaining)
         for step in sorted(finish):
-            streams[plan.tail_destination(k_, group)].append((k_, float(ends[step - 1]), finish[step]))
-            group += 1
+            by_dst: dict[int, list[int]] = {}
+            for tokens in finish[step]:
+                by_dst.setdefault(plan.tail_destination(k_, sent), []).append(tokens)
+                sent += 1
+            for dst, toks in by_dst.items():
+                streams[dst].append((k_, float(ends[step - 1]), toks))
         tail_end[k_] = float(ends[-1]) if len(ends) else clock
         spans.append((k_, "decode", clock, tail_end[k_]))
         if unscored[k_]:
             spans.append((k_, "send", t, free_at[k_]))
     for f in plan.freed:
         clock = busy[f]
-        for _, ready, toks in sorted(streams[f], key=lambda x: (x[0], x[1])):
+        for _, ready, toks in sorted(streams[f], key=lambda x: (x[1], x[0])):
             clock = max(clock, ready)
             dur = costs.score_s(toks, config.micro_batch_size)
             spans.append((f, "score", clock, clock + dur))

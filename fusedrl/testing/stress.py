@@ -99,6 +99,7 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
         "steps": len(history),
         "settings": settings,
         "migrations": sum(1 for e in ledger if e["kept"]),
+        "kept_counts": sorted({e["kept"] for e in ledger if e["kept"]}),
         "moved": sum(e["moved"] for e in ledger),
         "requested": sum(len(e["requested"]) for e in ledger),
         "scored": len(scored),
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stress: {r['steps']} iterations on {args.nproc} ranks in {r['wall_s']:.0f} s; thresholds tried {thresholds}, "
           f"modes {sorted({m for _, m, _ in r['settings']})}, check intervals {sorted({k for _, _, k in r['settings']})}")
     print(f"  data: {r['data']}; injected {r['bad_rows_injected']}")
-    print(f"  migrations {r['migrations']} of {r['steps']} iterations, {r['moved']} requests moved")
+    print(f"  migrations {r['migrations']} of {r['steps']} iterations (kept instances: {r['kept_counts']}), "
+          f"{r['moved']} requests moved")
     print(f"  samples requested {r['requested']}, scored {r['scored']}, lost {r['lost']}, duplicated {r['duplicated']}; "
           f"skipped updates {r['skipped_updates']}")
     return 0
