@@ -369,10 +369,15 @@ def build_scorer(cfg: JobConfig, models: PPOModels, pad_id: int) -> Scorer:
 
 
 def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer) -> MigrationController:
-    """Generation + scoring of this rank's requests; ``fusion.inter_stage`` switches tail migration on/off."""
+    """Generation + scoring of this rank's requests; ``fusion.inter_stage`` switches tail migration on/off.
+
+    The controller's messages (statistics, request states, finished samples) are CPU tensors with tags and
+    receives from any source, which NCCL does not do: under NCCL they get a gloo group of all ranks
+    (collective: every rank builds its controller)."""
     f = cfg.fusion
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     return MigrationController(engine, scorer, fusion=f.inter_stage, threshold=f.migration_threshold,
-                               mode=f.migration_mode, check_interval=f.migration_check_interval)
+                               mode=f.migration_mode, check_interval=f.migration_check_interval, group=group)
 
 
 def rollout(controller: MigrationController, requests: list[Request]) -> StageResult:

@@ -216,6 +216,7 @@ class Scenario:
     check_interval: int = 2
     costs: StageCosts | None = None
     max_slots: int | None = None  # default: the whole batch fits
+    own_group: bool = False  # the controller on a separate gloo group (what the trainer does under NCCL)
 
 
 def _models():
@@ -242,8 +243,9 @@ def _run_scenarios(scenarios: dict) -> dict:
         res = {}
         for fusion in (False, True):
             engine = GenerationEngine(actor, max_slots=sc.max_slots or len(sc.lengths), max_len=64, seed=11)
+            group = dist.new_group(backend="gloo") if sc.own_group else None
             ctl = MigrationController(engine, Scorer(scoring, micro_batch_size=3), fusion=fusion, threshold=sc.threshold,
-                                      mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs)
+                                      mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs, group=group)
             r = ctl.run(_requests(sc.lengths, rank, world), gather=True)
             e = r.experience
             spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
@@ -325,6 +327,7 @@ LENGTHS_4 = tuple(lmsys_lengths(24, seed=5, max_len=48)[:4]) + (40, 36, 30, 24) 
 SCENARIOS_4 = {
     "auto_kv": Scenario(LENGTHS_4, "auto", "kv", costs=SIM_COSTS),
     "reprefill": Scenario(LENGTHS_4, 0.25, "reprefill"),
+    "own_group": Scenario(LENGTHS_4, 0.25, "kv", own_group=True),
 }
 
 
@@ -334,6 +337,8 @@ def test_four_ranks_fusion_changes_no_output():
         off, on = results[name][False], results[name][True]
         _check_same_outputs(off, on)
         assert on["exp"]["sample_ids"].tolist() == list(range(24))
+    m = results["own_group"][True]["migration"]
+    assert m["moved"] > 0 and 1 <= len(m["kept"]) < 4
     m = results["reprefill"][True]["migration"]
     assert m["moved"] > 0 and 1 <= len(m["kept"]) < 4 and m["unfinished"] <= m["threshold"]  # tail on all 4 ranks
     auto = results["auto_kv"][True]["migration"]
