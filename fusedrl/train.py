@@ -602,8 +602,9 @@ class Trainer:
                 kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
                 old.rename(kept)
                 print(f"fusedrl: fresh run: the previous metrics were moved to {kept}", flush=True)
-            else:  # steps after the checkpoint are run again: drop their old records
-                drop_steps_after(old, resume_step)
+            elif dropped := drop_steps_after(old, resume_step):  # steps after the checkpoint run again
+                print(f"fusedrl: resuming from step {resume_step}: dropped {dropped} metrics records of later steps "
+                      "from metrics.jsonl (those steps run again)", flush=True)
         self.metrics = MetricsLogger(self.out, rank=self.rank, log_freq=m.log_freq, jsonl=m.jsonl,
                                      tensorboard=m.tensorboard, stdout_keys=STDOUT_KEYS)
         self.step = 0

@@ -171,6 +171,7 @@ def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed):
     tail = job.output[-4000:]
     assert job.returncode == 0, tail
     assert f"fusedrl: resumed from {out / 'checkpoints' / 'step-00000002'} (step 2)" in job.output, tail
+    assert "dropped 1 metrics records of later steps" in job.output, tail  # the killed run's step 3
     assert f"steps 3..{STEPS}" in job.output, tail
 
     # On resume the records of steps after the checkpoint (step 3 of the killed run) are dropped and logged

@@ -129,7 +129,7 @@ def stress(out: Path, *, steps: int = 50, nproc: int = 4, seed: int = 0, overrid
     injected = write_prompt_file(data, prompts, cfg.data.max_prompt_len, seed)
     argv = [*base, "--data.format=jsonl", f"--data.path={data}", f"--job.output_dir={out}", f"--training.steps={steps}"]
     argv += [f"--model.{k}={ROOT / v}" for k in ("actor_path", "critic_path", "reward_path") if (v := getattr(cfg.model, k))]
-    prepare(argv, world_size=nproc)  # config checks and debug assets, before any process starts
+    prepare(argv, world_size=nproc)  # the config and path checks of `python -m fusedrl.train`, before any process starts
     start = time.perf_counter()
     result = run_multirank(_stress_rank, nproc, argv, steps, seed, injected, timeout_s=timeout_s)[0]
     result["wall_s"] = time.perf_counter() - start
