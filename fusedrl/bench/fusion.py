@@ -142,7 +142,7 @@ def _kv_bytes_per_token(model) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- (b) paper
-def paper_scale(batch: int = PAPER_BATCH) -> list[dict]:
+def paper_scale(batch: int = PAPER_BATCH, baseline: str = "balanced") -> list[dict]:
     lengths = lmsys_lengths(batch, seed=0, max_len=PAPER_MAX_LEN)
     rows = []
     for hw, hbm_bw, flops, hbm, link in HARDWARE:
@@ -153,7 +153,7 @@ def paper_scale(batch: int = PAPER_BATCH) -> list[dict]:
                                               flops_per_s=flops, link_bytes_per_s=link)
                 kv_tokens = int((tp * hbm * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
                 config = StageConfig(max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8,
-                                     unfused_scoring="balanced")
+                                     unfused_scoring=baseline)
                 n = PAPER_GPUS // tp
                 instances = split_round_robin(lengths, PAPER_PROMPT, n)
                 unfused = simulate_stage(instances, costs, config, fused=False)
@@ -173,12 +173,13 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
     return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
 
 
-def _print_paper_scale(batch: int) -> float:
+def _print_paper_scale(batch: int, baseline: str) -> float:
     """Print (b) and return sim_speedup."""
-    rows = paper_scale(batch)
+    rows = paper_scale(batch, baseline)
     print(f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
           f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
-          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring balanced over all instances, "
+          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring "
+          f"{'balanced over all instances' if baseline == 'balanced' else 'on each instance for its own samples'}, "
           "best threshold and kept count; bound = unfused / decode, the most any fusion can gain while the tail decodes "
           "no faster")
     print(f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
@@ -258,10 +259,13 @@ def main() -> None:
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces and PNG timelines here")
     ap.add_argument("--paper-batch", type=int, default=PAPER_BATCH, help="global batch of the paper-scale simulation (b)")
     ap.add_argument("--sim-only", action="store_true", help="run only (b); --json then prints only sim_speedup")
+    ap.add_argument("--baseline", choices=("balanced", "own"), default="balanced",
+                    help="(b)'s unfused scoring: all samples balanced over all instances, or each instance its own "
+                         "(what MigrationController does with fusion off)")
     args = ap.parse_args()
     world = 2
     if args.sim_only:
-        sim_speedup = _print_paper_scale(args.paper_batch)
+        sim_speedup = _print_paper_scale(args.paper_batch, args.baseline)
         if args.json:
             print(json.dumps({"sim_speedup": round(sim_speedup, 4)}))
         return
@@ -289,7 +293,7 @@ def main() -> None:
     else:
         print("    migration: none (auto found no threshold worth migrating at)")
 
-    sim_speedup = _print_paper_scale(args.paper_batch)
+    sim_speedup = _print_paper_scale(args.paper_batch, args.baseline)
 
     if args.trace_dir is not None:
         raw = {k: v for k, v in real.items() if not k.startswith("trace")}
