@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fusedrl.components.metrics import ChromeTrace
-from fusedrl.generation.engine import GenerationEngine
+from fusedrl.generation.engine import GenerationEngine, RequestProgress
 from fusedrl.generation.migration_plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
 from fusedrl.generation.request import Request, RequestResult
 from fusedrl.generation.state import recv_request_state, send_request_state
@@ -267,9 +267,10 @@ class _StageRun:
                     new_lengths += [len(s.response) for s in self.finished[before:]]
             self.steps += k
             start = self.clock()
-            stats = self._instance_stats()
+            progress = self.engine.progress()
+            stats = self._instance_stats(progress)
             auto = self.ctl.threshold == "auto"
-            detail = (self._progress(), [s.num_tokens for s in self.finished]) if auto else None
+            detail = (_progress_summary(progress), [s.num_tokens for s in self.finished]) if auto else None
             gathered = self.ctl._all_gather((stats, new_lengths, detail))
             self.measurements.checks.append(self.clock() - start)
             new_lengths = []
@@ -288,9 +289,8 @@ class _StageRun:
                     return None
                 return self._migrate(all_stats, kept, threshold, unfinished)
 
-    def _instance_stats(self) -> InstanceStats:
+    def _instance_stats(self, progress: list[RequestProgress]) -> InstanceStats:
         s = self.engine.stats()
-        needs = [p.prompt_len + p.budget for p in self.engine.progress()]
         return InstanceStats(
             rank=self.rank,
             unfinished=s.active + s.waiting,
@@ -298,13 +298,9 @@ class _StageRun:
             max_slots=self.engine.max_slots,
             kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
             kv_reserved_tokens=s.cached_tokens + s.remaining_tokens,
-            largest_request_tokens=max(needs, default=0),
+            largest_request_tokens=max((p.prompt_len + p.budget for p in progress), default=0),
             finished_unscored=len(self.finished),
         )
-
-    def _progress(self) -> list[tuple[int, int, int | None, int]]:
-        """(context tokens, generated, forced length or None, token budget) per unfinished request."""
-        return [(p.seq_len, p.generated, p.budget if p.forced else None, p.budget) for p in self.engine.progress()]
 
     # -------------------------------------------------------------------------------------- threshold
     def _threshold(self, details: list, unfinished: int) -> tuple[int, int]:
@@ -465,6 +461,11 @@ class _StageRun:
             return None
         exp = Experience.concat(self.parts, pad_token_id=self.ctl.scorer.pad_id)
         return exp.select(exp.sample_ids.argsort())
+
+
+def _progress_summary(progress: list[RequestProgress]) -> list[tuple[int, int, int | None, int]]:
+    """(context tokens, generated, forced length or None, token budget) per unfinished request."""
+    return [(p.seq_len, p.generated, p.budget if p.forced else None, p.budget) for p in progress]
 
 
 def _estimate_remaining(generated: int, forced: int | None, budget: int, observed: list[int]) -> int:
