@@ -1,19 +1,24 @@
 """PPO trainer: ``torchrun --nproc_per_node 4 -m fusedrl.train --job.config_file train_configs/debug_ppo.toml``.
 
-One iteration (every rank runs the same program):
+One iteration (every rank runs the same program), in the phases the metrics time:
 
-1. weight sync: the Actor's and Critic's training stages (pipeline-split, FSDP2-sharded) are gathered
+1. weight_sync: the Actor's and Critic's training stages (pipeline-split, FSDP2-sharded) are gathered
    into full replicas: the generation engine's Actor and the scoring Critic;
-2. rollout: each rank is one generation instance that decodes its share of the prompts; finished
-   samples are scored (Actor/Reference log-probs, Reward score, Critic values). With
-   ``[fusion] inter_stage`` the migration controller moves the long tail onto a few instances and
-   the freed ones score at once; without it every instance finishes decoding before any scoring;
+2. generation + scoring (the rollout): each rank is one generation instance that decodes its share of the
+   prompts; finished samples are scored (Actor/Reference log-probs, Reward score, Critic values). With
+   ``[fusion] inter_stage`` the migration controller moves the long tail onto a few instances and the freed
+   ones score at once; without it every instance finishes decoding before any scoring;
 3. advantages: the experience of all ranks is gathered (every rank then holds the whole batch in
    sample-id order), KL-shaped rewards, GAE and global whitening;
 4. training: PPO epochs x minibatches; each minibatch runs the Actor's policy loss and the Critic's
    value loss through one :class:`~fusedrl.pipelining.FusedPipelineSchedule` program, the planner's
    fused schedule (``[fusion] intra_stage``) or sequential 1F1B; gradients are clipped and both
    optimizers step.
+
+Evaluation hooks (the embedded debug task's ``true_score``) run after the timed phases. The training phase
+adds no synchronization of its own: per-minibatch figures stay on the device and all cross-rank metric
+reductions of an iteration are one collective at its end; pipeline timelines are recorded only on the
+iterations that ``metrics.trace`` and ``metrics.timeline_interval`` name.
 
 Bad configs are refused with a one-line ``error: ...`` and exit status 2 before any process group starts.
 """
@@ -22,11 +27,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import sys
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,14 +41,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LRScheduler
 
+from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.components import (
     ChromeTrace,
     CheckpointManager,
     MetricsLogger,
+    PhaseTimers,
     PromptBatch,
     PromptLoader,
-    StageTimers,
-    Tokenizer,
     build_lr_scheduler,
     build_optimizer,
     check_vocab,
@@ -52,8 +56,9 @@ from fusedrl.components import (
     drop_steps_after,
     export_hf,
     grad_norm,
+    init_logging,
     length_stats,
-    load_prompts,
+    load_prompts_from_config,
     load_tokenizer,
     peak_memory_gib,
 )
@@ -65,11 +70,11 @@ from fusedrl.distributed import (
     describe_failure,
     gather_full_state_dict,
     init_distributed,
+    select_device,
     split_decoder,
 )
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.migration import MigrationController, StageResult
-from fusedrl.generation.weight_sync import sync_weights as sync_engine_weights
+from fusedrl.fusion import MigrationController, RolloutResult
+from fusedrl.generation import GenerationEngine, Request, SamplingParams, sync_engine_weights
 from fusedrl.models import FLAVORS, CheckpointError, build_model, load_hf_checkpoint
 from fusedrl.pipelining import (
     ACTOR,
@@ -79,7 +84,7 @@ from fusedrl.pipelining import (
     LoweredProgram,
     Placement,
     StageModule,
-    bucket_length,
+    Timeline,
     fused_schedule,
     lower,
     sequential_1f1b,
@@ -95,19 +100,18 @@ from fusedrl.rlhf import (
     masked_mean_var,
     whiten,
 )
-from fusedrl.rlhf.debug_task import build as build_debug_assets
-from fusedrl.rlhf.debug_task import true_score
+from fusedrl.tasks import EvalHook, debug
 
 log = logging.getLogger("fusedrl.train")
 
 POLICY_STATS = ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy")
 VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean", "explained_variance")
-STAGES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step")
+PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step")
+"""The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration)."""
 STDOUT_KEYS = (
     "true_score", "reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_len_mean",
     "samples_per_s", "bubble_ratio", "time_generation", "time_scoring_exposed", "time_training", "time_step",
 )
-DEBUG_ASSET_PARTS = ("actor", "reward")
 
 
 # ---------------------------------------------------------------------------------------------- config checks
@@ -146,58 +150,14 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
     if longest > limit:
         raise ConfigError(f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
                           f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them")
-    if cfg.training.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device = \"cuda\": no CUDA device is available; use --training.device=cpu (or auto)")
-    device_is_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    if cfg.training.float8 and not device_is_cuda:
+    try:
+        device = select_device(cfg.training.device)
+    except RuntimeError:
+        raise ConfigError("training.device = \"cuda\": no CUDA device is available; use --training.device=cpu (or auto)") from None
+    if cfg.training.float8 and device.type != "cuda":
         raise ConfigError("training.float8 = true: float8 training needs CUDA; set --training.float8=false on CPU")
     if cfg.training.float8:
         raise ConfigError("training.float8 = true: float8 training is not wired into the trainer yet; set --training.float8=false")
-
-
-def debug_assets_folder(cfg: JobConfig) -> Path | None:
-    """The debug-asset folder to build on first run: the synthetic task names ``<folder>/actor`` or
-    ``<folder>/reward`` that do not exist yet."""
-    if cfg.data.format != "synthetic":
-        return None
-    for key in ("actor_path", "reward_path", "critic_path", "reference_path"):
-        path = getattr(cfg.model, key)
-        if path is not None and Path(path).name in DEBUG_ASSET_PARTS and not Path(path).is_dir():
-            return Path(path).parent
-    return None
-
-
-def ensure_debug_assets(cfg: JobConfig) -> None:
-    """Build the embedded debug task's SFT Actor and Reward model when the config names missing ones.
-
-    Runs on local rank 0 only, before the process group starts; other ranks wait for its ``info.json``.
-    """
-    folder = debug_assets_folder(cfg)
-    if folder is None:
-        return
-    info = folder / "info.json"
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"fusedrl: building the debug task assets in {folder} (SFT Actor + Reward model; a few minutes on CPU, "
-              "once) ...", flush=True)
-        start = time.perf_counter()
-        torch.set_num_threads(os.cpu_count() or 1)  # the other local ranks only wait
-        done = threading.Event()
-
-        def heartbeat() -> None:
-            while not done.wait(30.0):
-                print(f"fusedrl: ... still building the debug assets ({time.perf_counter() - start:.0f}s)", flush=True)
-
-        threading.Thread(target=heartbeat, daemon=True).start()
-        try:
-            figures = build_debug_assets(folder)
-        finally:
-            done.set()
-        print(f"fusedrl: debug assets ready in {time.perf_counter() - start:.0f}s: SFT true score "
-              f"{figures['actor_true_score_mean']:.3f}, reward/true-score correlation "
-              f"{figures['reward_true_corr_on_actor_samples']:.2f}", flush=True)
-    else:
-        while debug_assets_folder(cfg) is not None or not info.is_file():
-            time.sleep(1.0)
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -290,8 +250,8 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
     if cfg.fusion.intra_stage:
         costs = CostModel.from_flavors(placement, cfg.model.actor, cfg.model.critic,
                                        tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len)
-        budget = cfg.fusion.schedule_search_budget_s
-        plan = fused_schedule(placement, costs, n_mb, n_mb, budget_s=budget if budget > 0 else 1e-3, seed=cfg.job.seed)
+        plan = fused_schedule(placement, costs, n_mb, n_mb, budget_s=cfg.fusion.schedule_search_budget_s,
+                              seed=cfg.job.seed)
         schedule, method = plan.schedule, plan.method
     else:
         schedule, method = sequential_1f1b(placement, n_mb, n_mb), "sequential_1f1b"
@@ -324,21 +284,18 @@ def build_training_layout(cfg: JobConfig, models: PPOModels, device: torch.devic
         holder[0] = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
     dist.broadcast_object_list(holder, src=0)
     program, method = holder[0]
-    actor_loss = PolicyLoss(cfg.ppo.clip_eps, cfg.ppo.entropy_coef, temperature=1.0)  # as the engine's log-probs
-    critic_loss = ValueLoss(cfg.ppo.value_clip_eps if cfg.ppo.value_clip_eps > 0 else None)
     schedule = FusedPipelineSchedule(
         program,
-        StageModule(actor_stage, actor_loss, dim_actor, vocab),
-        StageModule(critic_stage, critic_loss, dim_critic, 1),
+        StageModule(actor_stage, PolicyLoss.from_config(cfg.ppo), dim_actor, vocab),
+        StageModule(critic_stage, ValueLoss.from_config(cfg.ppo), dim_critic, 1),
         group=pp_group,
         device=device,
-        record_timeline=True,
     )
     return TrainingLayout(mesh, pp_group, dp_group, pp_rank, dp_rank, par.pp, par.dp_shard, actor_stage, critic_stage,
                           schedule, method, program.microbatches["actor"])
 
 
-def sync_weights(layout: TrainingLayout, models: PPOModels, engine: GenerationEngine) -> None:
+def sync_rollout_models(layout: TrainingLayout, models: PPOModels, engine: GenerationEngine) -> None:
     """Training layout -> full replicas: the engine's Actor and the scoring Critic (collective)."""
     sync_engine_weights(engine, layout.actor_stage, layout.pp_group)
     critic_state = gather_full_state_dict(layout.critic_stage, layout.pp_group)
@@ -346,7 +303,7 @@ def sync_weights(layout: TrainingLayout, models: PPOModels, engine: GenerationEn
                                            for k, v in critic_state.items()})
 
 
-# ---------------------------------------------------------------------------------------------- rollout + scoring
+# ---------------------------------------------------------------------------------------------- rollout
 
 
 def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:
@@ -358,37 +315,38 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
     return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
 
 
-def build_scorer(cfg: JobConfig, models: PPOModels, pad_id: int) -> Scorer:
+def build_scorer(models: PPOModels, pad_id: int) -> Scorer:
     """Reference log-probs, Reward scores and Critic values of finished samples, on every rank.
 
     Log-probs are those of the model distribution (temperature 1), as the engine reports the sampled
     tokens' log-probs; the policy loss uses the same convention.
     """
-    return Scorer(ScoringModels(models.reference, models.reward, models.critic_replica),
-                  micro_batch_size=cfg.generation.max_slots, pad_id=pad_id, temperature=1.0)
+    return Scorer(ScoringModels(models.reference, models.reward, models.critic_replica), pad_id=pad_id, temperature=1.0)
 
 
-def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer) -> MigrationController:
+def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer) -> MigrationController[Experience]:
     """Generation + scoring of this rank's requests; ``fusion.inter_stage`` switches tail migration on/off.
 
-    The controller's messages (statistics, request states, finished samples) are CPU tensors with tags and
-    receives from any source, which NCCL does not do: under NCCL they get a gloo group of all ranks
-    (collective: every rank builds its controller)."""
-    f = cfg.fusion
+    Scoring micro-batches hold ``generation.max_slots`` samples. The controller's messages (statistics,
+    request states, finished samples) are CPU tensors with tags and receives from any source, which NCCL does
+    not do: under NCCL they get a gloo group of all ranks (collective: every rank builds its controller)."""
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    return MigrationController(engine, scorer, fusion=f.inter_stage, threshold=f.migration_threshold,
-                               mode=f.migration_mode, check_interval=f.migration_check_interval, group=group)
+    return MigrationController.from_config(engine, scorer.score, cfg.fusion, micro_batch_size=cfg.generation.max_slots,
+                                           group=group)
 
 
-def rollout(controller: MigrationController, requests: list[Request]) -> StageResult:
+def rollout(controller: MigrationController[Experience], requests: list[Request],
+            pad_id: int) -> tuple[RolloutResult[Experience], Experience]:
     """Generate and score this rank's requests (collective); every rank receives the whole scored batch
     in sample-id order."""
-    return controller.run(requests, gather=True)
+    result = controller.run(requests, gather=True)
+    exp = Experience.concat(result.scored, pad_token_id=pad_id)
+    return result, exp.select(exp.sample_ids.argsort())
 
 
-def migration_metrics(stage: StageResult) -> dict[str, float]:
+def migration_metrics(result: RolloutResult) -> dict[str, float]:
     """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank)."""
-    m = stage.migration
+    m = result.migration
     if m is None:
         return {"migration_moved": 0, "migration_bytes": 0, "migration_kept": 0, "migration_at_unfinished": 0,
                 "migration_at_s": 0.0, "migration_s": 0.0}
@@ -422,8 +380,7 @@ def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dic
 
 def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
     """Right-pad the batch to one of a few lengths so the executor builds few stage shapes."""
-    step = max(16, -(-max_len // 8))
-    return exp.pad_to(bucket_length(exp.seq_len, list(range(step, max_len + step, step))), pad_id)
+    return exp.pad_to(round_up(exp.seq_len, evenly_spaced(max_len)), pad_id)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -449,11 +406,12 @@ def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: i
     return Optimizers(actor, critic, schedule(actor), schedule(critic))
 
 
-def train_minibatch(layout: TrainingLayout, mb: Experience) -> dict[str, float]:
+def train_minibatch(layout: TrainingLayout, mb: Experience, *, record: bool = False) -> dict[str, torch.Tensor]:
     """Forward/backward of one global minibatch for both models through the fused executor.
 
-    Returns this rank's partial sums of the last-stage stats (reduced over ranks by the caller). The losses
-    use ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch.
+    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage; the
+    caller sums them over minibatches and reduces them over ranks once per iteration). The losses use
+    ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch.
     """
     shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]
     tokens_total = mb.response_mask.sum()
@@ -461,51 +419,66 @@ def train_minibatch(layout: TrainingLayout, mb: Experience) -> dict[str, float]:
     denom = (tokens_total / (layout.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
     actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
     critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
-    result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets)
-    out: dict[str, float] = {}
+    result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
+    out: dict[str, torch.Tensor] = {}
     for model, keys in (("actor", POLICY_STATS), ("critic", VALUE_STATS)):
         r = result[model]
-        out.update({k: (r.stats[k] if r.loss is not None else 0.0) for k in keys})
+        out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
     return out
 
 
-def _all_reduce_mean(values: dict[str, float], divisor: int) -> dict[str, float]:
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: v / divisor for k, v in zip(keys, t.tolist())}
+@dataclass
+class UpdateResult:
+    """One iteration's PPO update on this rank."""
+
+    stat_sums: dict[str, torch.Tensor]  # this rank's last-stage stats summed over the updates (reduce over ranks)
+    updates: int
+    figures: dict[str, float]  # identical on every rank: gradient norms, skipped updates, learning rates
+    timeline: Timeline | None  # the last minibatch's pipeline timeline of all ranks, on recorded iterations
 
 
-def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int) -> dict[str, float]:
-    """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model."""
-    totals: dict[str, float] = {}
-    bubbles, skipped, updates = [], 0, 0
-    norms = {"actor": [], "critic": []}
+def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> bool:
+    """Whether any rank saw a non-finite gradient norm or loss: one small all-reduce, so that every rank
+    takes the same decision (the gradient norms are already global; the losses live on last stages)."""
+    device = norms[0].device
+    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss"))])
+    bad = (~torch.isfinite(local)).any().to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int, *,
+               record: bool = False) -> UpdateResult:
+    """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model.
+
+    ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
+    (the metrics then carry ``bubble_ratio``)."""
+    sums: dict[str, torch.Tensor] = {}
+    bubbles: list[float] = []
+    timeline: Timeline | None = None
+    skipped, updates = 0, 0
+    norms: dict[str, list[torch.Tensor]] = {"actor": [], "critic": []}
     for epoch in range(cfg.ppo.epochs):
         g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
         for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
-            stats = train_minibatch(layout, mb)
-            stats = _all_reduce_mean(stats, layout.dp)  # each dp shard's last stage contributed once
+            stats = train_minibatch(layout, mb, record=record)
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v
-            timeline = layout.schedule.timeline.gather(layout.pp_group)
-            bubbles.append(timeline.bubble_ratio())
-            finite = True
+                sums[k] = sums[k] + v if k in sums else v
+            if record:
+                timeline = layout.schedule.timeline.gather(layout.pp_group)
+                bubbles.append(timeline.bubble_ratio())
             for name, stage in (("actor", layout.actor_stage), ("critic", layout.critic_stage)):
                 params = list(stage.parameters())
                 if cfg.optimizer.grad_clip > 0:
-                    norm = clip_grad_norm(params, cfg.optimizer.grad_clip, layout.pp_group)
+                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, layout.pp_group))
                 else:
-                    norm = grad_norm(params, pp_group=layout.pp_group)
-                norms[name].append(float(norm))
-                finite = finite and math.isfinite(float(norm))
-            loss_ok = math.isfinite(stats["policy_loss"]) and math.isfinite(stats["value_loss"])
-            if finite and loss_ok:
+                    norms[name].append(grad_norm(params, pp_group=layout.pp_group))
+            if not _skip_update([norms["actor"][-1], norms["critic"][-1]], stats):
                 for optimizer in (opt.actor, opt.critic):
                     optimizer.step()
             elif cfg.training.nan_policy == "stop":
-                raise FloatingPointError(f"step {step}: non-finite loss or gradient norm (actor {norms['actor'][-1]}, "
-                                         f"critic {norms['critic'][-1]}); stopping (training.nan_policy = \"stop\")")
+                raise FloatingPointError(f"step {step}: non-finite loss or gradient norm (actor {float(norms['actor'][-1])}, "
+                                         f"critic {float(norms['critic'][-1])}); stopping (training.nan_policy = \"stop\")")
             else:
                 skipped += 1
                 if dist.get_rank() == 0:
@@ -514,99 +487,95 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
                 optimizer.zero_grad(set_to_none=True)
                 sched.step()
             updates += 1
-    out = {k: v / updates for k, v in totals.items()}
-    out.update({
-        "bubble_ratio": sum(bubbles) / len(bubbles),
-        "grad_norm_actor": sum(norms["actor"]) / updates,
-        "grad_norm_critic": sum(norms["critic"]) / updates,
+    figures = {
+        "grad_norm_actor": float(torch.stack(norms["actor"]).mean()),
+        "grad_norm_critic": float(torch.stack(norms["critic"]).mean()),
         "skipped_updates": skipped,
         "lr_actor": opt.actor_lr.get_last_lr()[0],
         "lr_critic": opt.critic_lr.get_last_lr()[0],
-    })
+    }
+    if bubbles:
+        figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
+    return UpdateResult(sums, updates, figures, timeline)
+
+
+def reduce_iteration(sums: dict[str, torch.Tensor], phase_times: dict[str, float], peak_memory: float, *,
+                     divisor: float, device: torch.device) -> dict[str, float]:
+    """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
+    ``divisor``; phase times and peak memory are the slowest / largest rank's. One ``all_gather`` of one
+    float64 tensor (a sum and a max cannot share one all-reduce)."""
+    keys = sorted(sums)
+    local = torch.cat([
+        torch.stack([sums[k].to(device, torch.float64) for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=device),
+        torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
+    ])
+    gathered = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, local)
+    gathered = gathered.view(dist.get_world_size(), local.numel())
+    total = gathered[:, : len(keys)].sum(0) / divisor
+    largest = gathered[:, len(keys):].amax(0)
+    values = total.tolist() + largest.tolist()
+    out = dict(zip(keys, values))
+    out.update({f"time_{p}": v for p, v in zip(PHASES, values[len(keys):])})
+    out["peak_memory_gib"] = values[-1]
     return out
 
 
 # ---------------------------------------------------------------------------------------------- the loop
 
 
-def true_scores(exp: Experience, tokenizer: Tokenizer) -> list[float] | None:
-    """Rule-based scores of the embedded debug task per sample (None unless every prompt is a debug-task prompt).
-
-    A response counts as finished when it ends with a stop token (which is not part of the scored text).
-    """
-    stops = set(tokenizer.stop_token_ids)
-    out = []
-    for tokens, mask in zip(exp.tokens.tolist(), exp.response_mask.bool().tolist()):
-        start = mask.index(True)
-        prompt = tokenizer.decode(tokens[:start])
-        response = [t for t, m in zip(tokens, mask) if m]
-        finished = response[-1] in stops
-        try:
-            out.append(true_score(prompt, tokenizer.decode(response[:-1] if finished else response), finished))
-        except ValueError:  # not a debug-task prompt
-            return None
-    return out
-
-
 class Trainer:
-    """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised."""
+    """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised.
 
-    def __init__(self, cfg: JobConfig) -> None:
+    ``evaluators`` are called with each iteration's scored batch (every rank holds it) after the timed phases;
+    their figures join the iteration's metrics. Default: the embedded debug task's ``true_score``, which adds
+    nothing unless every prompt is a debug-task prompt.
+    """
+
+    def __init__(self, cfg: JobConfig, evaluators: Sequence[EvalHook] = (debug.evaluate,)) -> None:
         self.cfg = cfg
+        self.evaluators = tuple(evaluators)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = _device(cfg)
+        self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         self.models = build_models(cfg, self.device)
-        check_vocab(self.tokenizer, self.models.actor_replica.tok_embeddings.num_embeddings)
+        vocab = self.models.actor_replica.tok_embeddings.num_embeddings
+        check_vocab(self.tokenizer, vocab)
         self.layout = build_training_layout(cfg, self.models, self.device)
-        d = cfg.data
-        template = None
-        if d.chat_template:
-            template = getattr(self.tokenizer, "chat_template", None)
-        self.dataset = load_prompts(d.path, self.tokenizer, format=d.format, prompt_key=d.prompt_key,
-                                    max_prompt_len=d.max_prompt_len, overlong=d.on_long_prompt, chat_template=template,
-                                    vocab_size=self.models.actor_replica.tok_embeddings.num_embeddings, seed=cfg.job.seed)
-        if self.rank == 0:
-            print(f"fusedrl: prompts {self.dataset.report.summary()}", flush=True)
+        synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
+        self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
+        log.info("prompts %s", self.dataset.report.summary())
         self.loader = PromptLoader(self.dataset, cfg.ppo.batch_size // self.world, rank=self.rank, world_size=self.world,
-                                   seed=cfg.job.seed, shuffle=d.shuffle)
-        g = cfg.generation
-        self.max_len = d.max_prompt_len + g.max_new_tokens
-        self.engine = GenerationEngine(self.models.actor_replica, max_slots=g.max_slots, max_len=self.max_len,
-                                       seed=cfg.job.seed, compile=g.compile, backend=g.backend,
-                                       mode=None if g.compile_mode == "default" else g.compile_mode,
-                                       quantize=None if g.quantize == "none" else g.quantize)
-        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.models, self.tokenizer.pad_id))
+                                   seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+        self.max_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        self.engine = GenerationEngine.from_config(self.models.actor_replica, cfg.generation, max_len=self.max_len,
+                                                   seed=cfg.job.seed)
+        self.controller = build_controller(cfg, self.engine, build_scorer(self.models, self.tokenizer.pad_id))
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
-        folder = Path(cfg.checkpoint.folder)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
         # groups), so ranks holding different stages must not share names.
         actor_name = f"actor_stage{self.layout.pp_rank}"
         critic_name = f"critic_stage{self.layout.pp - 1 - self.layout.pp_rank}"
-        self.ckpt = CheckpointManager(
-            folder if folder.is_absolute() else self.out / folder,
+        self.ckpt = CheckpointManager.from_config(
+            cfg.checkpoint, self.out,
             {actor_name: self.layout.actor_stage, critic_name: self.layout.critic_stage},
             {actor_name: self.opt.actor, critic_name: self.opt.critic},
             {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
             {"data": self.loader},
-            interval=cfg.checkpoint.interval,
-            keep_last=cfg.checkpoint.keep or None,
         )
-        m = cfg.metrics
         resume_step = self.ckpt.latest_step() if cfg.checkpoint.resume else None
         old = self.out / "metrics.jsonl"
-        if self.rank == 0 and m.jsonl and old.exists():
+        if self.rank == 0 and cfg.metrics.jsonl and old.exists():
             if resume_step is None:  # a fresh run starts a fresh file
                 kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
                 old.rename(kept)
-                print(f"fusedrl: fresh run: the previous metrics were moved to {kept}", flush=True)
+                log.info("fresh run: the previous metrics were moved to %s", kept)
             elif dropped := drop_steps_after(old, resume_step):  # steps after the checkpoint run again
-                print(f"fusedrl: resuming from step {resume_step}: dropped {dropped} metrics records of later steps "
-                      "from metrics.jsonl (those steps run again)", flush=True)
-        self.metrics = MetricsLogger(self.out, rank=self.rank, log_freq=m.log_freq, jsonl=m.jsonl,
-                                     tensorboard=m.tensorboard, stdout_keys=STDOUT_KEYS)
+                log.info("resuming from step %d: dropped %d metrics records of later steps from metrics.jsonl "
+                         "(those steps run again)", resume_step, dropped)
+        self.metrics = MetricsLogger.from_config(cfg.metrics, self.out, rank=self.rank, stdout_keys=STDOUT_KEYS)
         self.step = 0
 
     def train(self) -> list[dict[str, float]]:
@@ -616,12 +585,10 @@ class Trainer:
             loaded = self.ckpt.load()
             if loaded is not None:
                 self.step = loaded
-                if self.rank == 0:
-                    print(f"fusedrl: resumed from {self.ckpt.path(loaded)} (step {loaded})", flush=True)
-        if self.rank == 0:
-            print(f"fusedrl: {cfg.job.name}: {self.world} ranks (pp={self.layout.pp} x dp_shard={self.layout.dp}), "
-                  f"inter_stage={cfg.fusion.inter_stage}, intra_stage={cfg.fusion.intra_stage} "
-                  f"(schedule: {self.layout.plan_method}), steps {self.step + 1}..{cfg.training.steps}", flush=True)
+                log.info("resumed from %s (step %d)", self.ckpt.path(loaded), loaded)
+        log.info("%s: %d ranks (pp=%d x dp_shard=%d), inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d",
+                 cfg.job.name, self.world, self.layout.pp, self.layout.dp, cfg.fusion.inter_stage, cfg.fusion.intra_stage,
+                 self.layout.plan_method, self.step + 1, cfg.training.steps)
         history = []
         while self.step < cfg.training.steps:
             self.step += 1
@@ -634,55 +601,57 @@ class Trainer:
         self.metrics.close()
         return history
 
+    def records_timeline(self, step: int) -> bool:
+        """Whether iteration ``step`` records pipeline timelines: traced steps and every
+        ``metrics.timeline_interval``-th step (0: traced steps only)."""
+        interval = self.cfg.metrics.timeline_interval
+        return step in self.cfg.metrics.trace or (interval > 0 and step % interval == 0)
+
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO iteration; returns its metrics (identical on every rank)."""
         cfg = self.cfg
         trace = ChromeTrace() if step in cfg.metrics.trace else None
-        timers = StageTimers(sync_cuda=self.device.type == "cuda", trace=trace, pid=self.rank)
+        timers = PhaseTimers(sync_cuda=self.device.type == "cuda", trace=trace, pid=self.rank)
         step_start = time.perf_counter()
         with timers("weight_sync"):
-            sync_weights(self.layout, self.models, self.engine)
+            sync_rollout_models(self.layout, self.models, self.engine)
         batch = self.loader.next_batch()
         requests = build_requests(cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
         rollout_start = time.perf_counter()
-        stage = rollout(self.controller, requests)
-        timers.add("generation", stage.decode_end_s)
-        timers.add("scoring", stage.scoring_s)
-        timers.add("scoring_exposed", stage.scoring_exposed_s)
+        result, scored = rollout(self.controller, requests, self.tokenizer.pad_id)
+        timers.add("generation", result.decode_end_s)
+        timers.add("scoring", result.scoring_s)
+        timers.add("scoring_exposed", result.scoring_exposed_s)
         with timers("advantages"):
-            lengths = stage.experience.response_mask.sum(1)
-            scores = true_scores(stage.experience, self.tokenizer)
-            exp, adv_stats = compute_advantages(cfg, stage.experience)
+            exp, adv_stats = compute_advantages(cfg, scored)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
         with timers("training"):
-            train_stats = ppo_update(cfg, self.layout, self.opt, exp, step)
+            update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
         timers.add("step", time.perf_counter() - step_start)
 
-        # Stage times as the slowest rank's; per-sample figures are of the whole batch (every rank holds it).
-        stage_times = timers.pop()
-        times = torch.tensor([stage_times.get(s, 0.0) for s in STAGES], dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        record: dict[str, float] = {f"time_{s}": t for s, t in zip(STAGES, times.tolist())}
-        step_s = record["time_step"]
-        record["samples_per_s"] = cfg.ppo.batch_size / step_s
-        record["tokens_per_s"] = lengths.sum().item() / step_s
+        # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
+        record = reduce_iteration(update.stat_sums, timers.pop(), peak_memory_gib(self.device),
+                                  divisor=self.layout.dp * update.updates, device=self.device)
+        lengths = scored.response_mask.sum(1)
+        record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
+        record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
         record.update(length_stats(lengths))
-        if scores is not None:
-            record["true_score"] = sum(scores) / len(scores)
         record.update(adv_stats)
-        record.update(train_stats)
-        record.update(migration_metrics(stage))
-        mem = torch.tensor([peak_memory_gib(self.device)], dtype=torch.float64)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        record["peak_memory_gib"] = mem.item()
+        record.update(update.figures)
+        record.update(migration_metrics(result))
+        eval_start = time.perf_counter()
+        for evaluate in self.evaluators:
+            record.update(evaluate(scored, self.tokenizer))
+        if self.evaluators:
+            record["time_eval"] = time.perf_counter() - eval_start
         if trace is not None:
-            self._save_trace(step, trace, stage.trace, rollout_start)
+            self._save_trace(step, trace, result.trace, rollout_start, update.timeline)
         return record
 
-    def _save_trace(self, step: int, trace: ChromeTrace, rollout_trace: ChromeTrace, rollout_start: float) -> None:
-        """One Chrome trace of the step: every rank's stage spans, the rollout's decode/migrate/score spans and
+    def _save_trace(self, step: int, trace: ChromeTrace, rollout_trace: ChromeTrace, rollout_start: float,
+                    timeline: Timeline | None) -> None:
+        """One Chrome trace of the step: every rank's phase spans, the rollout's decode/migrate/score spans and
         the last minibatch's measured pipeline timeline, on rank 0's clock (exact on one host)."""
-        timeline = self.layout.schedule.timeline.gather(self.layout.pp_group)
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, trace.events)
         if self.rank != 0:
@@ -690,17 +659,17 @@ class Trainer:
         t0 = min(e["ts"] for e in parts[0] if "ts" in e)
         merged = ChromeTrace()
         for r, events in enumerate(parts):
-            merged.name_process(f"stages {r}", f"rank {r}: iteration stages")
-            merged.extend([{**e, "pid": f"stages {r}", "ts": e["ts"] - t0} for e in events if "ts" in e])
+            merged.name_process(f"phases {r}", f"rank {r}: iteration phases")
+            merged.extend([{**e, "pid": f"phases {r}", "ts": e["ts"] - t0} for e in events if "ts" in e])
         offset = rollout_start * 1e6 - t0  # rollout spans count from the rollout's start
         for e in rollout_trace.events:
             shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
             merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
-        for e in timeline.events:
+        for e in timeline.events if timeline is not None else ():
             merged.complete(f"{e.action.model} {e.action.kind}{e.action.microbatch}", e.start - t0 / 1e6,
                             e.end - e.start, pid="training (last minibatch)", tid=f"pp rank {e.rank}")
         path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
-        print(f"fusedrl: trace of step {step} written to {path}", flush=True)
+        log.info("trace of step %d written to %s", step, path)
 
     def export(self) -> Path | None:
         """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
@@ -710,14 +679,8 @@ class Trainer:
             return None
         if hasattr(self.tokenizer, "save"):
             self.tokenizer.save(folder)
-        print(f"fusedrl: Actor exported to {path}", flush=True)
+        log.info("Actor exported to %s", path)
         return path
-
-
-def _device(cfg: JobConfig) -> torch.device:
-    if cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -725,7 +688,7 @@ def _device(cfg: JobConfig) -> torch.device:
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
     """Train with an already initialised default process group (what torchrun and tests call)."""
-    device = _device(cfg)
+    device = select_device(cfg.training.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // dist.get_world_size())))
     else:
@@ -738,7 +701,7 @@ def prepare(argv: list[str], world_size: int | None = None) -> JobConfig:
     debug assets; raises ConfigError. Needs no process group."""
     cfg = load_config(argv)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
-    ensure_debug_assets(cfg)
+    debug.ensure_assets(cfg)
     validate_paths(cfg)
     if cfg.data.chat_template:
         if getattr(load_tokenizer(cfg.model.tokenizer_path), "chat_template", None) is None:
@@ -763,14 +726,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(USAGE + help_text().removeprefix(CONFIG_USAGE))
         return 0
+    init_logging()
     try:
         cfg = prepare(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    device = _device(cfg)
-    init_distributed(device.type, timeout_s=cfg.training.collective_timeout_s)
+    init_distributed(cfg.training.device, timeout_s=cfg.training.collective_timeout_s)
     heartbeat = Heartbeat.from_env()
     try:
         run(cfg)

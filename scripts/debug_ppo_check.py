@@ -20,7 +20,7 @@ from fusedrl.components.tokenizer import load_tokenizer
 from fusedrl.models import build_model
 from fusedrl.models.hf import load_hf_checkpoint
 from fusedrl.rlhf import Experience, PolicyLoss, ValueLoss, gae, kl_shaped_rewards, shift_to_tokens, token_logprobs, whiten
-from fusedrl.rlhf.debug_task import sample_prompts, sample_responses, true_score
+from fusedrl.tasks.debug import sample_prompts, sample_responses, true_score
 
 
 def rollout(actor, ref, critic, reward, tok, prompts, max_new_tokens, seed):

@@ -9,7 +9,7 @@ from fusedrl.components.lr_schedule import build_lr_scheduler, lr_factor
 from fusedrl.components.metrics import (
     ChromeTrace,
     MetricsLogger,
-    StageTimers,
+    PhaseTimers,
     length_stats,
     peak_memory_gib,
     percentile,
@@ -140,7 +140,7 @@ def test_metrics_logger_jsonl_and_stdout(tmp_path, capsys):
 
 def test_timers_percentiles_memory_trace(tmp_path):
     trace = ChromeTrace()
-    timers = StageTimers(trace=trace, pid=3)
+    timers = PhaseTimers(trace=trace, pid=3)
     for _ in range(2):
         with timers("generation"):
             sum(range(10_000))

@@ -5,6 +5,7 @@ import pytest
 
 from fusedrl.components.data import PromptLoader, load_prompts
 from fusedrl.components.tokenizer import ByteTokenizer
+from fusedrl.tasks.debug import sample_prompts
 
 TOK = ByteTokenizer()
 
@@ -97,14 +98,16 @@ def test_parquet_and_hf_disk(tmp_path):
         load_prompts(tmp_path / "hf", TOK, format="hf_disk", split="test")
 
 
-def test_synthetic():
-    ds = load_prompts(None, TOK, format="synthetic", num_synthetic=50, seed=3)
+def test_synthetic_prompts_come_from_the_caller():
+    ds = load_prompts(None, TOK, format="synthetic", texts=sample_prompts(50, seed=3))
     assert len(ds) == 50 and all(p.startswith("repeat ") for p in ds.prompts)
-    assert ds.prompts == load_prompts(None, TOK, format="synthetic", num_synthetic=50, seed=3).prompts
+    assert ds.prompts == load_prompts(None, TOK, format="synthetic", texts=sample_prompts(50, seed=3)).prompts
+    with pytest.raises(ValueError, match="texts="):
+        load_prompts(None, TOK, format="synthetic")
 
 
 def test_loader_sharding_determinism_and_resume():
-    ds = load_prompts(None, TOK, format="synthetic", num_synthetic=10)
+    ds = load_prompts(None, TOK, format="synthetic", texts=sample_prompts(10))
     loaders = [PromptLoader(ds, batch_size=2, rank=r, world_size=2, seed=7) for r in range(2)]
     seen = []
     for _ in range(5):  # 5 global batches of 4 = 2 epochs

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fusedrl.components.tokenizer import load_tokenizer
-from fusedrl.rlhf.debug_task import (
+from fusedrl.tasks.debug import (
     build,
     corrupt,
     ideal_response,

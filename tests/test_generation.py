@@ -8,8 +8,10 @@ from fusedrl.generation import (
     Request,
     RequestState,
     SamplingParams,
+    pack_states,
     request_seed,
 )
+from fusedrl.generation.state import unpack_states
 from fusedrl.models import build_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -182,17 +184,24 @@ def test_export_import_continues_identically(model, mode):
     assert migrated["resident"].ok
 
 
-def test_request_state_tensor_form_round_trips(model):
-    engine = GenerationEngine(model, max_slots=2, max_len=64)
+def test_request_state_wire_form_round_trips(model):
+    engine = GenerationEngine(model, max_slots=3, max_len=64)
     engine.add_request(Request("x", _prompt(7, 1), SamplingParams(temperature=1.0, top_k=5, stop_token_ids=(3, 4))))
-    engine.step()
-    engine.step()
+    engine.add_request(Request(5, _prompt(4, 2), SamplingParams(target_len=2)))
+    done = engine.step() + engine.step()
     state = engine.export_request("x")
-    tensors = state.to_tensors()
-    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
-    back = RequestState.from_tensors(tensors)
+    finished = RequestState.of_result(next(r for r in done if r.id == 5))
+    waiting = RequestState(Request(9, [1, 2]), [], [])
+    tensors = pack_states([state, finished, waiting])
+    assert all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors)
+    back, back_finished, back_waiting = unpack_states(tensors[1:])
     assert back.request == state.request and back.generated == state.generated and back.logprobs == state.logprobs
     assert torch.equal(back.k, state.k) and torch.equal(back.v, state.v) and torch.equal(back.rng_state, state.rng_state)
+    assert back.finish_reason is None and back_finished.to_result() == finished.to_result()
+    assert not back_finished.has_kv and back_finished.rng_state is None
+    assert back_waiting.request == waiting.request and back_waiting.generated == [] and not back_waiting.has_kv
+    with pytest.raises(ValueError, match="has not finished"):
+        back.to_result()
     # Two steps = prefill + 2 decodes: 3 tokens generated, 7 + 3 - 1 cached (the last one is pending).
     assert len(state.generated) == 3 and state.cache_len == 9
     # k and v: 2 layers x 9 cached tokens x 2 kv heads x 16 head dim x 4 bytes each.
@@ -260,17 +269,15 @@ def test_weights_changed_in_place_after_decoding_are_used(compile):
 
 def test_weight_sync_checks_the_stages_and_the_layout(model):
     from fusedrl.distributed import split_decoder
-    from fusedrl.generation import sync_weights
+    from fusedrl.generation import sync_engine_weights
 
     engine = GenerationEngine(build_model("debug").eval(), max_slots=1, max_len=16)
     torch.manual_seed(5)
     trained = build_model("debug").eval()
     stages = split_decoder(trained, 2)
     with pytest.raises(ValueError, match="missing"):
-        sync_weights(engine, stages[0])  # one stage alone does not make a model
-    with pytest.raises(NotImplementedError, match="gen_tp"):
-        sync_weights(engine, stages, gen_tp=2)
-    stats = sync_weights(engine, stages)  # both stages on one process: no collectives needed
+        sync_engine_weights(engine, stages[0])  # one stage alone does not make a model
+    stats = sync_engine_weights(engine, stages)  # both stages on one process: no collectives needed
     assert stats.bytes == sum(t.numel() * t.element_size() for t in trained.state_dict().values())
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():

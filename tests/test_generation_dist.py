@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from fusedrl.generation import GenerationEngine, Request, SamplingParams, recv_request_state, send_request_state
+from fusedrl.generation import GenerationEngine, Request, SamplingParams, recv_states, send_states
 from fusedrl.models import build_model
 from fusedrl.testing import run_multirank
 
@@ -30,13 +30,14 @@ def _migrate_between_ranks(mode: str) -> dict:
             engine.add_request(r)
         for _ in range(4):
             results.update({r.id: r for r in engine.step()})
-        sent = send_request_state(engine.export_request(1, mode=mode), dst=1)
+        sent = send_states([engine.export_request(1, mode=mode)], 1)
         assert sent > 0
     else:
         engine = GenerationEngine(model, max_slots=2, max_len=64, seed=1234)
         engine.add_request(Request("resident", [1, 2, 3], SAMPLED))
         engine.step()
-        state = recv_request_state(src=0)
+        src, (state,) = recv_states(0)
+        assert src == 0
         assert state.has_kv == (mode == "kv")
         engine.import_request(state)
     while engine.has_work():
@@ -70,7 +71,7 @@ def _perturbed_training_model():
 
 def _sync_from_pp2_dp2(tokens: torch.Tensor) -> dict:
     from fusedrl.distributed import ParallelDims, apply_fsdp, split_decoder
-    from fusedrl.generation import sync_weights
+    from fusedrl.generation import sync_engine_weights
 
     mesh = ParallelDims(pp=2, dp_shard=2).build_mesh("cpu")
     stage = split_decoder(_model(), 2)[mesh["pp"].get_local_rank()]
@@ -81,7 +82,7 @@ def _sync_from_pp2_dp2(tokens: torch.Tensor) -> dict:
             p.mul_(1.0 + 0.01 * (order[name] % 7))
     torch.manual_seed(1234)
     engine = GenerationEngine(build_model("debug").eval(), max_slots=2, max_len=32)
-    stats = sync_weights(engine, stage, mesh["pp"].get_group())
+    stats = sync_engine_weights(engine, stage, mesh["pp"].get_group())
     with torch.no_grad():
         logits = engine.model(tokens)
     result = engine.generate([Request("p", tokens[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=5))])[0]

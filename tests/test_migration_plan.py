@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusedrl.generation.migration_plan import (
+from fusedrl.fusion.plan import (
     InstanceStats,
     MigrationPlan,
     MovedRequest,

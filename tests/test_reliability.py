@@ -88,11 +88,6 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-class _Timeline:
-    def gather(self, group):
-        return SimpleNamespace(bubble_ratio=lambda: 0.0)
-
-
 def _experience(batch: int, bad_score: float | None):
     from fusedrl.rlhf.experience import Experience
 
@@ -133,7 +128,7 @@ def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, pois
     if models is not None:
         models.update(actor=actor, critic=critic, before=[p.detach().clone() for m in (actor, critic) for p in m.parameters()])
 
-    def fake_minibatch(layout, mb):
+    def fake_minibatch(layout, mb, record=False):
         x = torch.ones(mb.batch_size, 4)
         adv = (mb.advantages * mb.response_mask).sum(1)
         ret = (mb.returns * mb.response_mask).sum(1)
@@ -142,13 +137,12 @@ def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, pois
         (policy_loss + value_loss).backward()
         if poison == "grad":
             actor.weight.grad[0, 1] = float("inf")
-        reported = float("nan") if poison == "loss" else policy_loss.item()
-        return {k: 0.0 for keys in (train.POLICY_STATS, train.VALUE_STATS) for k in keys} | {
-            "policy_loss": reported, "value_loss": value_loss.item()}
+        reported = torch.tensor(float("nan")) if poison == "loss" else policy_loss.detach()
+        return {k: torch.zeros(()) for keys in (train.POLICY_STATS, train.VALUE_STATS) for k in keys} | {
+            "policy_loss": reported, "value_loss": value_loss.detach()}
 
     monkeypatch.setattr(train, "train_minibatch", fake_minibatch)
-    layout = SimpleNamespace(dp=1, pp_group=None, actor_stage=actor, critic_stage=critic,
-                             schedule=SimpleNamespace(timeline=_Timeline()))
+    layout = SimpleNamespace(dp=1, pp_group=None, actor_stage=actor, critic_stage=critic)
     opts = []
     for m in (actor, critic):
         o = build_optimizer(m, 1e-2, 0.0)
@@ -156,7 +150,7 @@ def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, pois
     opt = train.Optimizers(opts[0], opts[2], opts[1], opts[3])
     exp, stats = train.compute_advantages(cfg, _experience(cfg.ppo.minibatch_size * 2, bad_score))
     before = [p.detach().clone() for p in (*actor.parameters(), *critic.parameters())]
-    out = train.ppo_update(cfg, layout, opt, exp, step=1)
+    out = train.ppo_update(cfg, layout, opt, exp, step=1).figures
     after = [p.detach() for p in (*actor.parameters(), *critic.parameters())]
     changed = any(not torch.equal(a, b) for a, b in zip(before, after))
     return out, stats, changed, opt
@@ -258,12 +252,12 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
                        *(f"--model.{k}={ROOT / 'assets' / 'debug' / v}" for k, v in
                          (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward")))])
     trainer = Trainer(cfg)
-    run_stage, train_step = trainer.controller.run, trainer.train_step
+    run_rollout, train_step = trainer.controller.run, trainer.train_step
 
-    def poisoned_stage(requests, gather: bool = False):
-        result = run_stage(requests, gather=gather)
-        if trainer.step == 2:  # one sample's reward of iteration 2 is NaN, on every rank
-            result.experience.scores[3] = float("nan")
+    def poisoned_rollout(requests, gather: bool = False):
+        result = run_rollout(requests, gather=gather)
+        if trainer.step == 2:  # one sample's reward of iteration 2 is NaN, on every rank (same gathered parts)
+            result.scored[0].scores[0] = float("nan")
         return result
 
     checksums = []
@@ -275,7 +269,7 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
         checksums.append((before, sum(map(_local_checksum, stages))))
         return record
 
-    trainer.controller.run, trainer.train_step = poisoned_stage, checked_step
+    trainer.controller.run, trainer.train_step = poisoned_rollout, checked_step
     return trainer.train(), checksums
 
 

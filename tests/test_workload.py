@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusedrl.generation.workload import LengthDistribution, lmsys_lengths
+from fusedrl.fusion.workload import LengthDistribution, lmsys_lengths
 
 
 def test_heavy_tail_and_mean():

@@ -1,31 +1,45 @@
-"""End-to-end PPO iterations with both fusions on vs both off, on the debug config, in one run.
+"""End-to-end PPO iterations on the debug config: both fusions on vs both off, or this tree vs another one.
 
-Spawns the config's world size (pp x dp_shard, 4 for debug_ppo.toml) CPU processes with one thread each,
-builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps`` iterations per mode
-with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load of other processes
-on the machine hits both alike. Reports samples/s over the measured iterations and the mean seconds per stage.
-Both modes sample the same responses (fusion changes when work runs, not what is computed), so the
-``true_score`` figures of the two modes agree.
+Fusions (default): spawns the config's world size (pp x dp_shard, 4 for debug_ppo.toml) CPU processes with one
+thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
+iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
+of other processes on the machine hits both alike. Reports samples/s over the measured iterations and the mean
+seconds per phase. Both modes sample the same responses (fusion changes when work runs, not what is computed),
+so the ``true_score`` figures of the two modes agree.
 
-Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--section.key=value ...]``.
-With ``--json`` the last stdout line is ``{"speedup": on/off samples/s, "stages": {"on": {...}, "off": {...}}, ...}``.
+Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
+this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and
+dp_shard = world / pp), the runs alternating A B B A ... over ``--rounds``. Reports samples/s and the executor's
+overhead per pipeline action: (time inside ``FusedPipelineSchedule.step`` - time inside the stages'
+forward/backward and the losses) / program entries executed, and the same without the time spent waiting for
+messages (see :mod:`fusedrl.bench.tree_worker`).
+
+Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--baseline TREE]
+[--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
+(fusions: ``{"speedup": on/off samples/s, "phases": {"on": {...}, "off": {...}}, ...}``; trees: per layout the
+samples/s and overhead figures of both trees and their ratios).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from fusedrl.config import ConfigError, load_config
 from fusedrl.testing import run_multirank
-from fusedrl.train import Trainer, prepare
+from fusedrl.train import PHASES, Trainer, prepare
 
+ROOT = Path(__file__).resolve().parents[2]
 MODES = {"off": ("false", "false"), "on": ("true", "true")}
-STAGES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step")
 
 
+# ---------------------------------------------------------------------------------------------- fusions on/off
 def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list[dict]]:
     """Both trainers live side by side and take turns iteration by iteration (order off, on, on, off, ...),
     so that a drifting machine load biases neither mode."""
@@ -34,7 +48,8 @@ def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list
         cfg = load_config([*argv, f"--fusion.inter_stage={inter}", f"--fusion.intra_stage={intra}",
                            f"--training.steps={warmup + steps}", f"--job.output_dir={out}/{mode}",
                            "--checkpoint.interval=0", "--checkpoint.resume=false", "--checkpoint.export_hf=false",
-                           "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false"])
+                           "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false",
+                           "--metrics.timeline_interval=1"])
         trainers[mode] = Trainer(cfg)
     histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for step in range(1, warmup + steps + 1):
@@ -46,13 +61,11 @@ def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list
 
 
 def summarize(histories: dict[str, list[dict]]) -> dict:
-    """samples/s over the measured steps (total samples / total step time) and mean seconds per stage."""
-    out: dict = {"samples_per_s": {}, "stages": {}, "bubble_ratio": {}, "true_score": {}}
+    """samples/s over the measured steps (total samples / total step time) and mean seconds per phase."""
+    out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}}
     for mode, records in histories.items():
-        total = sum(r["time_step"] for r in records)
-        samples = sum(r["samples_per_s"] * r["time_step"] for r in records)
-        out["samples_per_s"][mode] = samples / total
-        out["stages"][mode] = {s: sum(r[f"time_{s}"] for r in records) / len(records) for s in STAGES}
+        out["samples_per_s"][mode] = _samples_per_s(records)
+        out["phases"][mode] = {p: sum(r[f"time_{p}"] for r in records) / len(records) for p in PHASES}
         out["bubble_ratio"][mode] = sum(r["bubble_ratio"] for r in records) / len(records)
         if all("true_score" in r for r in records):
             out["true_score"][mode] = sum(r["true_score"] for r in records) / len(records)
@@ -60,15 +73,97 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _samples_per_s(records: list[dict]) -> float:
+    total = sum(r["time_step"] for r in records)
+    return sum(r["samples_per_s"] * r["time_step"] for r in records) / total
+
+
+def _fusions(config_argv: list[str], world: int, warmup: int, steps: int, config: str, batch: int,
+             as_json: bool) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        histories = run_multirank(_bench, world, config_argv, out, warmup, steps, timeout_s=3600.0)[0]
+    result = summarize(histories)
+    result.update(config=config, world_size=world, batch_size=batch, measured_steps_per_mode=steps)
+    print(f"end-to-end PPO, {config}, {world} CPU ranks, batch {batch}: {warmup} warm-up + "
+          f"{steps} measured iterations per mode, the modes taking turns (off, on, on, off, ...)")
+    print(f"{'phase (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
+    for p in PHASES:
+        off, on = result["phases"]["off"][p], result["phases"]["on"][p]
+        print(f"{p:<24}{off:>14.3f}{on:>14.3f}{(on / off if off else float('nan')):>10.2f}")
+    print(f"{'samples/s':<24}{result['samples_per_s']['off']:>14.2f}{result['samples_per_s']['on']:>14.2f}")
+    print(f"{'pipeline bubble ratio':<24}{result['bubble_ratio']['off']:>14.3f}{result['bubble_ratio']['on']:>14.3f}")
+    print(f"speedup (samples/s, on / off): {result['speedup']:.3f}x")
+    if as_json:
+        print(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------- tree vs tree
+def _run_tree(tree: Path, config: str, overrides: list[str], world: int, warmup: int, steps: int) -> list[dict]:
+    """One trainer run of ``tree``'s code (its own config file and assets) in a fresh Python; per rank figures."""
+    with tempfile.TemporaryDirectory() as out:
+        spec = {"config": config, "overrides": overrides, "world": world, "warmup": warmup, "steps": steps, "out": out}
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("tree_worker.py")), json.dumps(spec)],
+                              cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"the trainer run of {tree} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tree_figures(ranks: list[dict]) -> dict[str, float]:
+    """samples/s of the run and, averaged over ranks, the executor's overhead per program entry."""
+    per_rank = [((r["executor_s"] - r["compute_s"]) / r["actions"], (r["executor_s"] - r["compute_s"] - r["wait_s"]) / r["actions"])
+                for r in ranks]
+    return {
+        "samples_per_s": _samples_per_s(ranks[0]["records"]),
+        "overhead_us_per_action": 1e6 * statistics.fmean(o for o, _ in per_rank),
+        "overhead_us_per_action_without_waits": 1e6 * statistics.fmean(o for _, o in per_rank),
+        "time_training": statistics.fmean(r["time_training"] for r in ranks[0]["records"]),
+    }
+
+
+def _trees(baseline: Path, config: str, overrides: list[str], pp: int, layouts: list[int], rounds: int, warmup: int,
+           steps: int, as_json: bool) -> None:
+    trees = {"baseline": baseline.resolve(), "this": ROOT}
+    runs: dict[int, dict[str, list[dict]]] = {w: {name: [] for name in trees} for w in layouts}
+    order = list(trees)
+    for r in range(rounds):
+        for world in layouts:
+            for name in (order if r % 2 == 0 else order[::-1]):
+                layout = [f"--parallelism.pp={pp}", f"--parallelism.dp_shard={world // pp}"]
+                runs[world][name].append(_tree_figures(_run_tree(trees[name], config, [*overrides, *layout], world,
+                                                                 warmup, steps)))
+                print(f"round {r + 1}/{rounds}, {world} ranks, {name}: {runs[world][name][-1]}", flush=True)
+    result: dict = {"config": config, "baseline": str(trees["baseline"]), "rounds": rounds, "measured_steps": steps,
+                    "layouts": {}}
+    print(f"\nend-to-end PPO, {config}: this tree vs {trees['baseline']}, {rounds} runs each (medians), "
+          f"{warmup} warm-up + {steps} measured iterations per run")
+    print(f"{'layout':<22}{'figure':<36}{'baseline':>12}{'this':>12}{'this/base':>11}")
+    for world in layouts:
+        row = {}
+        for key in ("samples_per_s", "overhead_us_per_action", "overhead_us_per_action_without_waits", "time_training"):
+            base = statistics.median(x[key] for x in runs[world]["baseline"])
+            this = statistics.median(x[key] for x in runs[world]["this"])
+            row[key] = {"baseline": base, "this": this, "ratio": this / base}
+            print(f"{f'{world} ranks (pp={pp})':<22}{key:<36}{base:>12.2f}{this:>12.2f}{this / base:>10.3f}x")
+        result["layouts"][str(world)] = row
+    if as_json:
+        print(json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedrl.bench.e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
     parser.add_argument("--config", default="train_configs/debug_ppo.toml", help="TOML job config (CPU debug config)")
-    parser.add_argument("--steps", type=int, default=6, help="measured iterations per mode")
+    parser.add_argument("--steps", type=int, default=6, help="measured iterations per mode (per run with --baseline)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per mode, before the measured ones")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another fusedrl source tree (e.g. a git worktree of the starting commit): compare trees")
+    parser.add_argument("--layouts", default="4,2", help="with --baseline: world sizes to run (pp as configured)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout")
     args, overrides = parser.parse_known_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
 
     config_argv = ["--job.config_file", args.config, *overrides, "--training.device=cpu"]
     try:
@@ -78,22 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as out:
-        histories = run_multirank(_bench, world, config_argv, out, args.warmup, args.steps, timeout_s=3600.0)[0]
-    result = summarize(histories)
-    result.update(config=args.config, world_size=world, batch_size=cfg.ppo.batch_size, measured_steps_per_mode=args.steps)
-
-    print(f"end-to-end PPO, {args.config}, {world} CPU ranks, batch {cfg.ppo.batch_size}: {args.warmup} warm-up + "
-          f"{args.steps} measured iterations per mode, the modes taking turns (off, on, on, off, ...)")
-    print(f"{'stage (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
-    for s in STAGES:
-        off, on = result["stages"]["off"][s], result["stages"]["on"][s]
-        print(f"{s:<24}{off:>14.3f}{on:>14.3f}{(on / off if off else float('nan')):>10.2f}")
-    print(f"{'samples/s':<24}{result['samples_per_s']['off']:>14.2f}{result['samples_per_s']['on']:>14.2f}")
-    print(f"{'pipeline bubble ratio':<24}{result['bubble_ratio']['off']:>14.3f}{result['bubble_ratio']['on']:>14.3f}")
-    print(f"speedup (samples/s, on / off): {result['speedup']:.3f}x")
-    if args.json:
-        print(json.dumps(result))
+    if args.baseline is None:
+        _fusions(config_argv, world, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json)
+        return 0
+    if not (args.baseline / "fusedrl" / "train.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a fusedrl source tree (no fusedrl/train.py); "
+                     "make one with `git worktree add <dir> <commit>`")
+    layouts = [int(w) for w in args.layouts.split(",")]
+    if any(w % par.pp for w in layouts):
+        parser.error(f"--layouts {args.layouts}: every world size must be a multiple of parallelism.pp = {par.pp}")
+    _trees(args.baseline, args.config, [*overrides, "--training.device=cpu"], par.pp, layouts, args.rounds, args.warmup,
+           args.steps, args.json)
     return 0
 
 

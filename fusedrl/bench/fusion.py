@@ -3,12 +3,12 @@
     python -m fusedrl.bench.fusion [--json] [--repeats N] [--trace-dir DIR]
 
 (a) Real: 2 ranks (gloo, one thread each), ``debug`` Actor / Reference / Reward / Critic, a batch with
-    LMSYS-shaped forced response lengths (scaled to ``--max-new``); stages with fusion off and on
+    LMSYS-shaped forced response lengths (scaled to ``--max-new``); rollouts with fusion off and on
     (``auto`` threshold) run off, on, off, ..., off, and each fused run is compared with the mean of its
     two unfused neighbours; medians count. Migration stats: when, how many requests, bytes.
-(b) The stage simulator at paper scale (batch 512, max length 2048, 32 GPUs as tensor-parallel instances
-    of 1-8 GPUs, H100 and A100 roofline costs; see ``StageCosts.for_models`` and docs/fusion.md for every
-    parameter), best threshold per configuration; ``sim_speedup`` compares the unfused and the fused stage
+(b) The rollout simulator at paper scale (batch 512, max length 2048, 32 GPUs as tensor-parallel instances
+    of 1-8 GPUs, H100 and A100 roofline costs; see ``RolloutCosts.for_models`` and docs/fusion.md for every
+    parameter), best threshold per configuration; ``sim_speedup`` compares the unfused and the fused rollout
     each at its fastest instance size (13B/33B models on H100s).
 (c) The simulator fed with (a)'s measured costs (decode steps with the engine's buckets, scoring
     micro-batches and prefill from the unfused runs around each fused run; transfers and checks from the
@@ -27,18 +27,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.migration import MigrationController, StageResult
-from fusedrl.generation.stage_sim import (
+from fusedrl.fusion import MigrationController, RolloutResult
+from fusedrl.fusion.simulator import (
     SimRequest,
-    StageConfig,
-    StageCosts,
+    RolloutConfig,
+    RolloutCosts,
     best_migration,
     fit_transfers,
-    simulate_stage,
+    simulate_rollout,
     split_round_robin,
 )
-from fusedrl.generation.workload import lmsys_lengths
+from fusedrl.fusion.workload import lmsys_lengths
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
 from fusedrl.rlhf import Scorer, ScoringModels
 from fusedrl.testing import run_multirank
@@ -72,37 +72,37 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
     params = [SamplingParams(temperature=1.0, target_len=n) for n in lengths]
     mine = [Request(i, prompts[i], params[i]) for i in range(batch) if i % world == rank]
 
-    def stage(fusion: bool, costs: StageCosts | None) -> StageResult:
+    def rollout(fusion: bool, costs: RolloutCosts | None) -> RolloutResult:
         engine = GenerationEngine(actor, max_slots=batch, max_len=prompt_len + max_new, seed=seed)
-        ctl = MigrationController(engine, Scorer(scoring, micro_batch_size=8), fusion=fusion, threshold="auto",
+        ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=8, fusion=fusion, threshold="auto",
                                   mode="kv", check_interval=check_interval, costs=costs)
         return ctl.run(mine)
 
-    def gathered(res: StageResult, name: str) -> list:
+    def gathered(res: RolloutResult, name: str) -> list:
         out: list = [None] * world
         dist.all_gather_object(out, getattr(res.measurements, name))
         return [x for part in out for x in part]
 
-    def fitted(runs: list[StageResult], engine: GenerationEngine, check_s: float = 0.0) -> StageCosts:
-        return StageCosts.fit(*(sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill")),
+    def fitted(runs: list[RolloutResult], engine: GenerationEngine, check_s: float = 0.0) -> RolloutCosts:
+        return RolloutCosts.fit(*(sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill")),
                               check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets)
 
-    def check_cost(res: StageResult) -> float:
+    def check_cost(res: RolloutResult) -> float:
         per_rank: list = [None] * world
         dist.all_gather_object(per_rank, _check_gaps(res, rank, check_interval))
         return min(per_rank)
 
-    shapes = GenerationEngine(actor, max_slots=batch, max_len=prompt_len + max_new)  # stage()'s buckets, for the fits
-    warm_off = stage(False, None)  # warm-up, and the first check cost for "auto"
-    check_s = check_cost(stage(True, fitted([warm_off], shapes)))
+    shapes = GenerationEngine(actor, max_slots=batch, max_len=prompt_len + max_new)  # rollout()'s buckets, for the fits
+    warm_off = rollout(False, None)  # warm-up, and the first check cost for "auto"
+    check_s = check_cost(rollout(True, fitted([warm_off], shapes)))
     # off_0, on_0, off_1, on_1, ..., off_R: each fused run lies between two unfused runs, so that load drift
     # on this shared machine hits both sides of its comparison alike.
-    off, on, fused_meas = [stage(False, None)], [], []
+    off, on, fused_meas = [rollout(False, None)], [], []
     for _ in range(repeats):
         # "auto" gets what a controller knows before the run: the preceding unfused run's costs and the
         # previous fused run's check cost.
-        r_on = stage(True, fitted(off[-1:], shapes, check_s))
-        off.append(stage(False, None))
+        r_on = rollout(True, fitted(off[-1:], shapes, check_s))
+        off.append(rollout(False, None))
         on.append(r_on)
         check_s = check_cost(r_on)
         fused_meas.append({"transfers": gathered(r_on, "transfers"), "check_s": check_s})
@@ -113,8 +113,8 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
         "lengths": lengths,
         "kv_bytes_per_token": _kv_bytes_per_token(actor),
         "prompt_len": prompt_len,
-        "off": [(r.stage_s, r.decode_end_s, r.scoring_exposed_s) for r in off],
-        "on": [(r.stage_s, r.decode_end_s, r.scoring_exposed_s) for r in on],
+        "off": [(r.rollout_s, r.decode_end_s, r.scoring_exposed_s) for r in off],
+        "on": [(r.rollout_s, r.decode_end_s, r.scoring_exposed_s) for r in on],
         "migration": [None if r.migration is None else r.migration.as_dict() for r in on],
         "costs": [c.__dict__ for c in fits],
         "fused_meas": fused_meas,
@@ -123,7 +123,7 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
     }
 
 
-def _check_gaps(res: StageResult, rank: int, check_interval: int) -> float:
+def _check_gaps(res: RolloutResult, rank: int, check_interval: int) -> float:
     """This rank's mean time per statistics check before the migration, from its trace: the wall time
     between its decode spans (the all-gather, and with ``auto`` the threshold simulation rank 0 runs and
     broadcasts). At a check the last rank to arrive waits least: the minimum over ranks is the check cost."""
@@ -148,15 +148,15 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: str = "balanced") -> list[di
     for hw, hbm_bw, flops, hbm, link in HARDWARE:
         for name, actor, scorer, kvb, layers in PAPER_MODELS:
             for tp in PAPER_TP:
-                costs = StageCosts.for_models(actor_params=actor, scorer_params=scorer, kv_bytes_per_token=kvb,
+                costs = RolloutCosts.for_models(actor_params=actor, scorer_params=scorer, kv_bytes_per_token=kvb,
                                               gpus_per_instance=tp, actor_layers=layers, hbm_bytes_per_s=hbm_bw,
                                               flops_per_s=flops, link_bytes_per_s=link)
                 kv_tokens = int((tp * hbm * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
-                config = StageConfig(max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8,
+                config = RolloutConfig(max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8,
                                      unfused_scoring=baseline)
                 n = PAPER_GPUS // tp
                 instances = split_round_robin(lengths, PAPER_PROMPT, n)
-                unfused = simulate_stage(instances, costs, config, fused=False)
+                unfused = simulate_rollout(instances, costs, config, fused=False)
                 threshold, _, fused = best_migration(instances, costs, config, batch_size=batch)
                 rows.append(dict(hardware=hw, models=name, tp=tp, instances=n, unfused_s=unfused.total_s,
                                  decode_s=unfused.decode_end_s, scoring_s=unfused.total_s - unfused.decode_end_s,
@@ -201,21 +201,21 @@ def _print_paper_scale(batch: int, baseline: str) -> float:
 
 # ---------------------------------------------------------------------------------------------- (c) model check
 def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
-    """Predict repeat ``rep``'s stages from the costs measured in that repeat (and its threshold)."""
+    """Predict repeat ``rep``'s rollouts from the costs measured in that repeat (and its threshold)."""
     base = dict(real["costs"][rep])
     meas = real["fused_meas"][rep]
     base["transfer_latency_s"], base["transfer_bytes_per_s"] = fit_transfers(meas["transfers"])
     base["check_s"] = meas["check_s"]
     base["kv_bytes_per_token"] = real["kv_bytes_per_token"]
-    costs = StageCosts(**base)
+    costs = RolloutCosts(**base)
     batch = len(real["lengths"])
     instances = [[SimRequest(real["prompt_len"], real["lengths"][i]) for i in range(batch) if i % world == r] for r in range(world)]
-    config = StageConfig(max_slots=batch, kv_capacity_tokens=batch * (real["prompt_len"] + max(real["lengths"])),
+    config = RolloutConfig(max_slots=batch, kv_capacity_tokens=batch * (real["prompt_len"] + max(real["lengths"])),
                          check_interval=check_interval, micro_batch_size=8)
     mig = real["migration"][rep]
     threshold = mig["threshold"] if mig else 0
-    fused = simulate_stage(instances, costs, config, fused=True, threshold=threshold, min_kept=len(mig["kept"]) if mig else 1)
-    unfused = simulate_stage(instances, costs, config, fused=False)
+    fused = simulate_rollout(instances, costs, config, fused=True, threshold=threshold, min_kept=len(mig["kept"]) if mig else 1)
+    unfused = simulate_rollout(instances, costs, config, fused=False)
     measured = real["on"][rep][0]
     measured_off = statistics.fmean(real["off"][i][0] for i in (rep, rep + 1))
     return dict(costs=costs, threshold=threshold, fused=fused, unfused=unfused, measured=measured, measured_off=measured_off,
@@ -283,8 +283,8 @@ def main() -> None:
           f"lengths (median {lengths.median():.0f}, p99.9 {torch.quantile(lengths, 0.999):.0f}, max {lengths.max():.0f}), "
           f"k={args.check_interval}, runs off/on/off/.../off, each fused run vs the mean of its two unfused neighbours, "
           f"median of {args.repeats} (speedups {', '.join(f'{x:.2f}' for x in speedups)})")
-    print(f"    fusion off: stage {off[0]:.3f}s (decode ends {off[1]:.3f}s, scoring exposed {off[2]:.3f}s)")
-    print(f"    fusion on : stage {on[0]:.3f}s (decode ends {on[1]:.3f}s, scoring exposed {on[2]:.3f}s)")
+    print(f"    fusion off: rollout {off[0]:.3f}s (decode ends {off[1]:.3f}s, scoring exposed {off[2]:.3f}s)")
+    print(f"    fusion on : rollout {on[0]:.3f}s (decode ends {on[1]:.3f}s, scoring exposed {on[2]:.3f}s)")
     print(f"    real_speedup {real_speedup:.3f}x")
     if mig:
         print(f"    migration: step {mig['step']} at {mig['time_s']:.3f}s, threshold {mig['threshold']} (auto), "

@@ -105,7 +105,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
                "advantages": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
     critic_t = {"returns": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
     executors = {name: FusedPipelineSchedule(program, StageModule(actor_stage, _ppo_actor_loss, dim, vocab),
-                                             StageModule(critic_stage, _value_loss, dim, 1), record_timeline=True)
+                                             StageModule(critic_stage, _value_loss, dim, 1))
                  for name, program in programs.items()}
     samples: dict[str, list[float]] = {name: [] for name in programs}
     traces = {}
@@ -115,7 +115,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
         for name, ex in executors.items():
             dist.barrier()
             start = time.perf_counter()
-            ex.step(tokens, tokens, actor_t, critic_t)
+            ex.step(tokens, tokens, actor_t, critic_t, record=True)
             dist.barrier()
             elapsed = time.perf_counter() - start
             timeline = ex.timeline.gather()  # a collective: every rank gathers every run

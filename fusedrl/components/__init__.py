@@ -2,13 +2,14 @@
 metrics and checkpoints."""
 
 from fusedrl.components.checkpoint import CheckpointManager, export_hf
-from fusedrl.components.data import DataReport, PromptBatch, PromptDataset, PromptLoader, load_prompts
+from fusedrl.components.data import DataReport, PromptBatch, PromptDataset, PromptLoader, load_prompts, load_prompts_from_config
 from fusedrl.components.lr_schedule import build_lr_scheduler, lr_factor
 from fusedrl.components.metrics import (
     ChromeTrace,
     MetricsLogger,
-    StageTimers,
+    PhaseTimers,
     drop_steps_after,
+    init_logging,
     length_stats,
     peak_memory_gib,
     percentile,
@@ -32,7 +33,7 @@ __all__ = [
     "PromptBatch",
     "PromptDataset",
     "PromptLoader",
-    "StageTimers",
+    "PhaseTimers",
     "build_lr_scheduler",
     "build_optimizer",
     "clip_grad_norm",
@@ -40,10 +41,12 @@ __all__ = [
     "grad_norm",
     "length_stats",
     "load_prompts",
+    "load_prompts_from_config",
     "lr_factor",
     "peak_memory_gib",
     "percentile",
     "drop_steps_after",
+    "init_logging",
     "read_jsonl",
     "ByteTokenizer",
     "HFTokenizer",

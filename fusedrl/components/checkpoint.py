@@ -39,6 +39,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fusedrl.config import CheckpointSection
+from fusedrl.distributed import gather_full_state_dict
+from fusedrl.models import save_hf_checkpoint
+
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
@@ -126,6 +130,17 @@ class CheckpointManager:
         self._models = {n: _ModelState(m, optimizers.get(n)) for n, m in models.items()}
         self._schedulers = schedulers
         self._extra = extra
+
+    @classmethod
+    def from_config(cls, section: CheckpointSection, output_dir: str | os.PathLike, models: Mapping[str, nn.Module],
+                    optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+                    schedulers: Mapping[str, Any] | None = None,
+                    extra: Mapping[str, Any] | None = None) -> CheckpointManager:
+        """A manager as the ``[checkpoint]`` section says: ``folder`` relative to ``output_dir`` unless
+        absolute, ``interval``, ``keep`` (0: keep all)."""
+        folder = Path(section.folder)
+        return cls(folder if folder.is_absolute() else Path(output_dir) / folder, models, optimizers, schedulers, extra,
+                   interval=section.interval, keep_last=section.keep or None)
 
     # -------------------------------------------------------------------- paths
     def path(self, step: int) -> Path:
@@ -254,9 +269,6 @@ def export_hf(
     Collective: every rank passes its own stage(s) (see ``fusedrl.distributed.gather_full_state_dict``).
     Returns the folder on global rank 0, which writes it, and None elsewhere.
     """
-    from fusedrl.distributed import gather_full_state_dict
-    from fusedrl.models.hf import save_hf_checkpoint
-
     state = gather_full_state_dict(stages, pp_group)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None

@@ -1,4 +1,4 @@
-"""Prompt datasets (JSONL, Parquet, on-disk HF dataset, synthetic) and a resumable, rank-sharded loader.
+"""Prompt datasets (JSONL, Parquet, on-disk HF dataset, or a task's generated prompts) and a resumable, rank-sharded loader.
 
 Loading validates every row: malformed JSON, invalid UTF-8, a missing / null / non-string / empty
 prompt, and token ids outside the model's vocabulary are *bad rows*; they are counted, reported
@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from fusedrl.config import DataSection
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +135,14 @@ def load_prompts(
     chat_template: str | None = None,
     vocab_size: int | None = None,
     split: str = "train",
-    num_synthetic: int = 1024,
-    seed: int = 0,
+    texts: Sequence[str] | None = None,
 ) -> PromptDataset:
     """Read, validate and tokenise prompts.
 
     ``chat_template`` is a string containing ``{prompt}`` (e.g. ``"<|user|>{prompt}<|assistant|>"``).
     ``overlong="truncate"`` keeps the *last* ``max_prompt_len`` tokens, so the end of the prompt (the
-    question and the template's assistant marker) survives. ``format="synthetic"`` draws
-    ``num_synthetic`` prompts of the embedded debug task (``path`` is ignored).
+    question and the template's assistant marker) survives. ``format="synthetic"`` takes the prompts
+    from ``texts`` (a task's own generator, e.g. ``fusedrl.tasks.debug.sample_prompts``; ``path`` is ignored).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
@@ -153,10 +154,11 @@ def load_prompts(
         raise ValueError(f"chat_template {chat_template!r} has no '{{prompt}}' placeholder; add one where the prompt goes")
 
     if format == "synthetic":
-        from fusedrl.rlhf.debug_task import sample_prompts
-
-        source = f"synthetic debug task ({num_synthetic} prompts, seed {seed})"
-        rows = _column_rows(sample_prompts(num_synthetic, seed))
+        if texts is None:
+            raise ValueError("data.format synthetic takes its prompts from texts=; pass a task's prompts "
+                             "(e.g. fusedrl.tasks.debug.sample_prompts(n, seed))")
+        source = f"synthetic prompts ({len(texts)})"
+        rows = _column_rows(texts)
     else:
         if path is None:
             raise ValueError(f"data.path is required for format {format!r}")
@@ -204,6 +206,19 @@ def load_prompts(
     else:
         log.info("prompt dataset %s", report.summary())
     return PromptDataset(prompts, token_ids, source_rows, report)
+
+
+def load_prompts_from_config(section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int,
+                             texts: Sequence[str] | None = None) -> PromptDataset:
+    """The ``[data]`` section's prompts; ``chat_template = true`` uses the tokenizer's own template, and
+    format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""
+    template = getattr(tokenizer, "chat_template", None) if section.chat_template else None
+    if section.chat_template and template is None:
+        raise ValueError("data.chat_template = true: the tokenizer has no chat template; set --data.chat_template=false "
+                         "or use a tokenizer folder that defines one")
+    return load_prompts(section.path, tokenizer, format=section.format, prompt_key=section.prompt_key,
+                        max_prompt_len=section.max_prompt_len, overlong=section.on_long_prompt, chat_template=template,
+                        vocab_size=vocab_size, texts=texts)
 
 
 def _check_prompt(value: Any, prompt_key: str) -> str | None:

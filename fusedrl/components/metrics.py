@@ -1,6 +1,7 @@
-"""Per-step metrics: stage timers, length percentiles, peak memory, and a logger writing a stdout
+"""Per-step metrics: phase timers, length percentiles, peak memory, and a logger writing a stdout
 line, a JSONL file and (when installed) TensorBoard, on rank 0 only. Also a Chrome/Perfetto trace
-writer other modules reuse (load the JSON in chrome://tracing or ui.perfetto.dev)."""
+writer other modules reuse (load the JSON in chrome://tracing or ui.perfetto.dev), and the logging
+set-up of a run (rank 0 speaks; other ranks only warn)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,45 @@ from pathlib import Path
 
 import torch
 
+from fusedrl.config import MetricsSection
+
 log = logging.getLogger(__name__)
+
+
+class _RankZero(logging.Filter):
+    """Passes every record on rank 0 and only warnings and errors on other ranks."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def init_logging(rank: int | None = None) -> None:
+    """Log fusedrl's progress to stdout as ``fusedrl: message`` on rank 0 (``$RANK`` when not given); other
+    ranks print only warnings and errors, prefixed with their rank. Idempotent."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    root = logging.getLogger("fusedrl")
+    for handler in list(root.handlers):
+        if getattr(handler, "_fusedrl", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stdout)
+    handler._fusedrl = True  # type: ignore[attr-defined]
+    prefix = "fusedrl" if rank == 0 else f"fusedrl [rank {rank}]"
+    handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+    handler.addFilter(_RankZero(rank))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
 
 
 class ChromeTrace:
     """A list of Chrome trace events; ``save`` writes ``{"traceEvents": [...]}``.
 
     Times are in seconds (converted to the format's microseconds); ``pid`` groups rows (e.g. a rank),
-    ``tid`` is a row within it (e.g. a stage or a model).
+    ``tid`` is a row within it (e.g. a phase or a model).
     """
 
     def __init__(self) -> None:
@@ -68,11 +100,12 @@ class ChromeTrace:
         return path
 
 
-class StageTimers:
-    """Accumulating wall-clock timers: ``with timers("generation"): ...``; ``pop()`` returns and resets.
+class PhaseTimers:
+    """Accumulating wall-clock timers of an iteration's phases: ``with timers("generation"): ...``; ``pop()``
+    returns and resets.
 
     With ``sync_cuda`` the timer synchronises the device at both ends so asynchronous kernels are
-    counted in the stage that launched them. With ``trace`` every span is also recorded there.
+    counted in the phase that launched them. With ``trace`` every span is also recorded there.
     """
 
     def __init__(self, sync_cuda: bool = False, trace: ChromeTrace | None = None, pid: int | str = 0) -> None:
@@ -82,7 +115,7 @@ class StageTimers:
         self._totals: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
+    def __call__(self, phase: str) -> Iterator[None]:
         if self.sync_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -92,13 +125,13 @@ class StageTimers:
             if self.sync_cuda:
                 torch.cuda.synchronize()
             dur = time.perf_counter() - start
-            self._totals[stage] += dur
+            self._totals[phase] += dur
             if self.trace is not None:
-                self.trace.complete(stage, start, dur, pid=self.pid, tid="stages")
+                self.trace.complete(phase, start, dur, pid=self.pid, tid="phases")
 
-    def add(self, stage: str, seconds: float) -> None:
-        """Add a duration measured elsewhere (e.g. exposed scoring time reported by the engine)."""
-        self._totals[stage] += seconds
+    def add(self, phase: str, seconds: float) -> None:
+        """Add a duration measured elsewhere (e.g. exposed scoring time reported by the rollout)."""
+        self._totals[phase] += seconds
 
     def totals(self) -> dict[str, float]:
         return dict(self._totals)
@@ -210,6 +243,13 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+    @classmethod
+    def from_config(cls, section: MetricsSection, folder: str | os.PathLike, *, rank: int,
+                    stdout_keys: Sequence[str] | None = None) -> MetricsLogger:
+        """A logger as the ``[metrics]`` section says (``log_freq``, ``jsonl``, ``tensorboard``)."""
+        return cls(folder, rank=rank, log_freq=section.log_freq, jsonl=section.jsonl, tensorboard=section.tensorboard,
+                   stdout_keys=stdout_keys)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -156,7 +156,7 @@ class FusionSection:
     )
     migration_check_interval: int = _key(8, "Decode steps between checks of the global unfinished count.", at_least(1))
     intra_stage: bool = _key(True, "Intra-stage fusion: train Actor and Critic with one fused bidirectional pipeline schedule.")
-    schedule_search_budget_s: float = _key(5.0, "Seconds the fused schedule search may spend; 0 uses the greedy schedule only.", at_least(0.0))
+    schedule_search_budget_s: float = _key(5.0, "Seconds the fused schedule search may spend; 0 runs the greedy fused scheduler alone (no local search).", at_least(0.0))
 
 
 @dataclass
@@ -242,6 +242,12 @@ class MetricsSection:
     jsonl: bool = _key(True, "Write metrics to <output_dir>/metrics.jsonl.")
     tensorboard: bool = _key(False, "Also write TensorBoard events (needs the tensorboard package).")
     trace: list[int] = _key([], "Steps to record a Chrome/Perfetto trace of, e.g. [2, 10]; empty: none.", each(at_least(0)))
+    timeline_interval: int = _key(
+        0,
+        "Record pipeline timelines (and log bubble_ratio) every this many steps, besides traced steps; 0: traced steps "
+        "only. A recorded step adds a barrier and per-action timing to training.",
+        at_least(0),
+    )
 
 
 @dataclass

@@ -4,7 +4,7 @@ dicts from a training layout, float8; a heartbeat that names dead ranks after a 
 from fusedrl.distributed.float8 import convert_to_float8
 from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
-from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed
+from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed, select_device
 from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
 from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import apply_tp
@@ -19,6 +19,7 @@ __all__ = [
     "describe_failure",
     "gather_full_state_dict",
     "init_distributed",
+    "select_device",
     "split_decoder",
     "stage_layer_ranges",
     "transformer_layers",

@@ -85,21 +85,28 @@ class ParallelDims:
             )
 
 
+def select_device(setting: str | None = "auto") -> torch.device:
+    """This rank's device for ``training.device``: ``cuda`` (GPU ``$LOCAL_RANK``), ``cpu``, or ``auto``/None
+    (cuda when available). The one place that decides the device."""
+    setting = "auto" if setting is None else setting
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {setting!r}")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but CUDA is not available; use 'cpu' (or 'auto')")
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -> torch.device:
-    """Initialise the default process group (nccl on CUDA, gloo on CPU) and return this rank's device.
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) and return this rank's device
+    (:func:`select_device` of ``device_type``).
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); without it, a
     single-process group on 127.0.0.1 is created so that the same code runs with ``python -m``.
     On CUDA the current device is set from LOCAL_RANK. Idempotent.
     """
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device_type='cuda' requested but CUDA is not available; use device_type='cpu'")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = select_device(device_type)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():

@@ -1,37 +1,25 @@
-"""fusedrl.generation: KV-cache generation engine, sampling, request export/import, weight sync."""
+"""fusedrl.generation: the engine only: slot KV cache, continuous batching, sampling, compiled decode,
+request-state export/import and its wire format, and loading training weights into the engine."""
 
 from fusedrl.generation.engine import EngineStats, GenerationEngine, RequestProgress
-from fusedrl.generation.migration import MigrationController, MigrationStats, StageResult
-from fusedrl.generation.migration_plan import MigrationPlan, PlanError, verify_plan
-from fusedrl.generation.stage_sim import StageConfig, StageCosts, best_migration, simulate_stage
-from fusedrl.generation.workload import LengthDistribution, lmsys_lengths
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
-from fusedrl.generation.state import RequestState, recv_request_state, send_request_state
-from fusedrl.generation.weight_sync import WeightSyncStats, sync_weights
+from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
+from fusedrl.generation.weight_sync import WeightSyncStats, sync_engine_weights
 
 __all__ = [
-    "LengthDistribution",
-    "MigrationController",
-    "MigrationPlan",
-    "MigrationStats",
-    "PlanError",
-    "StageConfig",
-    "StageCosts",
-    "StageResult",
-    "best_migration",
-    "lmsys_lengths",
-    "simulate_stage",
-    "verify_plan",
     "EngineStats",
     "GenerationEngine",
+    "PendingSend",
     "Request",
     "RequestProgress",
     "RequestResult",
     "RequestState",
     "SamplingParams",
-    "recv_request_state",
-    "request_seed",
-    "send_request_state",
-    "sync_weights",
     "WeightSyncStats",
+    "isend_states",
+    "pack_states",
+    "recv_states",
+    "request_seed",
+    "send_states",
+    "sync_engine_weights",
 ]

@@ -15,6 +15,8 @@ from torch import nn
 from torchtune.modules import FeedForward, TransformerDecoder
 from tqdm.auto import tqdm
 
+from fusedrl.buckets import doubling, round_up
+from fusedrl.config import GenerationSection
 from fusedrl.generation.request import Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.state import RequestState
@@ -234,14 +236,6 @@ class RequestProgress:
         return self.prompt_len + self.generated
 
 
-def _default_buckets(limit: int, start: int) -> tuple[int, ...]:
-    out, b = [], start
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
-
-
 class GenerationEngine:
     """Continuous-batching generation over a torchtune ``TransformerDecoder``'s own modules.
 
@@ -289,8 +283,8 @@ class GenerationEngine:
         self.source_model = model
         self.max_slots, self.max_len, self.seed = max_slots, max_len, seed
         self.quantize, self.compile, self.backend, self.mode = quantize, compile, backend, mode
-        self.batch_buckets = tuple(sorted(set(batch_buckets or _default_buckets(max_slots, 1))))
-        self.len_buckets = tuple(sorted(set(len_buckets or _default_buckets(max_len, 64))))
+        self.batch_buckets = tuple(sorted(set(batch_buckets or doubling(1, max_slots))))
+        self.len_buckets = tuple(sorted(set(len_buckets or doubling(64, max_len))))
         if self.batch_buckets[0] < 1 or self.batch_buckets[-1] != max_slots:
             raise ValueError(f"batch_buckets {self.batch_buckets} must lie in [1, max_slots] and include max_slots={max_slots}")
         if self.len_buckets[0] < 1 or self.len_buckets[-1] != max_len:
@@ -302,6 +296,15 @@ class GenerationEngine:
         self._waiting: deque[RequestState] = deque()
         self._ready: list[RequestResult] = []
         self._ids: set[RequestId] = set()
+
+    @classmethod
+    def from_config(cls, model: TransformerDecoder, section: GenerationSection, *, max_len: int,
+                    seed: int) -> GenerationEngine:
+        """An engine as the ``[generation]`` section says (``compile_mode = "default"`` and ``quantize = "none"``
+        are torch.compile's default mode and no quantization)."""
+        return cls(model, max_slots=section.max_slots, max_len=max_len, seed=seed, compile=section.compile,
+                   backend=section.backend, mode=None if section.compile_mode == "default" else section.compile_mode,
+                   quantize=None if section.quantize == "none" else section.quantize)
 
     # ---------------------------------------------------------------- model / weights
     def _build(self) -> None:
@@ -336,7 +339,7 @@ class GenerationEngine:
             raise ValueError(f"request id {request.id!r} is already in this engine; ids must be unique")
         error = self._validate(request)
         if error is not None:
-            self._ready.append(RequestResult(request.id, request.prompt, [], [], "error", error))
+            self._ready.append(RequestResult(request, [], [], "error", error))
             return
         self._ids.add(request.id)
         self._waiting.append(RequestState(request, [], []))
@@ -500,9 +503,9 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         n = len(self._active)
-        b = next(x for x in self.batch_buckets if x >= n)
+        b = round_up(n, self.batch_buckets)
         positions = [s.cache_len for s in self._active] + [0] * (b - n)
-        length = next(x for x in self.len_buckets if x > max(positions))
+        length = round_up(max(positions), self.len_buckets, strictly_above=True)
         tokens = torch.tensor([s.generated[-1] for s in self._active] + [0] * (b - n), device=self.device)
         pos = torch.tensor(positions, device=self.device)
         mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
@@ -527,7 +530,7 @@ class GenerationEngine:
                 finished.append((self._active.index(slot), reason))
         for i, reason in sorted(finished, reverse=True):
             slot = self._active[i]
-            self._ready.append(RequestResult(slot.request.id, slot.request.prompt, slot.generated, slot.logprobs, reason))
+            self._ready.append(RequestResult(slot.request, slot.generated, slot.logprobs, reason))
             self._ids.discard(slot.request.id)
             self._remove_slot(i)
 

@@ -61,7 +61,7 @@ class Request:
 
 @dataclass
 class RequestResult:
-    """Output of one request.
+    """A finished request: its generated ``tokens`` (stop token included when it stopped) and their log-probs.
 
     ``logprobs[i]`` is log pi(tokens[i] | prefix) under the *unmodified* model distribution
     (log-softmax of the logits at temperature 1, before top-k/top-p), i.e. what the Actor's training
@@ -69,12 +69,24 @@ class RequestResult:
     request was rejected; the other requests of the batch are unaffected.
     """
 
-    id: RequestId
-    prompt: list[int]
+    request: Request
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     error: str | None = None
+
+    @property
+    def id(self) -> RequestId:
+        return self.request.id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.request.prompt) + len(self.tokens)
 
     @property
     def ok(self) -> bool:

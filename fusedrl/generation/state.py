@@ -1,31 +1,36 @@
-"""RequestState: an in-flight request, detached from its engine (the unit of migration)."""
+"""RequestState, a request detached from its engine, and its one wire format.
+
+A state is in flight (``finish_reason`` None: the unit of migration, with its KV slice and RNG) or finished
+(a sample on its way to be scored). Both travel between ranks the same way: :func:`pack_states` turns a
+batch of states into a few flat tensors (one header of fixed size first), :func:`send_states` /
+:func:`isend_states` / :func:`recv_states` move them point to point; a batch of zero states is an
+end-of-stream marker.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fusedrl.generation.request import Request, SamplingParams
+from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 @dataclass
 class RequestState:
-    """Everything needed to continue a request on another engine with identical output.
+    """Everything needed to continue a request on another engine with identical output, or to score it.
 
-    ``generated`` holds the tokens sampled so far; the last one is *pending* (not yet in the KV cache).
-    ``k``/``v`` are the request's cache rows, shape [num_layers, cache_len, kv_heads, head_dim], where
-    ``cache_len == len(prompt) + len(generated) - 1``; they are ``None`` for a re-prefill export (the
-    importing engine recomputes them from the tokens) and for a request that has not started.
-    ``rng_state`` is the request's generator state (None until the request is admitted).
-
-    The object pickles as is; :meth:`to_tensors` / :meth:`from_tensors` give a tensor-only form for
-    ``torch.distributed`` point-to-point (see :func:`send_request_state`).
+    ``generated`` holds the tokens sampled so far; while in flight the last one is *pending* (not yet in the
+    KV cache). ``k``/``v`` are the request's cache rows, shape [num_layers, cache_len, kv_heads, head_dim],
+    where ``cache_len == len(prompt) + len(generated) - 1``; they are ``None`` for a re-prefill export (the
+    importing engine recomputes them from the tokens), for a request that has not started, and for a
+    finished one. ``rng_state`` is the request's generator state (None until the request is admitted).
     """
 
     request: Request
@@ -34,9 +39,10 @@ class RequestState:
     rng_state: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    finish_reason: FinishReason | None = None
 
     @property
-    def id(self):
+    def id(self) -> RequestId:
         return self.request.id
 
     @property
@@ -49,97 +55,164 @@ class RequestState:
     def has_kv(self) -> bool:
         return self.k is not None
 
-    def without_kv(self) -> "RequestState":
+    def without_kv(self) -> RequestState:
         return dataclasses.replace(self, k=None, v=None)
+
+    @classmethod
+    def of_result(cls, result: RequestResult) -> RequestState:
+        """The finished state of an engine's result (to send it to the rank that scores it)."""
+        return cls(result.request, list(result.tokens), list(result.logprobs), finish_reason=result.finish_reason)
+
+    def to_result(self) -> RequestResult:
+        if self.finish_reason is None:
+            raise ValueError(f"request {self.id!r} has not finished; only a finished state becomes a result")
+        return RequestResult(self.request, self.generated, self.logprobs, self.finish_reason)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensor form (what a point-to-point transfer moves)."""
-        return sum(t.numel() * t.element_size() for t in self.to_tensors().values())
-
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Tensor-only form: ``meta`` (uint8 JSON), ``tokens``, ``logprobs``, optional ``rng``, ``k``, ``v``."""
-        req = self.request
-        meta = {
-            "id": req.id,
-            "prompt_len": len(req.prompt),
-            "seed": req.seed,
-            "sampling": dataclasses.asdict(req.sampling),
-        }
-        out = {
-            "meta": torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8),
-            "tokens": torch.tensor(req.prompt + self.generated, dtype=torch.int64),
-            "logprobs": torch.tensor(self.logprobs, dtype=torch.float32),
-        }
-        if self.rng_state is not None:
-            out["rng"] = self.rng_state
-        if self.k is not None:
-            out["k"], out["v"] = self.k, self.v
-        return out
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "RequestState":
-        meta = json.loads(bytes(tensors["meta"].cpu().tolist()).decode())
-        tokens = tensors["tokens"].tolist()
-        sampling = meta["sampling"]
-        sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
-        request = Request(meta["id"], tokens[: meta["prompt_len"]], SamplingParams(**sampling), meta["seed"])
-        return cls(
-            request=request,
-            generated=tokens[meta["prompt_len"] :],
-            logprobs=tensors["logprobs"].tolist(),
-            rng_state=tensors["rng"].cpu() if "rng" in tensors else None,
-            k=tensors.get("k"),
-            v=tensors.get("v"),
-        )
+        """Bytes this state adds to a packed batch (what a point-to-point transfer moves, header aside)."""
+        return sum(t.numel() * t.element_size() for t in pack_states([self])[1:])
 
 
-# Header layout for point-to-point transfer: sizes of each tensor of the tensor form.
-_HEADER = ["meta", "tokens", "logprobs", "rng", "layers", "cache_len", "kv_heads", "head_dim", "kv_dtype"]
+# ---------------------------------------------------------------------------------------------- wire format
+# Message 1, int64 [HEADER]: count, then the element counts of messages 3-6 (meta bytes, tokens, log-probs,
+# RNG bytes), KV rows, and the KV layout (layers, kv_heads, head_dim, dtype index; zeros/-1 without KV).
+# Message 2, int64 [count, len(_FIELDS)]: per state, _FIELDS. Then meta (uint8 JSON), tokens (prompt then
+# generated, int64), log-probs (float32), RNG states (uint8) and K, V (concatenated along the token axis).
+_HEADER = ("count", "meta", "tokens", "logprobs", "rng", "kv_rows", "layers", "kv_heads", "head_dim", "kv_dtype")
+_FIELDS = ("meta", "prompt", "generated", "rng", "kv_rows")
 
 
-def send_request_state(state: RequestState, dst: int, *, group=None, device: torch.device | str = "cpu") -> int:
-    """Send ``state`` to rank ``dst`` with blocking point-to-point ops; returns the bytes sent.
-
-    ``device`` is where the transfer buffers live (``cuda`` for NCCL). Pair with :func:`recv_request_state`.
-    """
-    t = state.to_tensors()
-    k = t.get("k")
-    header = [
-        t["meta"].numel(),
-        t["tokens"].numel(),
-        t["logprobs"].numel(),
-        t["rng"].numel() if "rng" in t else -1,
-        *(list(k.shape) if k is not None else [0, 0, 0, 0]),
-        _DTYPES.index(k.dtype) if k is not None else -1,
+def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
+    """The tensors of one message batch: header, per-state sizes, then the payloads present."""
+    if not states:
+        return [torch.tensor([0] * (len(_HEADER) - 1) + [-1], dtype=torch.int64)]
+    metas = [json.dumps({"id": s.id, "seed": s.request.seed, "sampling": dataclasses.asdict(s.request.sampling),
+                         "finish_reason": s.finish_reason}).encode() for s in states]
+    with_kv = [s for s in states if s.has_kv]
+    layout = _kv_layout(with_kv)
+    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated),
+                           s.rng_state.numel() if s.rng_state is not None else 0, s.k.shape[1] if s.has_kv else 0]
+                          for m, s in zip(metas, states)], dtype=torch.int64)
+    for s in states:
+        if len(s.logprobs) != len(s.generated):
+            raise ValueError(f"request {s.id!r} has {len(s.logprobs)} log-probs for {len(s.generated)} generated tokens")
+    payload = [
+        torch.frombuffer(bytearray(b"".join(metas)), dtype=torch.uint8),
+        torch.tensor([t for s in states for t in (*s.request.prompt, *s.generated)], dtype=torch.int64),
+        torch.tensor([lp for s in states for lp in s.logprobs], dtype=torch.float32),
     ]
-    payload = [torch.tensor(header, dtype=torch.int64)] + [t[n] for n in ("meta", "tokens", "logprobs", "rng", "k", "v") if n in t]
+    rngs = [s.rng_state.cpu() for s in states if s.rng_state is not None]
+    payload.append(torch.cat(rngs) if rngs else torch.empty(0, dtype=torch.uint8))
+    if with_kv:
+        payload += [torch.cat([s.k for s in with_kv], dim=1), torch.cat([s.v for s in with_kv], dim=1)]
+    header = [len(states), *(p.numel() for p in payload[:4]), int(sizes[:, 4].sum()), *layout]
+    return [torch.tensor(header, dtype=torch.int64), sizes, *payload]
+
+
+def _kv_layout(with_kv: list[RequestState]) -> list[int]:
+    if not with_kv:
+        return [0, 0, 0, -1]
+    shapes = {(s.k.shape[0], *s.k.shape[2:], s.k.dtype) for s in with_kv}
+    if len(shapes) != 1:
+        raise ValueError(f"states of one batch must share the KV layout (layers, kv_heads, head_dim, dtype), got {shapes}")
+    layers, kv_heads, head_dim, dtype = shapes.pop()
+    return [layers, kv_heads, head_dim, _DTYPES.index(dtype)]
+
+
+def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
+    """The states of a batch from the tensors that followed its header (inverse of :func:`pack_states`)."""
+    sizes, meta, tokens, logprobs, rng, *kv = tensors
+    k, v = kv if kv else (None, None)
+    meta_bytes, tokens, logprobs = bytes(meta.cpu().tolist()), tokens.tolist(), logprobs.tolist()
+    out, pos = [], dict.fromkeys(("meta", "tokens", "logprobs", "rng", "kv"), 0)
+    for n_meta, n_prompt, n_gen, n_rng, n_kv in sizes.tolist():
+        info = json.loads(meta_bytes[pos["meta"] : pos["meta"] + n_meta])
+        sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
+        seq = tokens[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
+        state = RequestState(
+            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"]),
+            seq[n_prompt:],
+            logprobs[pos["logprobs"] : pos["logprobs"] + n_gen],
+            rng[pos["rng"] : pos["rng"] + n_rng].cpu() if n_rng else None,
+            finish_reason=info["finish_reason"],
+        )
+        if n_kv:
+            state.k, state.v = k[:, pos["kv"] : pos["kv"] + n_kv], v[:, pos["kv"] : pos["kv"] + n_kv]
+        out.append(state)
+        for key, n in (("meta", n_meta), ("tokens", n_prompt + n_gen), ("logprobs", n_gen), ("rng", n_rng), ("kv", n_kv)):
+            pos[key] += n
+    return out
+
+
+def _global(rank: int, group: dist.ProcessGroup | None) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class PendingSend:
+    """Handles of an :func:`isend_states` batch; keeps its tensors alive until :meth:`wait`."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
+        self._works, self._tensors = works, tensors
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._tensors = []
+
+
+def send_states(states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0,
+                device: torch.device | str = "cpu") -> int:
+    """Send a batch of states to rank ``dst`` of ``group`` (blocking); returns the bytes sent.
+
+    ``device`` is where the transfer buffers live (``cuda`` for NCCL). Pair with :func:`recv_states`.
+    """
     sent = 0
-    for x in payload:
-        x = x.contiguous().to(device)
-        dist.send(x, dst, group=group)
-        sent += x.numel() * x.element_size()
+    for t in _nonempty(pack_states(states)):
+        t = t.contiguous().to(device)
+        dist.send(t, _global(dst, group), group=group, tag=tag)
+        sent += t.numel() * t.element_size()
     return sent
 
 
-def recv_request_state(src: int, *, group=None, device: torch.device | str = "cpu") -> RequestState:
-    """Receive a :class:`RequestState` sent by :func:`send_request_state` from rank ``src``."""
+def isend_states(states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None,
+                 tag: int = 0) -> PendingSend:
+    """Non-blocking :func:`send_states` of CPU tensors; ``wait()`` the result before reusing anything."""
+    tensors = [t.contiguous() for t in _nonempty(pack_states(states))]
+    return PendingSend([dist.isend(t, _global(dst, group), group=group, tag=tag) for t in tensors], tensors)
 
-    def recv(shape, dtype):
+
+def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag: int = 0,
+                device: torch.device | str = "cpu") -> tuple[int, list[RequestState]]:
+    """Receive a batch sent by :func:`send_states` / :func:`isend_states`: ``(sender, states)``.
+
+    ``src`` is a rank of ``group``, or None for whichever sender's batch comes first (gloo only); the
+    returned sender is a rank of ``group``. An empty list is the sender's end-of-stream marker.
+    """
+    header = torch.empty(len(_HEADER), dtype=torch.int64, device=device)
+    sender = dist.recv(header, None if src is None else _global(src, group), group=group, tag=tag)
+    h = dict(zip(_HEADER, header.tolist()))
+    if h["count"] == 0:
+        return _local(sender, group), []
+
+    def recv(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(x, src, group=group)
+        if x.numel():  # empty tensors are not sent (see _nonempty)
+            dist.recv(x, sender, group=group, tag=tag)
         return x
 
-    h = dict(zip(_HEADER, recv([len(_HEADER)], torch.int64).tolist()))
-    t = {
-        "meta": recv([h["meta"]], torch.uint8),
-        "tokens": recv([h["tokens"]], torch.int64),
-        "logprobs": recv([h["logprobs"]], torch.float32),
-    }
-    if h["rng"] >= 0:
-        t["rng"] = recv([h["rng"]], torch.uint8)
+    tensors = [recv([h["count"], len(_FIELDS)], torch.int64), recv([h["meta"]], torch.uint8),
+               recv([h["tokens"]], torch.int64), recv([h["logprobs"]], torch.float32), recv([h["rng"]], torch.uint8)]
     if h["kv_dtype"] >= 0:
-        shape = [h["layers"], h["cache_len"], h["kv_heads"], h["head_dim"]]
-        t["k"] = recv(shape, _DTYPES[h["kv_dtype"]])
-        t["v"] = recv(shape, _DTYPES[h["kv_dtype"]])
-    return RequestState.from_tensors(t)
+        shape = [h["layers"], h["kv_rows"], h["kv_heads"], h["head_dim"]]
+        tensors += [recv(shape, _DTYPES[h["kv_dtype"]]), recv(shape, _DTYPES[h["kv_dtype"]])]
+    return _local(sender, group), unpack_states(tensors)
+
+
+def _nonempty(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Empty payloads (no log-probs or RNG states yet) are not sent: the header tells the receiver so."""
+    return [t for t in tensors if t.numel()]
+
+
+def _local(global_rank: int, group: dist.ProcessGroup | None) -> int:
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)

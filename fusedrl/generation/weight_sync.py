@@ -26,22 +26,12 @@ class WeightSyncStats:
     bytes: int  # size of the full state dict each rank ends up with
 
 
-def sync_weights(
+def sync_engine_weights(
     engine: GenerationEngine,
     stages: nn.Module | list[nn.Module],
     pp_group: dist.ProcessGroup | None = None,
-    *,
-    gen_tp: int = 1,
 ) -> WeightSyncStats:
-    """Load the training stages' current weights into ``engine`` (a full replica per rank); timed.
-
-    ``gen_tp > 1`` (tensor-parallel generation instances) is not implemented.
-    """
-    if gen_tp != 1:
-        raise NotImplementedError(
-            f"gen_tp={gen_tp}: tensor-parallel generation instances are not implemented; use gen_tp=1 "
-            "(each generation instance holds a full replica)"
-        )
+    """Load the training stages' current weights into ``engine`` (a full replica per rank); timed."""
     start = time.perf_counter()
     stages = stages if isinstance(stages, list) else [stages]
     full = gather_full_state_dict(stages, pp_group)

@@ -1,8 +1,16 @@
-"""fusedrl.pipelining: dual-model (Actor + Critic) pipeline schedule IR, cost model, simulator and search."""
+"""Intra-stage fusion: Actor and Critic trained together on the same pipeline ranks.
+
+Read it top to bottom: :mod:`.ir` (actions, placement: Actor stages in rank order, Critic reversed),
+:mod:`.cost` (per-stage times and activation memory), :mod:`.simulator` (makespan, bubbles, peak memory of a
+schedule), :mod:`.bounds` (a lower bound on any schedule's makespan), :mod:`.search` (sequential 1F1B, the
+greedy fused scheduler and the local search), :mod:`.lowering` (SEND/RECV insertion and the static
+verifier), :mod:`.executor` (runs a lowered program with torch ``PipelineStage`` objects of both models),
+:mod:`.timeline` (a recorded step's measured timeline).
+"""
 
 from fusedrl.pipelining.bounds import lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
-from fusedrl.pipelining.executor import FusedPipelineSchedule, ModelStepResult, StageModule, bucket_length, run_emulated
+from fusedrl.pipelining.executor import FusedPipelineSchedule, ModelStepResult, StageModule, run_emulated
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, ProgramError, lower, verify_program
 from fusedrl.pipelining.search import PlanResult, fused_schedule, greedy_order, sequential_1f1b
@@ -36,7 +44,6 @@ __all__ = [
     "StageModule",
     "TimedAction",
     "Timeline",
-    "bucket_length",
     "lower",
     "run_emulated",
     "verify_program",

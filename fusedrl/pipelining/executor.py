@@ -14,15 +14,21 @@ sized micro-batches.
 Shapes: stages use static shape metadata (no communication when they are built). All micro-batches of one
 step share one shape, so the batch must be divisible by the model's micro-batch count and sequences are
 right-padded to a common length. Pad each minibatch to one of a few bucket lengths (see
-:func:`bucket_length`): the executor builds and caches one ``PipelineStage`` pair per distinct shape.
+:mod:`fusedrl.buckets`): the executor builds and caches one ``PipelineStage`` pair per distinct shape.
+
+Hot path: a step adds nothing to the program's own work (no barrier, no device synchronization, no host
+read of a device value, no object collective) unless it is asked to record its timeline
+(``step(..., record=True)``); then it starts after a barrier and times every compute action (with CUDA
+events on a GPU, read once at the end of the step).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,18 +73,11 @@ class StageModule:
 
 @dataclass
 class ModelStepResult:
-    """Mean loss and stats over a model's micro-batches; None/empty on ranks without its last stage."""
+    """Mean loss and stats over a model's micro-batches, as detached 0-dim tensors on the stage's device (read
+    them when needed: reading is a host synchronization); None/empty on ranks without its last stage."""
 
-    loss: float | None = None
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-def bucket_length(seq_len: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket length that holds ``seq_len`` (pad the minibatch to it)."""
-    fits = [b for b in sorted(buckets) if b >= seq_len]
-    if not fits:
-        raise ValueError(f"sequence length {seq_len} exceeds the largest bucket {max(buckets)}; add a larger bucket")
-    return fits[0]
+    loss: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class FusedPipelineSchedule:
@@ -98,7 +97,6 @@ class FusedPipelineSchedule:
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
-        record_timeline: bool = False,
     ) -> None:
         placement = program.placement
         if placement.num_stages(CRITIC) != placement.pp:
@@ -119,8 +117,8 @@ class FusedPipelineSchedule:
         if device is None:
             device = next(actor.module.parameters(), torch.empty(0)).device
         self.device = torch.device(device)
-        self.record_timeline = record_timeline
-        self.timeline: Timeline | None = None  # of the last step, when record_timeline
+        self.timeline: Timeline | None = None  # of the last step, when it was recorded
+        self._steps = compile_rank_program(program, self.rank)
         self._stages: dict[tuple, PipelineStage] = {}
 
     def _stage(self, model: str, mb_input: torch.Tensor) -> PipelineStage:
@@ -168,11 +166,14 @@ class FusedPipelineSchedule:
         critic_inputs: torch.Tensor,
         actor_targets: dict[str, torch.Tensor],
         critic_targets: dict[str, torch.Tensor],
+        *,
+        record: bool = False,
     ) -> dict[str, ModelStepResult]:
         """Forward, backward and gradient reduction of one minibatch for both models.
 
         Gradients accumulate into ``.grad`` (zero them between optimizer steps). Returns per model the mean
-        micro-batch loss and stats on the rank that holds its last stage.
+        micro-batch loss and stats on the rank that holds its last stage. ``record``: time every compute
+        action into :attr:`timeline` (else it is None after the step).
         """
         split = {ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
                  CRITIC: self._split(CRITIC, critic_inputs, critic_targets)}
@@ -210,8 +211,8 @@ class FusedPipelineSchedule:
             return {SEND_F: st.get_fwd_send_ops, RECV_F: st.get_fwd_recv_ops, SEND_B: st.get_bwd_send_ops,
                     RECV_B: st.get_bwd_recv_ops}[a.kind](a.microbatch)
 
-        self.timeline = run_rank_program(self.program, self.rank, compute, comm_ops, group=self.group,
-                                         record=self.record_timeline, cuda_sync=self.device.type == "cuda")
+        self.timeline = run_rank_program(self._steps, self.rank, compute, comm_ops, group=self.group,
+                                         record=record, device=self.device)
         for m in MODELS:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
             stages[m].perform_reduce_grad(1)  # losses were already divided by M
         return {m: _summarize(losses[m], stats[m]) for m in MODELS}
@@ -230,59 +231,118 @@ def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None
 def _summarize(losses: list[torch.Tensor], stats: list[dict]) -> ModelStepResult:
     if not losses:
         return ModelStepResult()
+    device = losses[0].device
     keys = stats[0].keys() if stats else ()
-    mean = {k: float(torch.stack([torch.as_tensor(s[k], dtype=torch.float32).detach().cpu() for s in stats]).mean())
+    mean = {k: torch.stack([torch.as_tensor(s[k], dtype=torch.float32, device=device).detach() for s in stats]).mean()
             for k in keys}
-    return ModelStepResult(float(torch.stack(losses).float().mean()), mean)
+    return ModelStepResult(torch.stack(losses).float().mean(), mean)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One entry of a rank's program, decoded once: an action, whether it only posts a message, and the
+    message a compute action must wait for (None: its inputs are local)."""
+
+    action: Action
+    is_comm: bool
+    is_send: bool
+    message: Message | None
+
+
+def compile_rank_program(program: LoweredProgram, rank: int) -> list[_Step]:
+    """Decode one rank's program once so that running it does no per-action lookups."""
+    placement = program.placement
+    steps = []
+    for a in program.programs[rank]:
+        if a.kind in COMM_KINDS:
+            steps.append(_Step(a, True, a.kind in (SEND_F, SEND_B), None if a.kind in (SEND_F, SEND_B) else message_of(a)))
+        else:
+            steps.append(_Step(a, False, False, needed_message(a, placement)))
+    return steps
 
 
 def run_rank_program(
-    program: LoweredProgram,
+    steps: list[_Step],
     rank: int,
     compute: Callable[[Action], None],
     comm_ops: Callable[[Action], list[dist.P2POp]],
     *,
     group: dist.ProcessGroup | None = None,
     record: bool = False,
-    cuda_sync: bool = False,
+    device: torch.device | None = None,
 ) -> Timeline | None:
-    """Interpret one rank's program: post each message as its own P2P batch, wait for a compute action's
-    input right before it runs, and wait for all sends at the end. Returns the measured timeline if
-    ``record`` (compute intervals only; time spent waiting for a message counts as idle)."""
-    placement = program.placement
+    """Interpret one rank's program (:func:`compile_rank_program`): post each message as its own P2P batch,
+    wait for a compute action's input right before it runs, and wait for all sends at the end. With ``record``
+    returns the measured timeline (compute intervals only; time spent waiting for a message is idle)."""
     received: dict[Message, list[dist.Work]] = {}
     sends: list[dist.Work] = []
-    events: list[TimedAction] = []
-    if record:
-        dist.barrier(group=group)
-    for a in program.programs[rank]:
-        if a.kind in COMM_KINDS:
+    clock = _ActionClock(rank, group, device) if record else None
+    for step in steps:
+        a = step.action
+        if step.is_comm:
             ops = comm_ops(a)
             if len(ops) == 0:
-                raise RuntimeError(f"rank {rank}: {a} to rank {peer_of(a, placement)} has no tensors")
+                raise RuntimeError(f"rank {rank}: {a} has no tensors to send or receive")
             works = dist.batch_isend_irecv(ops)
-            if a.kind in (SEND_F, SEND_B):
+            if step.is_send:
                 sends.extend(works)
             else:
-                received[message_of(a)] = works
+                received[step.message] = works
             continue
-        need = needed_message(a, placement)
-        if need is not None:
-            for w in received.pop(need):
+        if step.message is not None:
+            for w in received.pop(step.message):
                 w.wait()
-        if record:
-            if cuda_sync:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+        if clock is None:
             compute(a)
-            if cuda_sync:
-                torch.cuda.synchronize()
-            events.append(TimedAction(rank, a, start, time.perf_counter()))
         else:
+            clock.start()
             compute(a)
+            clock.stop(a)
     for w in sends:
         w.wait()
-    return Timeline(events) if record else None
+    return None if clock is None else clock.timeline()
+
+
+class _ActionClock:
+    """Times compute actions of a recorded step: host clock on CPU; on CUDA one event pair per action, read
+    after the step (one synchronization per recorded step instead of two per action)."""
+
+    def __init__(self, rank: int, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
+        dist.barrier(group=group)
+        self.rank = rank
+        self.cuda = device is not None and device.type == "cuda"
+        self.spans: list[tuple[Action, Any, Any]] = []
+        if self.cuda:
+            torch.cuda.synchronize(device)  # the reference event's host time is then exact
+            self.origin = time.perf_counter()
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+
+    def start(self) -> None:
+        if self.cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        else:
+            self._begin = time.perf_counter()
+
+    def stop(self, action: Action) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.spans.append((action, self._begin, end))
+
+    def timeline(self) -> Timeline:
+        if not self.cuda:
+            return Timeline([TimedAction(self.rank, a, s, e) for a, s, e in self.spans])
+        if self.spans:
+            self.spans[-1][2].synchronize()
+
+        def host(event: torch.cuda.Event) -> float:
+            return self.origin + self.reference.elapsed_time(event) / 1e3
+
+        return Timeline([TimedAction(self.rank, a, host(s), host(e)) for a, s, e in self.spans])
 
 
 def run_emulated(
@@ -306,5 +366,5 @@ def run_emulated(
             op, buf = dist.irecv, buffers.setdefault(msg, torch.empty(message_numel, device=device))
         return [dist.P2POp(op, buf, group=group, group_peer=peer_of(a, program.placement))]
 
-    return run_rank_program(program, rank, lambda a: time.sleep(compute_seconds(a)), comm_ops, group=group,
-                            record=True)
+    return run_rank_program(compile_rank_program(program, rank), rank, lambda a: time.sleep(compute_seconds(a)), comm_ops,
+                            group=group, record=True)

@@ -17,8 +17,9 @@ CRITIC = "critic"
 MODELS: tuple[str, str] = (ACTOR, CRITIC)
 
 Kind = Literal["F", "B", "I", "W"]
-"""F: forward; B: full backward; I: input-gradient backward; W: weight-gradient backward."""
-COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
+"""F: forward; B: full backward; I: input-gradient backward; W: weight-gradient backward (I/W: the two
+halves of a split backward, which the executor runs when a schedule holds them)."""
+COMPUTE_KINDS: tuple[Kind, ...] = ("F", "B", "I", "W")
 
 
 @dataclass(frozen=True, order=True)
@@ -26,7 +27,7 @@ class Action:
     model: str
     stage: int
     microbatch: int
-    kind: str
+    kind: Kind | str  # a compute Kind, or a SEND/RECV kind inserted by the lowering pass
     replica: int = 0  # Critic replica when the Critic has fewer stages than the Actor
 
     def __str__(self) -> str:

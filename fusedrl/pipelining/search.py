@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fusedrl.pipelining.bounds import problem_lower_bound, release_and_tail
+from fusedrl.pipelining.bounds import problem_lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
 from fusedrl.pipelining.ir import ACTOR, CRITIC, Action, Placement, Schedule
 from fusedrl.pipelining.simulator import Problem, SimResult, simulate_order
@@ -114,7 +114,7 @@ class PlanResult:
 def balanced_critic_weight(problem: Problem) -> float:
     """Critic priority weight that puts both models' longest remaining paths on the same scale (a light Critic
     otherwise always loses to the Actor and piles up at the end)."""
-    _, tails = release_and_tail(problem)
+    _, tails = problem.release_and_tail
     longest = {ACTOR: 0.0, CRITIC: 0.0}
     for t, a in zip(tails, problem.actions):
         longest[a.model] = max(longest[a.model], t)
@@ -144,7 +144,7 @@ def greedy_order(
         raise ValueError("greedy_order: noise > 0 needs an rng (random.Random(seed)) so runs stay reproducible")
     pp = problem.pp
     n_act = len(problem.actions)
-    _, tails = release_and_tail(problem)
+    _, tails = problem.release_and_tail
     key = [
         (t + d + (backward_bias * d if a.kind == "B" else 0.0))
         * (critic_weight if a.model != ACTOR else 1.0)
@@ -515,12 +515,15 @@ def fused_schedule(
     compacted by forward-backward justification), randomised restarts, simulated annealing and a memory pass.
     Never worse than sequential 1F1B (returned when nothing better is found).
 
+    ``budget_s = 0`` runs the greedy fused scheduler alone (its leading priority settings, no justification,
+    restarts, annealing or memory pass: milliseconds).
+
     ``memory_limit`` caps each rank's peak activation memory (cost-model units); it defaults to 1.5 x the
     single-model 1F1B peak (or the sequential schedule's peak, if that is larger). If no fused schedule fits a
     tighter limit, sequential 1F1B is returned whatever its peak (see ``result.max_peak_memory``).
     """
-    if budget_s <= 0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    if budget_s < 0:
+        raise ValueError(f"budget_s must be >= 0 (0: greedy schedule only), got {budget_s}")
     start = time.perf_counter()
     problem = Problem(placement, costs, mb_actor, mb_critic)
     rng = random.Random(seed)
@@ -544,6 +547,28 @@ def fused_schedule(
         if ms is not None and ms < best_ms - 1e-12:
             best, best_ms, method = order, ms, name
 
+    # Greedy settings (in-flight cap above 1F1B's, backward bias, active vs non-delay; raw or balanced Critic
+    # priorities; forwards in time or on the time-reversed problem) in GREEDY_SETTINGS order, each justified.
+    reversal = _TimeReversal(problem)
+    directions = (
+        (problem, (1.0, balanced_critic_weight(problem)), lambda order: order, "greedy"),
+        (reversal.reversed, (1.0, balanced_critic_weight(reversal.reversed)), reversal.to_original, "reverse_greedy"),
+    )
+
+    def greedy(setting: tuple[tuple[int, float, bool, float], bool, bool]) -> tuple[list[list[int]], str]:
+        (extra, bias, active, pressure), balanced, reverse = setting
+        prob, weights, to_original, name = directions[reverse]
+        evaluator.charge_greedy()
+        order = greedy_order(prob, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
+                             memory_pressure=pressure, critic_weight=weights[balanced])
+        return to_original(order), name
+
+    if budget_s == 0:
+        for setting in LEADING_SETTINGS:
+            consider(*greedy(setting))
+        return PlanResult(problem.to_schedule(best), simulate_order(problem, best), bound, seq_ms, memory_limit,
+                          time.perf_counter() - start, evaluator.evaluations, method)
+
     justifier = _Justifier(problem, memory_limit, evaluator)
 
     def consider_justified(order: list[list[int]], name: str) -> None:
@@ -554,25 +579,10 @@ def fused_schedule(
             consider(justifier.improve(order), name + "+justify")
 
     consider(justifier.improve(seq_order), "sequential_1f1b+justify")
-    # Greedy settings (in-flight cap above 1F1B's, backward bias, active vs non-delay; raw or balanced Critic
-    # priorities; forwards in time or on the time-reversed problem) in GREEDY_SETTINGS order, each justified.
-    reversal = _TimeReversal(problem)
-    directions = (
-        (problem, (1.0, balanced_critic_weight(problem)), lambda order: order, "greedy"),
-        (reversal.reversed, (1.0, balanced_critic_weight(reversal.reversed)), reversal.to_original, "reverse_greedy"),
-    )
-    for (extra, bias, active, pressure), balanced, reverse in GREEDY_SETTINGS:
+    for setting in GREEDY_SETTINGS:
         if evaluator.exhausted(MEMORY_PASS_SHARE) or best_ms <= target:
             break
-        prob, weights, to_original, name = directions[reverse]
-        evaluator.charge_greedy()
-        consider_justified(
-            to_original(greedy_order(
-                prob, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
-                memory_pressure=pressure, critic_weight=weights[balanced],
-            )),
-            name,
-        )
+        consider_justified(*greedy(setting))
     # Randomised restarts: perturbed priorities and a log-uniform Critic weight spanning both deterministic ones,
     # until RESTART_SHARE of the budget is spent.
     while not evaluator.exhausted(1.0 - RESTART_SHARE) and best_ms > target:

@@ -9,6 +9,7 @@ memory of a micro-batch is held on its stage from the start of its F to the end 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from fusedrl.pipelining.cost import CostModel
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
@@ -75,6 +76,44 @@ class Problem:
         self.deps.append(())
         self.tail.append(tail)
         return i
+
+    @cached_property
+    def release_and_tail(self) -> tuple[list[float], list[float]]:
+        """Per action: earliest start if it is its stage's k-th F (or B) to run, where k is its micro-batch index,
+        and the shortest time from its end to the end of the schedule if it runs (M-1-k)-th from last.
+        Computed once per problem (the search asks for it once per greedy run)."""
+        release = [0.0] * len(self.actions)
+        tail = [0.0] * len(self.actions)
+        lat = self.costs.p2p_latency
+        for model, replica in self.pipelines():
+            c = self.costs.of(model)
+            n, m_count = len(c.f), self.microbatches(model)
+            idx = self.index
+            act = lambda s, m, kind: idx[Action(model, s, m, kind, replica)]  # noqa: E731
+            ef = [[0.0] * m_count for _ in range(n)]  # completion of the k-th F on stage s
+            eb = [[0.0] * m_count for _ in range(n)]
+            for s in range(n):
+                for k in range(m_count):
+                    t = max(ef[s - 1][k] + lat if s else 0.0, ef[s][k - 1] if k else 0.0)
+                    ef[s][k] = t + c.f[s]
+                    release[act(s, k, "F")] = t
+            for s in reversed(range(n)):
+                for k in range(m_count):
+                    t = max(eb[s + 1][k] + lat if s < n - 1 else 0.0, ef[s][k], eb[s][k - 1] if k else 0.0)
+                    eb[s][k] = t + c.b[s]
+                    release[act(s, k, "B")] = t
+            tb = [[0.0] * m_count for _ in range(n)]  # tail after the k-th-from-last B on stage s
+            tf = [[0.0] * m_count for _ in range(n)]
+            for s in range(n):
+                for k in range(m_count):
+                    tb[s][k] = max(lat + c.b[s - 1] + tb[s - 1][k] if s else 0.0, c.b[s] + tb[s][k - 1] if k else 0.0)
+                    tail[act(s, m_count - 1 - k, "B")] = tb[s][k]
+            for s in reversed(range(n)):
+                for k in range(m_count):
+                    down = lat + c.f[s + 1] + tf[s + 1][k] if s < n - 1 else c.b[s] + tb[s][k]
+                    tf[s][k] = max(down, c.f[s] + tf[s][k - 1] if k else 0.0)
+                    tail[act(s, m_count - 1 - k, "F")] = tf[s][k]
+        return release, tail
 
     def rank_work(self, rank: int) -> float:
         return sum(self.dur[i] for fw, bw in self.streams[rank] for i in fw + bw)

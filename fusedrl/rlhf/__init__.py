@@ -2,7 +2,7 @@
 
 from fusedrl.rlhf.advantages import gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.scoring import Sample, Scorer, ScoringModels
+from fusedrl.rlhf.scoring import Scorer, ScoringModels
 from fusedrl.rlhf.losses import (
     PolicyLoss,
     ValueLoss,
@@ -15,7 +15,6 @@ from fusedrl.rlhf.losses import (
 )
 
 __all__ = [
-    "Sample",
     "Scorer",
     "ScoringModels",
     "Experience",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusedrl.config import PPOSection
+
 
 def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     """Move output-position tensors (``[B, S, ...]``) to token alignment: result[:, t] = input[:, t-1]."""
@@ -147,6 +149,11 @@ class PolicyLoss:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.clip_eps, self.entropy_coef, self.temperature = clip_eps, entropy_coef, temperature
 
+    @classmethod
+    def from_config(cls, section: PPOSection) -> PolicyLoss:
+        """``clip_eps`` and ``entropy_coef`` of ``[ppo]``, at temperature 1 (the engine's log-probs are taken there)."""
+        return cls(section.clip_eps, section.entropy_coef, temperature=1.0)
+
     def __call__(self, logits: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return policy_loss(logits, targets, self.clip_eps, self.entropy_coef, self.temperature)
 
@@ -160,6 +167,11 @@ class ValueLoss:
         if value_clip_eps is not None and value_clip_eps <= 0:
             raise ValueError(f"value_clip_eps must be > 0 or None (no clipping), got {value_clip_eps}")
         self.value_clip_eps = value_clip_eps
+
+    @classmethod
+    def from_config(cls, section: PPOSection) -> ValueLoss:
+        """``value_clip_eps`` of ``[ppo]`` (0: no clipping)."""
+        return cls(section.value_clip_eps if section.value_clip_eps > 0 else None)
 
     def __call__(self, values: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return value_loss(values, targets, self.value_clip_eps)

@@ -9,13 +9,13 @@ padding from reaching real tokens, so no mask is needed. Output follows the
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from fusedrl.generation import RequestResult
 from fusedrl.rlhf.advantages import last_token_index
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import shift_to_tokens, token_logprobs
@@ -30,34 +30,18 @@ class ScoringModels:
     critic: nn.Module
 
 
-@dataclass(frozen=True)
-class Sample:
-    """A finished sample to score: prompt and response token ids, and the Actor's sampled log-probs."""
-
-    id: int
-    prompt: Sequence[int]
-    response: Sequence[int]
-    logprobs: Sequence[float] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.response)
-
-
 @dataclass
 class Scorer:
-    """Scores finished samples in micro-batches of ``micro_batch_size``.
+    """Scores finished samples (the generation engine's results) in micro-batches of ``micro_batch_size``.
 
     ``temperature`` divides the Reference logits (use the sampling temperature the Actor's log-probs
-    were taken at; the generation engine reports them at 1.0). ``timings`` collects
-    (rows, padded length, seconds) per micro-batch, e.g. to fit a stage cost model.
+    were taken at; the generation engine reports them at 1.0).
     """
 
     models: ScoringModels
     micro_batch_size: int = 8
     pad_id: int = 0
     temperature: float = 1.0
-    timings: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -66,16 +50,16 @@ class Scorer:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
     @torch.no_grad()
-    def score(self, samples: Sequence[Sample]) -> Experience:
+    def score(self, samples: Sequence[RequestResult]) -> Experience:
         """An :class:`Experience` with ``tokens``, ``response_mask``, ``logprobs`` (the samples' own),
         ``ref_logprobs``, ``values``, ``scores`` and ``sample_ids``, rows in the order of ``samples``."""
         if not samples:
             raise ValueError("Scorer.score got no samples; skip the call for an empty set")
         for s in samples:
-            if not s.response:
+            if not s.tokens:
                 raise ValueError(f"sample {s.id} has an empty response; every scored sample needs >= 1 response token")
-            if s.logprobs and len(s.logprobs) != len(s.response):
-                raise ValueError(f"sample {s.id} has {len(s.logprobs)} log-probs for {len(s.response)} response tokens")
+            if s.logprobs and len(s.logprobs) != len(s.tokens):
+                raise ValueError(f"sample {s.id} has {len(s.logprobs)} log-probs for {len(s.tokens)} response tokens")
         order = sorted(range(len(samples)), key=lambda i: (samples[i].num_tokens, i))
         parts = [
             self._score_micro_batch([samples[i] for i in order[j : j + self.micro_batch_size]])
@@ -86,8 +70,7 @@ class Scorer:
         inverse[torch.tensor(order)] = torch.arange(len(order))
         return merged.select(inverse)
 
-    def _score_micro_batch(self, samples: list[Sample]) -> Experience:
-        start = time.perf_counter()
+    def _score_micro_batch(self, samples: list[RequestResult]) -> Experience:
         device = next(self.models.reference.parameters()).device
         width = max(s.num_tokens for s in samples)
         tokens = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
@@ -95,7 +78,7 @@ class Scorer:
         logprobs = torch.zeros(len(samples), width)
         for row, s in enumerate(samples):
             p, n = len(s.prompt), s.num_tokens
-            tokens[row, :n] = torch.tensor([*s.prompt, *s.response])
+            tokens[row, :n] = torch.tensor([*s.prompt, *s.tokens])
             mask[row, p:n] = 1.0
             if s.logprobs:
                 logprobs[row, p:n] = torch.tensor(list(s.logprobs))
@@ -113,5 +96,4 @@ class Scorer:
             scores=scores.cpu(),
             sample_ids=torch.tensor([s.id for s in samples], dtype=torch.long),
         )
-        self.timings.append((len(samples), width, time.perf_counter() - start))
         return exp

@@ -73,7 +73,7 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
     ctl, rng = trainer.controller, random.Random(seed)  # same draws on every rank
     settings: list[tuple[Any, str, int]] = []
     ledger: list[dict[str, Any]] = []
-    train_step, run_stage = trainer.train_step, ctl.run
+    train_step, run_rollout = trainer.train_step, ctl.run
 
     def randomized_step(step: int) -> dict[str, float]:
         ctl.threshold = rng.choice([*FRACTIONS, "auto"])
@@ -82,16 +82,16 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
         settings.append((ctl.threshold, ctl.mode, ctl.check_interval))
         return train_step(step)
 
-    def audited_stage(requests, gather: bool = False):
-        result = run_stage(requests, gather=gather)
+    def audited_rollout(requests, gather: bool = False):
+        result = run_rollout(requests, gather=gather)
         asked: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(asked, [int(r.id) for r in requests])
         m = result.migration
-        ledger.append({"requested": sorted(i for ids in asked for i in ids), "scored": result.experience.sample_ids.tolist(),
+        ledger.append({"requested": sorted(i for ids in asked for i in ids), "scored": [i for e in result.scored for i in e.sample_ids.tolist()],
                        "moved": m.moved if m else 0, "kept": len(m.kept) if m else 0})
         return result
 
-    trainer.train_step, ctl.run = randomized_step, audited_stage  # type: ignore[method-assign]
+    trainer.train_step, ctl.run = randomized_step, audited_rollout  # type: ignore[method-assign]
     history = trainer.train()
     scored = [i for e in ledger for i in e["scored"]]
     per_step_bad = [s for s, e in enumerate(ledger, 1) if sorted(e["scored"]) != e["requested"]]
@@ -115,16 +115,14 @@ def stress(out: Path, *, steps: int = 50, nproc: int = 4, seed: int = 0, overrid
            timeout_s: float = 1800.0) -> dict[str, Any]:
     """Run the stress test on ``nproc`` gloo ranks; returns rank 0's figures (raises if anything is lost)."""
     from fusedrl.config import load_config
-    from fusedrl.components.data import load_prompts
-    from fusedrl.components.tokenizer import load_tokenizer
+    from fusedrl.tasks.debug import sample_prompts
     from fusedrl.testing import run_multirank
     from fusedrl.train import prepare
 
     out.mkdir(parents=True, exist_ok=True)
     base = ["--job.config_file", str(CONFIG), *SMALL, *overrides]
     cfg = load_config(base)
-    tok = load_tokenizer(str(ROOT / cfg.model.tokenizer_path) if cfg.model.tokenizer_path != "byte" else "byte")
-    prompts = load_prompts(None, tok, format="synthetic", num_synthetic=256, seed=seed).prompts
+    prompts = sample_prompts(256, seed)
     data = out / "prompts.jsonl"
     injected = write_prompt_file(data, prompts, cfg.data.max_prompt_len, seed)
     argv = [*base, "--data.format=jsonl", f"--data.path={data}", f"--job.output_dir={out}", f"--training.steps={steps}"]

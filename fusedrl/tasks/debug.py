@@ -5,7 +5,7 @@ capped Pareto law, so the ideal response length (in byte tokens, EOS included) h
 99.9th percentile 81 (> 10x the median), the long-tail shape inter-stage fusion targets.
 
 :func:`true_score` is the rule-based score in [-1, 1] (1 only for the exact answer) that the trainer
-logs next to the neural reward. ``python -m fusedrl.rlhf.debug_task build --out assets/debug``
+logs next to the neural reward. ``python -m fusedrl.tasks.debug build --out assets/debug``
 trains, on CPU in a few minutes:
 
 - an SFT Actor (``debug`` flavor, policy) on *noisy* demonstrations (a fraction has a wrong length
@@ -15,21 +15,33 @@ trains, on CPU in a few minutes:
   sequence's last token (the EOS, or the last generated token when unfinished).
 
 and saves both as HF safetensors folders (``actor/``, ``reward/``), the byte tokenizer
-(``tokenizer/``) and ``info.json`` (training figures, score and correlation checks).
+(``tokenizer/``) and ``info.json`` (training figures, score and correlation checks). The trainer builds
+them on first use (:func:`ensure_assets`) and logs :func:`evaluate`'s ``true_score`` each iteration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import os
 import random
 import re
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from fusedrl.components import ByteTokenizer, Tokenizer
+from fusedrl.config import JobConfig
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.models import build_model, save_hf_checkpoint
+from fusedrl.rlhf import Experience
+
+log = logging.getLogger(__name__)
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 MAX_REPEATS = 40
@@ -140,8 +152,6 @@ def _bucketed(make, steps: int, batch: int, rng: random.Random, key=lambda e: le
 
 
 def train_sft(tokenizer, steps: int, batch: int, noise: float, seed: int, lr: float = 3e-3):
-    from fusedrl.models import build_model
-
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = build_model("debug", "policy")
@@ -184,8 +194,6 @@ def reward_scores(model, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tens
 
 
 def train_reward(tokenizer, steps: int, batch: int, seed: int, lr: float = 3e-3):
-    from fusedrl.models import build_model
-
     torch.manual_seed(seed)
     rng = random.Random(seed + 1)
     model = build_model("debug", "value")
@@ -202,8 +210,6 @@ def train_reward(tokenizer, steps: int, batch: int, seed: int, lr: float = 3e-3)
 
 def sample_responses(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, seed: int = 0):
     """Sample with fusedrl's generation engine; returns ``(response ids without EOS, finished)``."""
-    from fusedrl.generation import GenerationEngine, Request, SamplingParams
-
     seqs = [tokenizer.encode(p, add_bos=True) for p in prompts]
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
     engine = GenerationEngine(model, max_slots=len(seqs), max_len=max(map(len, seqs)) + max_new_tokens, seed=seed)
@@ -229,9 +235,6 @@ def build(
     threads: int = 1,
 ) -> dict:
     """Train and save the debug assets; returns the figures also written to ``info.json``."""
-    from fusedrl.components.tokenizer import ByteTokenizer
-    from fusedrl.models.hf import save_hf_checkpoint
-
     torch.set_num_threads(threads)
     out = Path(out)
     tok = ByteTokenizer()
@@ -279,8 +282,75 @@ def build(
     return info
 
 
+# ---------------------------------------------------------------------------- in the trainer
+
+
+def evaluate(exp: Experience, tokenizer: Tokenizer) -> dict[str, float]:
+    """The trainer's evaluation hook: ``true_score``, the mean rule-based score of the batch's samples, or
+    nothing unless every prompt is a debug-task prompt. A response counts as finished when it ends with a
+    stop token (which is not part of the scored text)."""
+    stops = set(tokenizer.stop_token_ids)
+    scores = []
+    for tokens, mask in zip(exp.tokens.tolist(), exp.response_mask.bool().tolist()):
+        start = mask.index(True)
+        prompt = tokenizer.decode(tokens[:start])
+        response = [t for t, m in zip(tokens, mask) if m]
+        finished = response[-1] in stops
+        try:
+            scores.append(true_score(prompt, tokenizer.decode(response[:-1] if finished else response), finished))
+        except ValueError:  # not a debug-task prompt
+            return {}
+    return {"true_score": sum(scores) / len(scores)}
+
+
+ASSET_PARTS = ("actor", "reward")
+
+
+def missing_assets(cfg: JobConfig) -> Path | None:
+    """The asset folder to build: the synthetic task names ``<folder>/actor`` or ``<folder>/reward`` and they
+    do not exist yet (None otherwise)."""
+    if cfg.data.format != "synthetic":
+        return None
+    for key in ("actor_path", "reward_path", "critic_path", "reference_path"):
+        path = getattr(cfg.model, key)
+        if path is not None and Path(path).name in ASSET_PARTS and not Path(path).is_dir():
+            return Path(path).parent
+    return None
+
+
+def ensure_assets(cfg: JobConfig) -> None:
+    """Build the SFT Actor and Reward model when the config names missing ones (before any process group).
+
+    Runs on local rank 0 only; the other local ranks wait for its ``info.json``.
+    """
+    folder = missing_assets(cfg)
+    if folder is None:
+        return
+    info = folder / "info.json"
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        while missing_assets(cfg) is not None or not info.is_file():
+            time.sleep(1.0)
+        return
+    log.info("building the debug task assets in %s (SFT Actor + Reward model; a few minutes on CPU, once) ...", folder)
+    start = time.perf_counter()
+    torch.set_num_threads(os.cpu_count() or 1)  # the other local ranks only wait
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(30.0):
+            log.info("... still building the debug assets (%.0fs)", time.perf_counter() - start)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        figures = build(folder)
+    finally:
+        done.set()
+    log.info("debug assets ready in %.0fs: SFT true score %.3f, reward/true-score correlation %.2f",
+             time.perf_counter() - start, figures["actor_true_score_mean"], figures["reward_true_corr_on_actor_samples"])
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fusedrl.rlhf.debug_task", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fusedrl.tasks.debug", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="train and save the debug Actor, Reward model and tokenizer")
     b.add_argument("--out", default="assets/debug")

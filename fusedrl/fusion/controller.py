@@ -1,47 +1,58 @@
 """Inter-stage fusion: migrate the long generation tail onto a few instances and score on the freed ones.
 
-One :class:`MigrationController` per rank (one generation instance per rank of ``group``) runs the
-generation + scoring stage for that rank's requests:
+One :class:`MigrationController` per rank (one generation instance per rank of ``group``) runs the rollout
+(generation + scoring) of that rank's requests:
 
 - fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
 - fusion on: every ``check_interval`` decode steps the ranks all-gather their unfinished count,
   remaining work and free KV capacity. When the global unfinished count falls to the threshold
   (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
-  simulating the rest of the stage with the lengths observed so far, see :mod:`.stage_sim`), the plan
+  simulating the rest of the rollout with the lengths observed so far, see :mod:`.simulator`), the plan
   keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first),
-  moves every other instance's unfinished requests to them (KV + tokens + RNG state over point-to-point, or tokens only in ``reprefill`` mode),
-  and sends the kept instances' finished samples (as tokens) to the freed ones. The plan is verified
-  (:func:`.migration_plan.verify_plan`) before it runs. Freed instances then score while the tail
-  decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
+  moves every other instance's unfinished requests to them (KV + tokens + RNG state over point-to-point,
+  or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the freed ones.
+  The plan is verified (:func:`.plan.verify_plan`) before it runs. Freed instances then score while the
+  tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
 
-Sampling uses per-request RNG streams that travel with the request, so fusion changes no output.
-Request ids must be ints (they become ``Experience.sample_ids``). After the stage every request id
-is checked to have been scored exactly once across the ranks.
+Scoring arrives as a callable (``score``): the controller cuts finished samples into length-sorted
+micro-batches and hands each to it; what it returns is collected, never inspected. Sampling uses
+per-request RNG streams that travel with the request, so fusion changes no output. Request ids must be
+ints. After the rollout every request id is checked to have been scored exactly once across the ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Generic, Literal, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from fusedrl.components.metrics import ChromeTrace
-from fusedrl.generation.engine import GenerationEngine, RequestProgress
-from fusedrl.generation.migration_plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
-from fusedrl.generation.request import Request, RequestResult
-from fusedrl.generation.state import recv_request_state, send_request_state
-from fusedrl.generation.stage_sim import DEFAULT_FRACTIONS, SimRequest, StageConfig, StageCosts, best_migration
-from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.scoring import Sample, Scorer
+from fusedrl.config import FusionSection
+from fusedrl.fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
+from fusedrl.fusion.simulator import DEFAULT_FRACTIONS, RolloutConfig, RolloutCosts, SimRequest, best_migration
+from fusedrl.generation import (
+    GenerationEngine,
+    PendingSend,
+    Request,
+    RequestProgress,
+    RequestResult,
+    RequestState,
+    isend_states,
+    recv_states,
+    send_states,
+)
 
 log = logging.getLogger(__name__)
 
 MigrationMode = Literal["kv", "reprefill"]
-AUTO_FALLBACK_FRACTION = 0.1  # "auto" before any scoring cost has been measured (first stage, no costs given)
+AUTO_FALLBACK_FRACTION = 0.1  # "auto" before any scoring cost has been measured (first rollout, no costs given)
+T = TypeVar("T")
+ScoreFn = Callable[[list[RequestResult]], T]
+"""Scores one micro-batch of finished samples (at most ``micro_batch_size``, sorted by length)."""
 
 
 @dataclass
@@ -49,7 +60,7 @@ class MigrationStats:
     """What the migration did (identical on every rank)."""
 
     step: int  # decode step (of the lockstep checks) at which it ran
-    time_s: float  # seconds into the stage
+    time_s: float  # seconds into the rollout
     threshold: int  # unfinished-count threshold that triggered it
     unfinished: int  # global unfinished requests then
     moved: int  # requests moved
@@ -64,21 +75,21 @@ class MigrationStats:
 
 @dataclass
 class Measurements:
-    """Costs this rank measured, to fit :class:`StageCosts` (see :meth:`StageCosts.fit`)."""
+    """Costs this rank measured, to fit :class:`RolloutCosts` (see :meth:`RolloutCosts.fit`)."""
 
     decode: list[tuple[int, int, float]] = field(default_factory=list)  # (batch, cached tokens, s)
     prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) of steps that admitted requests
-    score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s)
+    score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s) per micro-batch
     transfers: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s)
     checks: list[float] = field(default_factory=list)  # s per statistics all-gather
 
 
 @dataclass
-class StageResult:
-    """One rank's outcome of the generation + scoring stage."""
+class RolloutResult(Generic[T]):
+    """One rank's outcome of a rollout (generation + scoring)."""
 
-    experience: Experience  # samples scored on this rank (all samples when run(..., gather=True)), by id
-    stage_s: float  # slowest rank's stage time
+    scored: list[T]  # score()'s outputs on this rank, or every rank's with run(..., gather=True)
+    rollout_s: float  # slowest rank's rollout time
     decode_end_s: float  # when the last decode step of any rank ended
     scoring_s: float  # this rank's time spent scoring
     migration: MigrationStats | None
@@ -87,34 +98,36 @@ class StageResult:
 
     @property
     def scoring_exposed_s(self) -> float:
-        """Stage time after the last decode step (scoring that did not overlap decoding)."""
-        return self.stage_s - self.decode_end_s
+        """Rollout time after the last decode step (scoring that did not overlap decoding)."""
+        return self.rollout_s - self.decode_end_s
 
 
-class MigrationController:
+class MigrationController(Generic[T]):
     """Runs generation + scoring for this rank's requests, with or without inter-stage fusion.
 
     Args:
         engine: this rank's generation instance (all ranks' engines must share the seed).
-        scorer: scores finished samples (Reference, Reward, Critic on this rank).
+        score: scores one micro-batch of finished samples on this rank (e.g. ``Scorer.score``).
+        micro_batch_size: most samples per ``score`` call.
         fusion: migrate the tail and overlap scoring (False: score only after all decoding ends).
         threshold: migrate when global unfinished <= ``threshold * batch`` (0 < threshold < 1), or ``"auto"``.
         mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
         check_interval: decode steps between statistics all-gathers.
-        costs: stage costs for ``auto``; default: fitted from this controller's own earlier measurements.
+        costs: rollout costs for ``auto``; default: fitted from this controller's own earlier measurements.
         group: process group of the generation instances (one per rank).
     """
 
     def __init__(
         self,
         engine: GenerationEngine,
-        scorer: Scorer,
+        score: ScoreFn[T],
         *,
+        micro_batch_size: int = 8,
         fusion: bool = True,
         threshold: float | Literal["auto"] = "auto",
         mode: MigrationMode = "kv",
         check_interval: int = 8,
-        costs: StageCosts | None = None,
+        costs: RolloutCosts | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         if threshold != "auto" and not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
@@ -123,13 +136,23 @@ class MigrationController:
             raise ValueError(f"migration mode must be 'kv' or 'reprefill', got {mode!r}")
         if check_interval < 1:
             raise ValueError(f"check_interval must be >= 1, got {check_interval}")
-        self.engine, self.scorer = engine, scorer
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.engine, self.score, self.micro_batch_size = engine, score, micro_batch_size
         self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
         self.costs, self.group = costs, group
-        self._history = Measurements()  # kept across stages: "auto" fits its costs to them
+        self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
 
-    # ------------------------------------------------------------------------------------------ stage
-    def run(self, requests: Sequence[Request], *, gather: bool = False) -> StageResult:
+    @classmethod
+    def from_config(cls, engine: GenerationEngine, score: ScoreFn[T], section: FusionSection, *,
+                    micro_batch_size: int, group: dist.ProcessGroup | None = None) -> MigrationController[T]:
+        """A controller as the ``[fusion]`` section says (``inter_stage``, ``migration_*``)."""
+        return cls(engine, score, micro_batch_size=micro_batch_size, fusion=section.inter_stage,
+                   threshold=section.migration_threshold, mode=section.migration_mode,
+                   check_interval=section.migration_check_interval, group=group)
+
+    # ------------------------------------------------------------------------------------------ rollout
+    def run(self, requests: Sequence[Request], *, gather: bool = False) -> RolloutResult[T]:
         """Generate and score this rank's ``requests`` (a collective over ``group``)."""
         for r in requests:
             if not isinstance(r.id, int):
@@ -140,15 +163,13 @@ class MigrationController:
         all_ids = [i for ids in ids_per_rank for i in ids]
         if len(set(all_ids)) != len(all_ids):
             raise ValueError("request ids must be unique across ranks")
-        run = _StageRun(self, rank, world, len(all_ids))
+        run = _Rollout(self, rank, world, len(all_ids))
         run.execute()
         end = run.clock()
-        exp = run.scored_experience()
-        self._reconcile(exp, all_ids)
+        self._reconcile(run.scored_ids, all_ids)
+        scored = run.scored
         if gather:
-            parts = self._all_gather(exp)
-            exp = Experience.concat([p for p in parts if p is not None], pad_token_id=self.scorer.pad_id)
-            exp = exp.select(exp.sample_ids.argsort())
+            scored = [part for parts in self._all_gather(scored) for part in parts]
         times = self._all_gather((end, run.decode_end, run.spans))
         trace = ChromeTrace()
         for r, (_, _, spans) in enumerate(times):
@@ -157,9 +178,9 @@ class MigrationController:
                 trace.complete(kind, start, end - start, pid=r, tid=0, **args)
         self._history.decode += run.measurements.decode
         self._history.score += run.measurements.score
-        return StageResult(
-            experience=exp,
-            stage_s=max(t for t, _, _ in times),
+        return RolloutResult(
+            scored=scored,
+            rollout_s=max(t for t, _, _ in times),
             decode_end_s=max(d for _, d, _ in times),
             scoring_s=run.scoring_s,
             migration=run.migration,
@@ -167,8 +188,8 @@ class MigrationController:
             measurements=run.measurements,
         )
 
-    def _reconcile(self, exp: Experience | None, all_ids: list[int]) -> None:
-        scored = [i for part in self._all_gather([] if exp is None else exp.sample_ids.tolist()) for i in part]
+    def _reconcile(self, scored_ids: list[int], all_ids: list[int]) -> None:
+        scored = [i for part in self._all_gather(scored_ids) for i in part]
         counts: dict[int, int] = {}
         for i in scored:
             counts[i] = counts.get(i, 0) + 1
@@ -176,31 +197,32 @@ class MigrationController:
         dup = sorted(i for i, c in counts.items() if c > 1)
         extra = sorted(set(counts) - set(all_ids))
         if lost or dup or extra:
-            raise RuntimeError(f"stage results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}")
+            raise RuntimeError(f"rollout results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}")
 
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _fitted_costs(self, decode: list[tuple[int, int, float]]) -> StageCosts | None:
+    def _fitted_costs(self, decode: list[tuple[int, int, float]]) -> RolloutCosts | None:
         if self.costs is not None:
             return self.costs
         if len(self._history.score) < 2 or len(decode) < 3:
             return None
-        return StageCosts.fit(decode, self._history.score)
+        return RolloutCosts.fit(decode, self._history.score)
 
 
 _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
 
 
-class _StageRun:
-    """State of one rank during one stage."""
+class _Rollout:
+    """State of one rank during one rollout."""
 
     def __init__(self, ctl: MigrationController, rank: int, world: int, batch: int) -> None:
         self.ctl, self.engine, self.rank, self.world, self.batch = ctl, ctl.engine, rank, world, batch
-        self.finished: list[Sample] = []  # finished here, not yet scored
-        self.parts: list[Experience] = []
+        self.finished: list[RequestResult] = []  # finished here, not yet scored
+        self.scored: list[Any] = []
+        self.scored_ids: list[int] = []
         self.spans: list[tuple[str, float, float, dict]] = []
         self.measurements = Measurements()
         self.migration: MigrationStats | None = None
@@ -238,7 +260,9 @@ class _StageRun:
         stats = self.engine.stats()
         start = self.clock()
         for res in self.engine.step():
-            self._finish(res)
+            if not res.ok:
+                raise ValueError(f"request {res.id} was rejected: {res.error}")
+            self.finished.append(res)
         end = self.clock()
         if stats.waiting == 0 and stats.active:  # a pure decode step (no admission / prefill)
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
@@ -246,11 +270,6 @@ class _StageRun:
             self.measurements.prefill.append((self.engine.stats().cached_tokens - stats.cached_tokens - stats.active, end - start))
         self._span("decode", start, end)
         self.decode_end = end
-
-    def _finish(self, res: RequestResult) -> None:
-        if not res.ok:
-            raise ValueError(f"request {res.id} was rejected: {res.error}")
-        self.finished.append(Sample(int(res.id), res.prompt, res.tokens, res.logprobs))
 
     def _decode_until_done(self) -> None:
         while self.engine.has_work():
@@ -264,7 +283,7 @@ class _StageRun:
                 if self.engine.has_work():
                     before = len(self.finished)
                     self._step()
-                    new_lengths += [len(s.response) for s in self.finished[before:]]
+                    new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
             start = self.clock()
             progress = self.engine.progress()
@@ -330,11 +349,11 @@ class _StageRun:
             [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
             for progress, _ in details
         ]
-        config = StageConfig(
+        config = RolloutConfig(
             max_slots=self.engine.max_slots,
             kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
             check_interval=self.ctl.check_interval,
-            micro_batch_size=self.ctl.scorer.micro_batch_size,
+            micro_batch_size=self.ctl.micro_batch_size,
             mode=self.ctl.mode,
             prefill=False,
         )
@@ -365,16 +384,17 @@ class _StageRun:
         for op, peer, t in plan.program(self.rank):
             t_start = self.clock()
             if t.kind == "request" and op == "send":
-                nbytes = send_request_state(states.pop(t.ids[0]), _global(peer, ctl.group), group=ctl.group)
+                nbytes = send_states([states.pop(t.ids[0])], peer, group=ctl.group)
                 sent_req += nbytes
                 self.measurements.transfers.append((nbytes, self.clock() - t_start))
             elif t.kind == "request":
-                self.engine.import_request(recv_request_state(_global(peer, ctl.group), group=ctl.group))
+                for state in recv_states(peer, group=ctl.group)[1]:
+                    self.engine.import_request(state)
             elif op == "send":
-                batch = [by_id.pop(i) for i in t.ids]
-                sent_samples += _send_samples(batch, peer, ctl.group)
+                batch = [RequestState.of_result(by_id.pop(i)) for i in t.ids]
+                sent_samples += send_states(batch, peer, group=ctl.group, tag=_SAMPLES_TAG)
             else:
-                received = _recv_samples(peer, ctl.group)
+                received = [s.to_result() for s in recv_states(peer, group=ctl.group, tag=_SAMPLES_TAG)[1]]
                 if [s.id for s in received] != list(t.ids):
                     raise RuntimeError(f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}")
                 self.finished += received
@@ -402,48 +422,50 @@ class _StageRun:
     def _decode_tail(self, plan: MigrationPlan) -> None:
         """Kept rank: decode the tail; stream its finished samples to the freed ranks, round-robin per sample
         (the longest samples tend to finish together at the very end: each freed rank scores one of them)."""
-        pending: list[tuple[Any, list[torch.Tensor]]] = []
+        pending: list[PendingSend] = []
         sent = 0
         if self.finished:
             raise RuntimeError(f"kept rank {self.rank} still holds finished samples after the migration")
         while self.engine.has_work():
             self._step()
-            by_dst: dict[int, list[Sample]] = {}
+            by_dst: dict[int, list[RequestState]] = {}
             for sample in self.finished:
-                by_dst.setdefault(plan.tail_destination(self.rank, sent), []).append(sample)
+                by_dst.setdefault(plan.tail_destination(self.rank, sent), []).append(RequestState.of_result(sample))
                 sent += 1
             for dst, samples in by_dst.items():
-                pending += _isend_samples(samples, dst, self.ctl.group)
+                pending.append(isend_states(samples, dst, group=self.ctl.group, tag=_SAMPLES_TAG))
             self.finished = []
-        for f in plan.freed:
-            pending += _isend_samples([], f, self.ctl.group)  # end of this rank's tail stream
-        for work, _ in pending:
-            work.wait()
+        for f in plan.freed:  # an empty batch ends this rank's tail stream
+            pending.append(isend_states([], f, group=self.ctl.group, tag=_SAMPLES_TAG))
+        for p in pending:
+            p.wait()
 
     def _score_tail_streams(self, plan: MigrationPlan) -> None:
         """Freed rank: score the tail samples streamed by the kept ranks, taking whichever stream has a batch
         first (one kept rank's late samples must not hold back another's)."""
-        group = self.ctl.group
-        streams = {_global(k, group) for k in plan.kept}
-        header = torch.empty(2, dtype=torch.int64)
+        streams = set(plan.kept)
         while streams:
-            src = dist.recv(header, group=group, tag=_SAMPLES_TAG)  # from any kept rank; returns its global rank
-            batch = _recv_body(src, header, group)
+            src, batch = recv_states(None, group=self.ctl.group, tag=_SAMPLES_TAG)
             if batch:
-                self._score(batch)
+                self._score([s.to_result() for s in batch])
             else:  # the end of src's stream
                 streams.discard(src)
 
-    def _score(self, samples: list[Sample]) -> None:
+    def _score(self, samples: list[RequestResult]) -> None:
+        """Score ``samples`` in micro-batches of similar lengths (the shortest first), each timed."""
         if not samples:
             return
-        scorer = self.ctl.scorer
-        first = len(scorer.timings)
         start = self.clock()
-        self.parts.append(scorer.score(samples))
+        ordered = sorted(samples, key=lambda s: s.num_tokens)
+        size = self.ctl.micro_batch_size
+        for i in range(0, len(ordered), size):
+            batch = ordered[i : i + size]
+            t0 = time.perf_counter()
+            self.scored.append(self.ctl.score(batch))
+            self.measurements.score.append((len(batch), batch[-1].num_tokens, time.perf_counter() - t0))
+            self.scored_ids += [int(s.id) for s in batch]
         end = self.clock()
         self.scoring_s += end - start
-        self.measurements.score += scorer.timings[first:]
         self._span("score", start, end, samples=len(samples))
         if samples is self.finished:
             self.finished = []
@@ -455,12 +477,6 @@ class _StageRun:
             self.spans[-1] = (k, s, end, {"steps": a.get("steps", 1) + 1})
             return
         self.spans.append((kind, start, end, args or ({"steps": 1} if kind == "decode" else {})))
-
-    def scored_experience(self) -> Experience | None:
-        if not self.parts:
-            return None
-        exp = Experience.concat(self.parts, pad_token_id=self.ctl.scorer.pad_id)
-        return exp.select(exp.sample_ids.argsort())
 
 
 def _progress_summary(progress: list[RequestProgress]) -> list[tuple[int, int, int | None, int]]:
@@ -476,58 +492,3 @@ def _estimate_remaining(generated: int, forced: int | None, budget: int, observe
     if longer:
         return max(1, min(budget, longer[len(longer) // 2]) - generated)
     return max(1, budget - generated)
-
-
-# ---------------------------------------------------------------------------------- samples on the wire
-def _pack(samples: list[Sample]) -> list[torch.Tensor]:
-    header = torch.tensor([len(samples), sum(s.num_tokens for s in samples)], dtype=torch.int64)
-    if not samples:
-        return [header]
-    meta = torch.tensor([[s.id, len(s.prompt), len(s.response)] for s in samples], dtype=torch.int64)
-    tokens = torch.tensor([t for s in samples for t in (*s.prompt, *s.response)], dtype=torch.int64)
-    logprobs = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32)
-    if logprobs.numel() != int(meta[:, 2].sum()):
-        raise ValueError("every sample sent between ranks needs one log-prob per response token")
-    return [header, meta, tokens, logprobs]
-
-
-def _send_samples(samples: list[Sample], dst: int, group) -> int:
-    tensors = _pack(samples)
-    for t in tensors:
-        dist.send(t, _global(dst, group), group=group, tag=_SAMPLES_TAG)
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _isend_samples(samples: list[Sample], dst: int, group) -> list[tuple[Any, list[torch.Tensor]]]:
-    tensors = _pack(samples)  # kept alive with their handles until the sends complete
-    return [(dist.isend(t, _global(dst, group), group=group, tag=_SAMPLES_TAG), tensors) for t in tensors]
-
-
-def _recv_samples(src: int, group) -> list[Sample]:
-    header = torch.empty(2, dtype=torch.int64)
-    dist.recv(header, _global(src, group), group=group, tag=_SAMPLES_TAG)
-    return _recv_body(_global(src, group), header, group)
-
-
-def _recv_body(global_src: int, header: torch.Tensor, group) -> list[Sample]:
-    """The samples announced by ``header`` (count, total tokens; count 0: none follow) from ``global_src``."""
-    n, total = header.tolist()
-    if n == 0:
-        return []
-    meta = torch.empty(n, 3, dtype=torch.int64)
-    dist.recv(meta, global_src, group=group, tag=_SAMPLES_TAG)
-    tokens = torch.empty(total, dtype=torch.int64)
-    dist.recv(tokens, global_src, group=group, tag=_SAMPLES_TAG)
-    logprobs = torch.empty(int(meta[:, 2].sum()), dtype=torch.float32)
-    dist.recv(logprobs, global_src, group=group, tag=_SAMPLES_TAG)
-    out, t, lp = [], tokens.tolist(), logprobs.tolist()
-    pos = lpos = 0
-    for sid, p, r in meta.tolist():
-        out.append(Sample(sid, t[pos : pos + p], t[pos + p : pos + p + r], lp[lpos : lpos + r]))
-        pos += p + r
-        lpos += r
-    return out
-
-
-def _global(rank: int, group) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)

@@ -1,13 +1,12 @@
-"""Inter-stage fusion: migration plans, the stage simulator, and fused vs unfused stages on 2 and 4 ranks."""
+"""Inter-stage fusion: migration plans, the rollout simulator, and fused vs unfused rollouts on 2 and 4 ranks."""
 
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.migration import MigrationController
-from fusedrl.generation.migration_plan import (
+from fusedrl.fusion import MigrationController
+from fusedrl.fusion.plan import (
     InstanceStats,
     MigrationPlan,
     MovedRequest,
@@ -17,18 +16,19 @@ from fusedrl.generation.migration_plan import (
     choose_kept,
     verify_plan,
 )
-from fusedrl.generation.stage_sim import (
+from fusedrl.fusion.simulator import (
     DEFAULT_FRACTIONS,
+    RolloutConfig,
+    RolloutCosts,
     SimRequest,
-    StageConfig,
-    StageCosts,
     best_migration,
-    simulate_stage,
+    simulate_rollout,
     split_round_robin,
 )
-from fusedrl.generation.workload import lmsys_lengths
+from fusedrl.fusion.workload import lmsys_lengths
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
-from fusedrl.rlhf import Scorer, ScoringModels
+from fusedrl.rlhf import Experience, Scorer, ScoringModels
 from fusedrl.testing import run_multirank
 
 # ------------------------------------------------------------------------------------------------ plans
@@ -86,14 +86,14 @@ def test_verifier_rejects_lost_duplicated_overfull_and_unpaired_plans():
 
 # ------------------------------------------------------------------------------------------------ simulator
 
-PAPER_COSTS = StageCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200)
-PAPER_CONFIG = StageConfig(max_slots=128, kv_capacity_tokens=128 * 2200, check_interval=8, micro_batch_size=8)
-SIM_COSTS = StageCosts(1e-3, 1e-5, 1e-7, 1e-5, 2e-3, 5e-5, 1e-4, 1e9, 1024.0)
+PAPER_COSTS = RolloutCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200)
+PAPER_CONFIG = RolloutConfig(max_slots=128, kv_capacity_tokens=128 * 2200, check_interval=8, micro_batch_size=8)
+SIM_COSTS = RolloutCosts(1e-3, 1e-5, 1e-7, 1e-5, 2e-3, 5e-5, 1e-4, 1e9, 1024.0)
 
 
 def test_step_times_match_a_direct_sum():
     reqs = [SimRequest(5, 3), SimRequest(2, 7), SimRequest(9, 1)]
-    times = simulate_stage([reqs], PAPER_COSTS, PAPER_CONFIG, fused=False)
+    times = simulate_rollout([reqs], PAPER_COSTS, PAPER_CONFIG, fused=False)
     want = PAPER_COSTS.prefill_per_token_s * 16
     for step in range(1, 8):
         active = [r for r in reqs if r.remaining >= step]
@@ -106,8 +106,8 @@ def test_fused_is_no_slower_and_gains_grow_with_scoring_cost():
     instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 16)
     gains = []
     for factor in (0.5, 1.0, 2.0, 4.0):
-        costs = StageCosts(**{**PAPER_COSTS.__dict__, "score_per_token_s": PAPER_COSTS.score_per_token_s * factor})
-        unfused = simulate_stage(instances, costs, PAPER_CONFIG, fused=False)
+        costs = RolloutCosts(**{**PAPER_COSTS.__dict__, "score_per_token_s": PAPER_COSTS.score_per_token_s * factor})
+        unfused = simulate_rollout(instances, costs, PAPER_CONFIG, fused=False)
         *_, fused = best_migration(instances, costs, PAPER_CONFIG)
         assert fused.total_s <= unfused.total_s
         assert fused.migration_step is not None and len(fused.kept) < len(instances)
@@ -119,42 +119,42 @@ def test_auto_keeps_more_instances_when_the_tails_kv_reads_dominate():
     # TP1 13B instances: a decode step reads the batch's KV cache (800 KB per token), so 26 long requests on
     # one instance decode ~2x slower than the weights alone; keeping 4-8 instances is faster.
     instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 32)
-    config = StageConfig(max_slots=256, kv_capacity_tokens=57_000, check_interval=8, micro_batch_size=8)
-    fewest = min((simulate_stage(instances, PAPER_COSTS, config, fused=True, threshold=c) for c in (3, 5, 10, 26, 41)),
+    config = RolloutConfig(max_slots=256, kv_capacity_tokens=57_000, check_interval=8, micro_batch_size=8)
+    fewest = min((simulate_rollout(instances, PAPER_COSTS, config, fused=True, threshold=c) for c in (3, 5, 10, 26, 41)),
                  key=lambda t: t.total_s)
     threshold, min_kept, best = best_migration(instances, PAPER_COSTS, config)
     assert min_kept > 1 and len(best.kept) >= min_kept
     assert best.total_s < 0.97 * fewest.total_s
-    again = simulate_stage(instances, PAPER_COSTS, config, fused=True, threshold=threshold, min_kept=min_kept)
+    again = simulate_rollout(instances, PAPER_COSTS, config, fused=True, threshold=threshold, min_kept=min_kept)
     assert again.total_s == best.total_s
 
 
 def test_more_instances_decode_faster_and_threshold_zero_never_migrates():
     lengths = lmsys_lengths(256, seed=1)
-    t = [simulate_stage(split_round_robin(lengths, 70, n), PAPER_COSTS, PAPER_CONFIG, fused=False).total_s for n in (2, 4, 8)]
+    t = [simulate_rollout(split_round_robin(lengths, 70, n), PAPER_COSTS, PAPER_CONFIG, fused=False).total_s for n in (2, 4, 8)]
     assert t[0] > t[1] > t[2]
     inst = split_round_robin(lengths, 70, 4)
-    never = simulate_stage(inst, PAPER_COSTS, PAPER_CONFIG, fused=True, threshold=0)
+    never = simulate_rollout(inst, PAPER_COSTS, PAPER_CONFIG, fused=True, threshold=0)
     assert never.migration_step is None and never.moved == 0
 
 
 def test_fit_recovers_costs():
-    truth = StageCosts(2e-3, 1e-4, 1e-7, 5e-6, 3e-3, 2e-6, 1e-4, 1e9, 1000.0)
+    truth = RolloutCosts(2e-3, 1e-4, 1e-7, 5e-6, 3e-3, 2e-6, 1e-4, 1e9, 1000.0)
     decode = [(b, c, truth.decode_step_s(b, c)) for b, c in [(1, 10), (4, 300), (8, 100), (16, 2000), (3, 50)]]
     score = [(r, w, truth.score_base_s + truth.score_per_token_s * r * w) for r, w in [(1, 20), (8, 40), (4, 100)]]
-    fit = StageCosts.fit(decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0)
+    fit = RolloutCosts.fit(decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0)
     for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "score_base_s", "score_per_token_s"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     assert fit.transfer_bytes_per_s == pytest.approx(1e9, rel=1e-6)
     assert fit.transfer_latency_s == pytest.approx(1e-4, rel=1e-6)
-    same_size = StageCosts.fit(decode, score, transfers=[(5000, 1e-3), (5001, 3e-3), (5000, 2e-3)])
+    same_size = RolloutCosts.fit(decode, score, transfers=[(5000, 1e-3), (5001, 3e-3), (5000, 2e-3)])
     assert same_size.transfer_bytes_per_s == float("inf") and same_size.transfer_latency_s == pytest.approx(2e-3)
 
 
 def test_bucketed_step_times_match_the_engine_padding():
-    costs = StageCosts(**{**SIM_COSTS.__dict__, "decode_per_row_s": 3e-5, "batch_buckets": (1, 2, 4, 8), "len_buckets": (8, 16, 32)})
+    costs = RolloutCosts(**{**SIM_COSTS.__dict__, "decode_per_row_s": 3e-5, "batch_buckets": (1, 2, 4, 8), "len_buckets": (8, 16, 32)})
     reqs = [SimRequest(5, 3), SimRequest(7, 9), SimRequest(2, 12)]
-    times = simulate_stage([reqs], costs, PAPER_CONFIG, fused=False)
+    times = simulate_rollout([reqs], costs, PAPER_CONFIG, fused=False)
     want = costs.prefill_per_token_s * 14
     for step in range(1, 13):
         active = [r for r in reqs if r.remaining >= step]
@@ -168,12 +168,12 @@ def test_bucketed_step_times_match_the_engine_padding():
 
 
 def test_fit_recovers_bucketed_costs_and_the_attention_term():
-    truth = StageCosts(2e-3, 4e-5, 3e-8, 0.0, 3e-3, 2e-6, 0.0, float("inf"), 0.0, decode_per_row_s=1e-4, score_per_token_sq_s=4e-9,
+    truth = RolloutCosts(2e-3, 4e-5, 3e-8, 0.0, 3e-3, 2e-6, 0.0, float("inf"), 0.0, decode_per_row_s=1e-4, score_per_token_sq_s=4e-9,
                        batch_buckets=(1, 2, 4, 8, 16), len_buckets=(64, 128, 256))
     # Requests that started together share one context length, as in an unfused stage.
     decode = [(n, n * c, truth.decode_step_s(n, n * c)) for n, c in [(16, 40), (13, 70), (9, 100), (5, 130), (3, 200), (2, 230), (1, 250), (7, 90)]]
     score = [(r, w, truth.score_s([w] * r, r)) for r, w in [(1, 20), (8, 40), (4, 100), (2, 300), (6, 10)]]
-    fit = StageCosts.fit(decode, score, batch_buckets=truth.batch_buckets, len_buckets=truth.len_buckets)
+    fit = RolloutCosts.fit(decode, score, batch_buckets=truth.batch_buckets, len_buckets=truth.len_buckets)
     for name in ("decode_base_s", "decode_per_seq_s", "decode_per_row_s", "decode_per_ctx_token_s", "score_base_s",
                  "score_per_token_s", "score_per_token_sq_s"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
@@ -183,7 +183,7 @@ def test_fit_drops_negative_coefficients_and_keeps_the_measured_sum():
     # Step times that fall with the context (load noise) would give a negative per-token cost: it is
     # dropped, not clamped after the fit, so the refitted model still sums to the measured time.
     decode = [(4, 100, 0.010), (4, 400, 0.008), (2, 300, 0.006), (8, 200, 0.015), (1, 500, 0.004)]
-    fit = StageCosts.fit(decode, [(1, 10, 1e-3), (2, 10, 2e-3)])
+    fit = RolloutCosts.fit(decode, [(1, 10, 1e-3), (2, 10, 2e-3)])
     assert fit.decode_per_ctx_token_s == 0.0 and fit.decode_per_seq_s > 0
     assert sum(fit.decode_step_s(b, c) for b, c, _ in decode) == pytest.approx(sum(s for *_, s in decode))
 
@@ -191,16 +191,16 @@ def test_fit_drops_negative_coefficients_and_keeps_the_measured_sum():
 def test_balanced_unfused_scoring_is_no_slower_and_tensor_parallel_costs_scale():
     lengths = lmsys_lengths(256, seed=2)
     inst = split_round_robin(lengths, 70, 8)
-    own = simulate_stage(inst, PAPER_COSTS, PAPER_CONFIG, fused=False)
-    balanced = simulate_stage(inst, PAPER_COSTS, StageConfig(**{**PAPER_CONFIG.__dict__, "unfused_scoring": "balanced"}), fused=False)
+    own = simulate_rollout(inst, PAPER_COSTS, PAPER_CONFIG, fused=False)
+    balanced = simulate_rollout(inst, PAPER_COSTS, RolloutConfig(**{**PAPER_CONFIG.__dict__, "unfused_scoring": "balanced"}), fused=False)
     assert balanced.decode_end_s == own.decode_end_s and balanced.total_s <= own.total_s
-    tp4 = StageCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200, gpus_per_instance=4, actor_layers=40)
+    tp4 = RolloutCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200, gpus_per_instance=4, actor_layers=40)
     assert tp4.score_per_token_s == pytest.approx(PAPER_COSTS.score_per_token_s / 4)
     assert tp4.transfer_bytes_per_s == pytest.approx(4 * PAPER_COSTS.transfer_bytes_per_s)
     weights_tp1 = PAPER_COSTS.decode_base_s - 2e-3
     assert tp4.decode_base_s == pytest.approx(2e-3 + 80 * 15e-6 + weights_tp1 / 4)
     with pytest.raises(ValueError, match="gpus_per_instance"):
-        StageCosts.for_models(actor_params=1e9, scorer_params=1e9, kv_bytes_per_token=1.0, gpus_per_instance=0)
+        RolloutCosts.for_models(actor_params=1e9, scorer_params=1e9, kv_bytes_per_token=1.0, gpus_per_instance=0)
 
 
 # ------------------------------------------------------------------------------------------------ multi-rank
@@ -214,7 +214,7 @@ class Scenario:
     threshold: float | str
     mode: str = "kv"
     check_interval: int = 2
-    costs: StageCosts | None = None
+    costs: RolloutCosts | None = None
     max_slots: int | None = None  # default: the whole batch fits
     own_group: bool = False  # the controller on a separate gloo group (what the trainer does under NCCL)
 
@@ -244,10 +244,12 @@ def _run_scenarios(scenarios: dict) -> dict:
         for fusion in (False, True):
             engine = GenerationEngine(actor, max_slots=sc.max_slots or len(sc.lengths), max_len=64, seed=11)
             group = dist.new_group(backend="gloo") if sc.own_group else None
-            ctl = MigrationController(engine, Scorer(scoring, micro_batch_size=3), fusion=fusion, threshold=sc.threshold,
-                                      mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs, group=group)
+            ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, fusion=fusion,
+                                      threshold=sc.threshold, mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs,
+                                      group=group)
             r = ctl.run(_requests(sc.lengths, rank, world), gather=True)
-            e = r.experience
+            e = Experience.concat(r.scored)
+            e = e.select(e.sample_ids.argsort())
             spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
             res[fusion] = dict(exp={k: getattr(e, k) for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")},
                                migration=None if r.migration is None else r.migration.as_dict(), spans=spans)
@@ -347,10 +349,42 @@ def test_four_ranks_fusion_changes_no_output():
     assert auto["threshold"] in candidates and auto["unfinished"] <= auto["threshold"]  # chosen by the simulator
 
 
+def _score_on_one_rank(lengths: list[int], micro_batch_size: int) -> tuple[list[list[tuple[int, int]]], list, list]:
+    """One rank, fusion off: what the score callable is handed, what the controller measured, what it returns."""
+    import torch.distributed as dist
+
+    from fusedrl.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        actor, _ = _models()
+        calls: list[list[tuple[int, int]]] = []
+
+        def score(samples):
+            calls.append([(s.id, s.num_tokens) for s in samples])
+            return len(calls)
+
+        ctl = MigrationController(GenerationEngine(actor, max_slots=4, max_len=32), score,
+                                  micro_batch_size=micro_batch_size, fusion=False)
+        result = ctl.run([Request(i, [1, 2, 3], SamplingParams(target_len=n)) for i, n in enumerate(lengths)])
+        return calls, result.measurements.score, result.scored
+    finally:
+        dist.destroy_process_group()
+
+
+def test_controller_scores_length_sorted_micro_batches_and_times_each():
+    calls, timings, scored = _score_on_one_rank([5, 2, 9, 1, 4], micro_batch_size=2)
+    assert [[sid for sid, _ in call] for call in calls] == [[3, 1], [4, 0], [2]]  # shortest first, at most 2 each
+    assert [(rows, width) for rows, width, _ in timings] == [(2, 5), (2, 8), (1, 12)]  # padded to the longest
+    assert scored == [1, 2, 3]  # the callable's outputs, in call order, uninspected
+
+
 def test_bad_controller_arguments():
     actor, scoring = _models()
     engine = GenerationEngine(actor, max_slots=2, max_len=32)
     with pytest.raises(ValueError, match="threshold"):
-        MigrationController(engine, Scorer(scoring), threshold=1.5)
+        MigrationController(engine, Scorer(scoring).score, threshold=1.5)
     with pytest.raises(ValueError, match="mode"):
-        MigrationController(engine, Scorer(scoring), mode="copy")
+        MigrationController(engine, Scorer(scoring).score, mode="copy")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        MigrationController(engine, Scorer(scoring).score, micro_batch_size=0)

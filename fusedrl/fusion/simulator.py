@@ -1,11 +1,11 @@
-"""Simulator of the generation + scoring stage, unfused (decode everything, then score) vs fused
+"""Simulator of the rollout (generation + scoring), unfused (decode everything, then score) vs fused
 (at a threshold, migrate the tail onto a few instances and score on the freed ones).
 
-It mirrors what :class:`fusedrl.generation.MigrationController` does: lockstep checks every
-``check_interval`` decode steps while fused, the same plan (:mod:`.migration_plan`), transfers in one
+It mirrors what :class:`fusedrl.fusion.MigrationController` does: lockstep checks every
+``check_interval`` decode steps while fused, the same plan (:mod:`.plan`), transfers in one
 global order with blocking send/receive, scoring in length-sorted micro-batches, and tail samples
 streamed round-robin to the freed instances. It is used to pick the ``auto`` threshold and, at paper
-scale, to estimate the gain; :meth:`StageCosts.fit` fits its costs to measurements.
+scale, to estimate the gain; :meth:`RolloutCosts.fit` fits its costs to measurements.
 """
 
 from __future__ import annotations
@@ -17,21 +17,14 @@ from typing import Literal, Sequence
 
 import torch
 
-from fusedrl.generation.migration_plan import InstanceStats, MovedRequest, build_plan, choose_kept
+from fusedrl.buckets import round_up
+from fusedrl.fusion.plan import InstanceStats, MovedRequest, build_plan, choose_kept
 
-TOKEN_BYTES = 12  # a finished sample sent as tokens: int64 id + float32 log-prob per token
-
-
-def bucket(x: int, buckets: Sequence[int], *, strictly_above: bool = False) -> int:
-    """Smallest bucket >= x (> x with ``strictly_above``), or x itself without buckets (no padding)."""
-    for b in buckets:
-        if b > x or (b == x and not strictly_above):
-            return b
-    return buckets[-1] if buckets else x
+TOKEN_BYTES = 12  # a finished sample on the wire: int64 token + float32 log-prob per token (metadata aside)
 
 
 @dataclass(frozen=True)
-class StageCosts:
+class RolloutCosts:
     """Per-instance costs in seconds.
 
     decode step = ``decode_base_s + decode_per_seq_s * batch + decode_per_row_s * rows +
@@ -65,11 +58,11 @@ class StageCosts:
     def padded_shape(self, batch: int, ctx_tokens: float, max_cached: float | None = None) -> tuple[float, float]:
         """(rows, attended tokens) of a decode step of ``batch`` requests holding ``ctx_tokens`` in all;
         ``max_cached`` (longest cached position) matters only with ``len_buckets`` (default: the mean)."""
-        rows = bucket(batch, self.batch_buckets)
+        rows = round_up(batch, self.batch_buckets)
         if not self.len_buckets:
             return rows, ctx_tokens
         longest = max_cached if max_cached is not None else ctx_tokens / batch
-        return rows, rows * bucket(int(longest), self.len_buckets, strictly_above=True)
+        return rows, rows * round_up(int(longest), self.len_buckets, strictly_above=True)
 
     def decode_step_s(self, batch: int, ctx_tokens: int, max_cached: int | None = None) -> float:
         if batch <= 0:
@@ -109,7 +102,7 @@ class StageCosts:
         link_bytes_per_s: float = 25e9,
         transfer_latency_s: float = 50e-6,
         check_s: float = 1e-4,
-    ) -> "StageCosts":
+    ) -> "RolloutCosts":
         """Roofline costs of one instance of ``gpus_per_instance`` GPUs (tensor parallel): a decode step
         reads the Actor's weight shard and the batch's KV cache once (memory bound) and, with TP > 1, runs
         two all-reduces per layer (``allreduce_s`` each, latency bound at decode sizes); prefill and
@@ -148,7 +141,7 @@ class StageCosts:
         check_s: float = 0.0,
         batch_buckets: Sequence[int] = (),
         len_buckets: Sequence[int] = (),
-    ) -> "StageCosts":
+    ) -> "RolloutCosts":
         """Least-squares fit to measurements: decode (batch, cached tokens, s), score (rows, padded_len, s),
         prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0. With the
         engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
@@ -208,7 +201,7 @@ class SimRequest:
 
 
 @dataclass(frozen=True)
-class StageConfig:
+class RolloutConfig:
     """Instance capacities and controller settings."""
 
     max_slots: int
@@ -216,7 +209,7 @@ class StageConfig:
     check_interval: int = 8
     micro_batch_size: int = 8
     mode: Literal["kv", "reprefill"] = "kv"
-    prefill: bool = True  # requests start with a prefill of their context (False: resuming mid-stage)
+    prefill: bool = True  # requests start with a prefill of their context (False: resuming mid-rollout)
     # Unfused scoring: "own" = each instance scores its own samples (what MigrationController does with
     # fusion off); "balanced" = all samples length-sorted into micro-batches, spread over all instances
     # longest first to the least loaded (a tuned baseline).
@@ -224,8 +217,8 @@ class StageConfig:
 
 
 @dataclass
-class StageTimes:
-    """Outcome of one simulated stage (seconds from its start)."""
+class RolloutTimes:
+    """Outcome of one simulated rollout (seconds from its start)."""
 
     total_s: float
     decode_end_s: float
@@ -238,7 +231,7 @@ class StageTimes:
     spans: list[tuple[int, str, float, float]] = field(default_factory=list)  # (instance, kind, start, end)
 
 
-def _step_times(reqs: Sequence[SimRequest], costs: StageCosts, steps: int) -> torch.Tensor:
+def _step_times(reqs: Sequence[SimRequest], costs: RolloutCosts, steps: int) -> torch.Tensor:
     """Per-step decode time of one instance for steps 1..steps (0 once all its requests are done)."""
     if not reqs or steps <= 0:
         return torch.zeros(max(steps, 0), dtype=torch.float64)
@@ -250,29 +243,26 @@ def _step_times(reqs: Sequence[SimRequest], costs: StageCosts, steps: int) -> to
     ctx0 = torch.bincount(rem, weights=ctx, minlength=steps + 1).flip(0).cumsum(0).flip(0)[1:]
     s = torch.arange(steps, dtype=torch.float64)
     rows, attended = batch, ctx0 + s * batch
-    if costs.batch_buckets:
-        buckets = torch.tensor(costs.batch_buckets, dtype=torch.float64)
-        rows = buckets[torch.searchsorted(buckets, batch).clamp_max(len(buckets) - 1)]
+    rows = round_up(batch, costs.batch_buckets)
     if costs.len_buckets:
         longest0 = torch.zeros(steps + 1, dtype=torch.float64).scatter_reduce(0, rem, ctx, "amax").flip(0).cummax(0).values.flip(0)[1:]
         cached = longest0 + s - 1  # the engine caches all but the pending token
-        buckets = torch.tensor(costs.len_buckets, dtype=torch.float64)
-        attended = rows * buckets[torch.searchsorted(buckets, cached, right=True).clamp_max(len(buckets) - 1)]
+        attended = rows * round_up(cached, costs.len_buckets, strictly_above=True)
     t = costs.decode_base_s + costs.decode_per_seq_s * batch + costs.decode_per_row_s * rows + costs.decode_per_ctx_token_s * attended
     return torch.where(batch > 0, t, torch.zeros_like(t))
 
 
-def simulate_stage(
+def simulate_rollout(
     instances: Sequence[Sequence[SimRequest]],
-    costs: StageCosts,
-    config: StageConfig,
+    costs: RolloutCosts,
+    config: RolloutConfig,
     *,
     fused: bool,
     threshold: int | None = None,
     backlog: Sequence[Sequence[int]] | None = None,
     min_kept: int = 1,
-) -> StageTimes:
-    """Time of the stage. ``instances[i]`` are instance i's unfinished requests; ``backlog[i]`` the token
+) -> RolloutTimes:
+    """Time of the rollout. ``instances[i]`` are instance i's unfinished requests; ``backlog[i]`` the token
     counts of its finished, unscored samples. ``threshold``: migrate when at most this many requests are
     unfinished at a check (fused only); ``min_kept``: keep at least this many instances decoding."""
     n = len(instances)
@@ -291,7 +281,7 @@ def simulate_stage(
         score = _unfused_scoring(final, costs, config)
         for i in range(n):
             spans.append((i, "score", dec_end, dec_end + score[i]))
-        return StageTimes(dec_end + max(score, default=0.0), dec_end, spans=spans)
+        return RolloutTimes(dec_end + max(score, default=0.0), dec_end, spans=spans)
 
     # Lockstep until a check finds at most `threshold` unfinished requests.
     k = config.check_interval
@@ -310,7 +300,7 @@ def simulate_stage(
         score = _unfused_scoring(final, costs, config)
         for i in range(n):
             spans += [(i, "decode", 0.0, t), (i, "score", t, t + score[i])]
-        return StageTimes(t + max(score), t, spans=spans)
+        return RolloutTimes(t + max(score), t, spans=spans)
 
     done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
     alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
@@ -334,7 +324,7 @@ def simulate_stage(
         score = [costs.score_s(final[i], config.micro_batch_size) for i in range(n)]
         for i in range(n):
             spans += [(i, "decode", 0.0, ends[i]), (i, "score", ends[i], ends[i] + score[i])]
-        return StageTimes(max(e + c for e, c in zip(ends, score)), max(ends), spans=spans)
+        return RolloutTimes(max(e + c for e, c in zip(ends, score)), max(ends), spans=spans)
     for i in range(n):
         spans.append((i, "decode", 0.0, t))
     ids = {}  # synthetic request / sample ids
@@ -414,7 +404,7 @@ def simulate_stage(
             clock += dur
         busy[f] = clock
     total = max(list(tail_end.values()) + list(busy.values()))
-    return StageTimes(
+    return RolloutTimes(
         total_s=total,
         decode_end_s=max(tail_end.values()),
         migration_step=s0,
@@ -427,8 +417,8 @@ def simulate_stage(
     )
 
 
-def _unfused_scoring(samples: list[list[int]], costs: StageCosts, config: StageConfig) -> list[float]:
-    """Each instance's scoring time once decoding has ended everywhere (see ``StageConfig.unfused_scoring``)."""
+def _unfused_scoring(samples: list[list[int]], costs: RolloutCosts, config: RolloutConfig) -> list[float]:
+    """Each instance's scoring time once decoding has ended everywhere (see ``RolloutConfig.unfused_scoring``)."""
     mbs = config.micro_batch_size
     if config.unfused_scoring == "own":
         return [costs.score_s(s, mbs) for s in samples]
@@ -450,14 +440,14 @@ def kept_candidates(num_instances: int) -> list[int]:
 
 def best_migration(
     instances: Sequence[Sequence[SimRequest]],
-    costs: StageCosts,
-    config: StageConfig,
+    costs: RolloutCosts,
+    config: RolloutConfig,
     *,
     backlog: Sequence[Sequence[int]] | None = None,
     batch_size: int | None = None,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
-) -> tuple[int, int, StageTimes]:
-    """(threshold, min_kept, simulated stage) with the shortest simulated stage. Thresholds: ``fractions``
+) -> tuple[int, int, RolloutTimes]:
+    """(threshold, min_kept, simulated rollout) with the shortest simulated rollout. Thresholds: ``fractions``
     of ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more);
     min_kept: :func:`kept_candidates` (fewer kept instances free more for scoring, more decode the tail
     faster)."""
@@ -466,10 +456,10 @@ def best_migration(
     unfinished = sum(len(r) for r in instances)
     at_once = [t for t in thresholds if t >= unfinished]  # all of these migrate at the first check: simulate one
     thresholds = [t for t in thresholds if t < unfinished] + at_once[:1]
-    best = (0, 1, simulate_stage(instances, costs, config, fused=True, threshold=0, backlog=backlog))
+    best = (0, 1, simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog))
     for m in kept_candidates(len(instances)):
         for c in thresholds:
-            res = simulate_stage(instances, costs, config, fused=True, threshold=c, backlog=backlog, min_kept=m)
+            res = simulate_rollout(instances, costs, config, fused=True, threshold=c, backlog=backlog, min_kept=m)
             if res.total_s < best[2].total_s - 1e-12:
                 best = (c, m, res)
     return best

@@ -1,7 +1,7 @@
 """Migration plans: which instances keep decoding, where each unfinished request goes, and a checker.
 
-Pure functions over per-instance statistics, shared by the controller (:mod:`.migration`) and the stage
-simulator (:mod:`.stage_sim`) so that the simulated plan is the one that would run.
+Pure functions over per-instance statistics, shared by the controller (:mod:`.controller`) and the rollout
+simulator (:mod:`.simulator`) so that the simulated plan is the one that would run.
 """
 
 from __future__ import annotations
