@@ -503,15 +503,15 @@ def reduce_iteration(sums: dict[str, torch.Tensor], phase_times: dict[str, float
                      divisor: float, device: torch.device) -> dict[str, float]:
     """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
     ``divisor``; phase times and peak memory are the slowest / largest rank's. One ``all_gather`` of one
-    float64 tensor (a sum and a max cannot share one all-reduce)."""
+    float64 vector per rank (a sum and a max cannot share one all-reduce)."""
     keys = sorted(sums)
     local = torch.cat([
         torch.stack([sums[k].to(device, torch.float64) for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=device),
         torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
     ])
-    gathered = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, local)
-    gathered = gathered.view(dist.get_world_size(), local.numel())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    gathered = torch.stack(parts)
     total = gathered[:, : len(keys)].sum(0) / divisor
     largest = gathered[:, len(keys):].amax(0)
     values = total.tolist() + largest.tolist()
@@ -545,7 +545,6 @@ class Trainer:
         self.layout = build_training_layout(cfg, self.models, self.device)
         synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
-        log.info("prompts %s", self.dataset.report.summary())
         self.loader = PromptLoader(self.dataset, cfg.ppo.batch_size // self.world, rank=self.rank, world_size=self.world,
                                    seed=cfg.job.seed, shuffle=cfg.data.shuffle)
         self.max_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
