@@ -25,7 +25,6 @@ Bad configs are refused with a one-line ``error: ...`` and exit status 2 before 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import sys
@@ -37,8 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.lr_scheduler import LRScheduler
 
 from fusedrl.buckets import evenly_spaced, round_up
@@ -63,19 +60,20 @@ from fusedrl.components import (
     peak_memory_gib,
 )
 from fusedrl.config import ConfigError, JobConfig, load_config, validate_paths, validate_world_size
-from fusedrl.distributed import (
-    Heartbeat,
-    ParallelDims,
-    apply_fsdp,
-    describe_failure,
-    gather_full_state_dict,
-    init_distributed,
-    select_device,
-    split_decoder,
-)
+from fusedrl.distributed import Heartbeat, describe_failure, init_distributed, select_device
 from fusedrl.fusion import MigrationController, RolloutResult
-from fusedrl.generation import GenerationEngine, Request, SamplingParams, sync_engine_weights
-from fusedrl.models import FLAVORS, CheckpointError, build_model, load_hf_checkpoint
+from fusedrl.generation import GenerationEngine, Request, SamplingParams, WeightSync
+from fusedrl.layouts import (
+    DTYPES,
+    RANDOM_INIT_MAX_PARAMS,
+    RolloutLayout,
+    TrainingLayout,
+    build_rollout_layout,
+    build_training_layout,
+    load_initial_weights,
+    random_init_params,
+)
+from fusedrl.models import FLAVORS
 from fusedrl.pipelining import (
     ACTOR,
     CRITIC,
@@ -124,15 +122,11 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
     if par.pp < 2:
         raise ConfigError(f"parallelism.pp = {par.pp}: the trainer's fused pipeline executor needs pp >= 2 "
                           "(Actor and Critic share the pipeline ranks); launch >= 2 processes with --parallelism.pp=2")
-    if par.tp != 1:
-        raise ConfigError(f"parallelism.tp = {par.tp}: tensor-parallel training is not supported by the trainer yet; "
-                          "set --parallelism.tp=1 and use pp x dp_shard")
-    if par.gen_tp != 1:
-        raise ConfigError(f"parallelism.gen_tp = {par.gen_tp}: tensor-parallel generation instances are not implemented; "
-                          "set --parallelism.gen_tp=1 (each rank holds a full Actor replica)")
-    if cfg.ppo.batch_size % world_size:
-        raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the world size {world_size} "
-                          "(each rank generates an equal share of the prompts)")
+    instances = world_size // par.gen_tp
+    if cfg.ppo.batch_size % instances:
+        raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
+                          f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
+                          "equal share of the prompts)")
     for key in ("actor", "critic", "reward"):
         flavor = getattr(cfg.model, key)
         if flavor not in FLAVORS:
@@ -141,6 +135,21 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
         if key != "reward" and layers < par.pp:
             raise ConfigError(f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.pp = {par.pp} stages; "
                               "lower pp or pick a deeper flavor")
+    for key, sharded in (("actor", "tp and gen_tp"), ("critic", "tp and gen_tp"), ("reward", "gen_tp")):
+        f = FLAVORS[getattr(cfg.model, key)]
+        for name, degree in (("parallelism.tp", par.tp), ("parallelism.gen_tp", par.gen_tp)):
+            if name.endswith(".tp") and key == "reward":
+                continue
+            for what, value in (("attention heads", f.num_heads), ("KV heads", f.num_kv_heads), ("MLP width", f.intermediate_dim)):
+                if value % degree:
+                    raise ConfigError(f"{name} = {degree}: does not divide the {what} of model.{key} = "
+                                      f"{getattr(cfg.model, key)!r} ({value}); tensor parallelism ({sharded}) splits them "
+                                      "evenly: choose a degree dividing it")
+        path = getattr(cfg.model, f"{key}_path")
+        if not path and random_init_params(getattr(cfg.model, key)) > RANDOM_INIT_MAX_PARAMS:
+            raise ConfigError(f"model.{key}_path is unset: a random initialisation builds the whole "
+                              f"{getattr(cfg.model, key)!r} model in host memory (allowed up to "
+                              f"{RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder")
     actor = FLAVORS[cfg.model.actor]
     if FLAVORS[cfg.model.critic].vocab_size != actor.vocab_size or FLAVORS[cfg.model.reward].vocab_size != actor.vocab_size:
         raise ConfigError(f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({actor.vocab_size}); "
@@ -160,84 +169,7 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError("training.float8 = true: float8 training is not wired into the trainer yet; set --training.float8=false")
 
 
-# ---------------------------------------------------------------------------------------------- models
-
-
-@dataclass
-class PPOModels:
-    """The four PPO models of one rank, as full (unsplit) modules; the trainer splits Actor and Critic later.
-
-    ``actor_replica`` and ``critic_replica`` are the generation/scoring copies that weight sync refreshes.
-    """
-
-    actor: nn.Module | None  # released once split into training stages
-    critic: nn.Module | None
-    reference: nn.Module
-    reward: nn.Module
-    actor_replica: nn.Module
-    critic_replica: nn.Module
-
-
-def _load_value_model(model: nn.Module, path: str, flavor: str) -> None:
-    """Load a value-head checkpoint, or start the value head fresh from an LM checkpoint."""
-    try:
-        load_hf_checkpoint(model, path, flavor, "value")
-    except CheckpointError as value_error:
-        try:
-            load_hf_checkpoint(model, path, flavor, "value", init_value_head_from_lm=True)
-        except CheckpointError:
-            raise value_error from None
-
-
-def build_models(cfg: JobConfig, device: torch.device) -> PPOModels:
-    """Build and load the four models (identically on every rank: random inits are seeded by job.seed)."""
-    m = cfg.model
-
-    def fresh(flavor: str, role: str, offset: int) -> nn.Module:
-        torch.manual_seed(cfg.job.seed * 7919 + offset)
-        return build_model(flavor, role)
-
-    actor = fresh(m.actor, "policy", 0)
-    if m.actor_path:
-        load_hf_checkpoint(actor, m.actor_path, m.actor, "policy")
-    reference = copy.deepcopy(actor)
-    if m.reference_path:
-        load_hf_checkpoint(reference, m.reference_path, m.actor, "policy")
-    critic = fresh(m.critic, "value", 1)
-    if m.critic_path:
-        _load_value_model(critic, m.critic_path, m.critic)
-    reward = fresh(m.reward, "value", 2)
-    if m.reward_path:
-        _load_value_model(reward, m.reward_path, m.reward)
-    for frozen in (reference, reward):
-        frozen.requires_grad_(False).eval()
-    models = PPOModels(actor, critic, reference, reward, copy.deepcopy(actor).eval(), copy.deepcopy(critic).eval())
-    for name in ("actor_replica", "critic_replica"):
-        getattr(models, name).requires_grad_(False)
-    for name in ("actor", "critic", "reference", "reward", "actor_replica", "critic_replica"):
-        setattr(models, name, getattr(models, name).to(device))
-    return models
-
-
 # ---------------------------------------------------------------------------------------------- training layout
-
-
-@dataclass
-class TrainingLayout:
-    """This rank's place in the (pp, dp_shard) mesh and its training stages of both models."""
-
-    mesh: DeviceMesh
-    pp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup | None
-    pp_rank: int
-    dp_rank: int
-    pp: int
-    dp: int
-    actor_stage: nn.Module
-    critic_stage: nn.Module
-    schedule: FusedPipelineSchedule
-    plan_method: str
-    microbatches: int
 
 
 def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
@@ -258,49 +190,24 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
     return lower(schedule, placement, {ACTOR: n_mb, CRITIC: n_mb}), method
 
 
-def build_training_layout(cfg: JobConfig, models: PPOModels, device: torch.device) -> TrainingLayout:
-    """Split Actor and Critic into pipeline stages (Actor stage i on pp rank i, Critic stage j on rank pp-1-j),
-    shard them with FSDP2 over dp_shard, and build the fused executor with the planned program."""
-    par = cfg.parallelism
-    dims = ParallelDims(pp=par.pp, dp_shard=par.dp_shard, tp=par.tp, gen_tp=par.gen_tp, world_size=dist.get_world_size())
-    mesh = dims.build_mesh(device.type)
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
-    dim_actor = models.actor.tok_embeddings.embedding_dim
-    dim_critic = models.critic.tok_embeddings.embedding_dim
-    vocab = models.actor.tok_embeddings.num_embeddings
-    actor_stage = split_decoder(models.actor, par.pp)[pp_rank]
-    critic_stage = split_decoder(models.critic, par.pp)[par.pp - 1 - pp_rank]
-    if par.dp_shard > 1:
-        for stage in (actor_stage, critic_stage):
-            # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
-            apply_fsdp(stage, mesh["dp_shard"], reshard_after_forward=False)
-    models.actor = models.critic = None  # keep only this rank's stages of the trained models
-    dp_group = mesh.get_group("dp_shard") if par.dp_shard > 1 else None
-    pp_group = mesh.get_group("pp")
-
-    # One program for every minibatch (the cost model uses the longest sequence); plan on rank 0, broadcast.
+def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> None:
+    """Plan one program for every minibatch (the cost model uses the longest sequence) on rank 0, broadcast it,
+    and give ``layout`` its fused executor over the pipeline group (collective)."""
     holder: list[Any] = [None]
     if dist.get_rank() == 0:
         holder[0] = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
     dist.broadcast_object_list(holder, src=0)
-    program, method = holder[0]
-    schedule = FusedPipelineSchedule(
+    program, layout.plan_method = holder[0]
+    actor, critic = FLAVORS[cfg.model.actor], FLAVORS[cfg.model.critic]
+    compute = DTYPES[cfg.training.mixed_precision_param]
+    layout.schedule = FusedPipelineSchedule(
         program,
-        StageModule(actor_stage, PolicyLoss.from_config(cfg.ppo), dim_actor, vocab),
-        StageModule(critic_stage, ValueLoss.from_config(cfg.ppo), dim_critic, 1),
-        group=pp_group,
+        StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo), actor.embed_dim, actor.vocab_size, compute),
+        StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute),
+        group=layout.pp_group,
         device=device,
     )
-    return TrainingLayout(mesh, pp_group, dp_group, pp_rank, dp_rank, par.pp, par.dp_shard, actor_stage, critic_stage,
-                          schedule, method, program.microbatches["actor"])
-
-
-def sync_rollout_models(layout: TrainingLayout, models: PPOModels, engine: GenerationEngine) -> None:
-    """Training layout -> full replicas: the engine's Actor and the scoring Critic (collective)."""
-    sync_engine_weights(engine, layout.actor_stage, layout.pp_group)
-    critic_state = gather_full_state_dict(layout.critic_stage, layout.pp_group)
-    models.critic_replica.load_state_dict({k: v.to(next(models.critic_replica.parameters()).device)
-                                           for k, v in critic_state.items()})
+    layout.microbatches = program.microbatches["actor"]
 
 
 # ---------------------------------------------------------------------------------------------- rollout
@@ -315,24 +222,25 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
     return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
 
 
-def build_scorer(models: PPOModels, pad_id: int) -> Scorer:
-    """Reference log-probs, Reward scores and Critic values of finished samples, on every rank.
+def build_scorer(cfg: JobConfig, rollout: RolloutLayout, pad_id: int) -> Scorer:
+    """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
 
     Log-probs are those of the model distribution (temperature 1), as the engine reports the sampled
     tokens' log-probs; the policy loss uses the same convention.
     """
-    return Scorer(ScoringModels(models.reference, models.reward, models.critic_replica), pad_id=pad_id, temperature=1.0)
+    return Scorer(ScoringModels(rollout.reference, rollout.reward, rollout.critic), pad_id=pad_id, temperature=1.0,
+                  max_tokens=cfg.generation.scoring_max_tokens)
 
 
-def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer) -> MigrationController[Experience]:
-    """Generation + scoring of this rank's requests; ``fusion.inter_stage`` switches tail migration on/off.
+def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer,
+                     rollout: RolloutLayout) -> MigrationController[Experience]:
+    """Generation + scoring of this instance's requests; ``fusion.inter_stage`` switches tail migration on/off.
 
-    Scoring micro-batches hold ``generation.max_slots`` samples. The controller's messages (statistics,
-    request states, finished samples) are CPU tensors with tags and receives from any source, which NCCL does
-    not do: under NCCL they get a gloo group of all ranks (collective: every rank builds its controller)."""
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    Scoring micro-batches hold at most ``generation.max_slots`` samples. Request states travel over the rollout
+    layout's default-backend group, statistics and finished samples over its gloo groups."""
     return MigrationController.from_config(engine, scorer.score, cfg.fusion, micro_batch_size=cfg.generation.max_slots,
-                                           group=group)
+                                           group=rollout.group, control_group=rollout.control_group,
+                                           instance_group=rollout.instance_group)
 
 
 def rollout(controller: MigrationController[Experience], requests: list[Request],
@@ -395,6 +303,7 @@ class Optimizers:
 
 
 def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: int) -> Optimizers:
+    """AdamW for both training stages (float32 state on the FSDP2 shards) and their LR schedules."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     actor = build_optimizer(layout.actor_stage, o.actor_lr, o.weight_decay)
     critic = build_optimizer(layout.critic_stage, o.critic_lr, o.weight_decay)
@@ -539,18 +448,23 @@ class Trainer:
         self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        self.models = build_models(cfg, self.device)
-        vocab = self.models.actor_replica.tok_embeddings.num_embeddings
+        vocab = FLAVORS[cfg.model.actor].vocab_size
         check_vocab(self.tokenizer, vocab)
-        self.layout = build_training_layout(cfg, self.models, self.device)
+        self.layout = build_training_layout(cfg, self.device)
+        self.rollout = build_rollout_layout(cfg, self.device)
+        load_initial_weights(cfg, self.layout, self.rollout)
+        build_executor(cfg, self.layout, self.device)
         synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
-        self.loader = PromptLoader(self.dataset, cfg.ppo.batch_size // self.world, rank=self.rank, world_size=self.world,
-                                   seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+        # every rank of an instance generates the same prompts: the loader shards over instances
+        self.loader = PromptLoader(self.dataset, cfg.ppo.batch_size // self.rollout.instances, rank=self.rollout.instance,
+                                   world_size=self.rollout.instances, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
         self.max_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-        self.engine = GenerationEngine.from_config(self.models.actor_replica, cfg.generation, max_len=self.max_len,
-                                                   seed=cfg.job.seed)
-        self.controller = build_controller(cfg, self.engine, build_scorer(self.models, self.tokenizer.pad_id))
+        self.engine = GenerationEngine.from_config(self.rollout.actor, cfg.generation, max_len=self.max_len,
+                                                   seed=cfg.job.seed, kv_dtype=DTYPES[cfg.training.kv_cache_dtype])
+        self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
+        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer.pad_id),
+                                           self.rollout)
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
@@ -585,9 +499,10 @@ class Trainer:
             if loaded is not None:
                 self.step = loaded
                 log.info("resumed from %s (step %d)", self.ckpt.path(loaded), loaded)
-        log.info("%s: %d ranks (pp=%d x dp_shard=%d), inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d",
-                 cfg.job.name, self.world, self.layout.pp, self.layout.dp, cfg.fusion.inter_stage, cfg.fusion.intra_stage,
-                 self.layout.plan_method, self.step + 1, cfg.training.steps)
+        log.info("%s: %d ranks (training pp=%d x dp_shard=%d x tp=%d; %d generation instances of gen_tp=%d), "
+                 "inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d", cfg.job.name, self.world, self.layout.pp,
+                 self.layout.dp, self.layout.tp, self.rollout.instances, self.rollout.gen_tp, cfg.fusion.inter_stage,
+                 cfg.fusion.intra_stage, self.layout.plan_method, self.step + 1, cfg.training.steps)
         history = []
         while self.step < cfg.training.steps:
             self.step += 1
@@ -613,7 +528,8 @@ class Trainer:
         timers = PhaseTimers(sync_cuda=self.device.type == "cuda", trace=trace, pid=self.rank)
         step_start = time.perf_counter()
         with timers("weight_sync"):
-            sync_rollout_models(self.layout, self.models, self.engine)
+            for sync in self.syncs:
+                sync.sync()
         batch = self.loader.next_batch()
         requests = build_requests(cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
         rollout_start = time.perf_counter()
@@ -630,7 +546,7 @@ class Trainer:
 
         # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
         record = reduce_iteration(update.stat_sums, timers.pop(), peak_memory_gib(self.device),
-                                  divisor=self.layout.dp * update.updates, device=self.device)
+                                  divisor=self.layout.dp * self.layout.tp * update.updates, device=self.device)
         lengths = scored.response_mask.sum(1)
         record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]

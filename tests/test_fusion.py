@@ -388,3 +388,49 @@ def test_bad_controller_arguments():
         MigrationController(engine, Scorer(scoring).score, mode="copy")
     with pytest.raises(ValueError, match="micro_batch_size"):
         MigrationController(engine, Scorer(scoring).score, micro_batch_size=0)
+
+
+# ------------------------------------------------------------------------------------ instances of 2 TP ranks
+
+TP_LENGTHS = tuple(lmsys_lengths(16, seed=7, max_len=40))
+
+
+def _tp_rollouts(gen_tp: int) -> dict:
+    """16 seeded-sampling requests on 4 ranks as 4 // gen_tp instances of gen_tp tensor-parallel ranks, with
+    fusion off, on (kv) and on (reprefill); models: the same random weights, TP-sharded when gen_tp = 2."""
+    import torch.distributed as dist
+
+    from fusedrl.distributed import ParallelDims, apply_tp
+
+    mesh = ParallelDims(dp_shard=dist.get_world_size(), gen_tp=gen_tp).build_gen_mesh("cpu")
+    actor, scoring = _models()
+    if gen_tp > 1:
+        for m in (actor, scoring.reference, scoring.reward, scoring.critic):
+            apply_tp(m, mesh["gen_tp"])
+    instance, instances = mesh["gen_dp"].get_local_rank(), mesh["gen_dp"].size()
+    out = {}
+    for name, fusion, mode in (("off", False, "kv"), ("kv", True, "kv"), ("reprefill", True, "reprefill")):
+        engine = GenerationEngine(actor, max_slots=8, max_len=64, seed=11)
+        ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, fusion=fusion, threshold=0.4,
+                                  mode=mode, check_interval=2, group=mesh["gen_dp"].get_group(),
+                                  instance_group=mesh["gen_tp"].get_group())
+        r = ctl.run(_requests(TP_LENGTHS, instance, instances), gather=True)
+        e = Experience.concat(r.scored)
+        e = e.select(e.sample_ids.argsort())
+        out[name] = dict(exp={k: getattr(e, k) for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")},
+                         migration=None if r.migration is None else r.migration.as_dict())
+    return out
+
+
+def test_instances_of_two_tp_ranks_give_the_samples_and_scores_of_single_rank_instances():
+    single = run_multirank(_tp_rollouts, 4, 1, timeout_s=300)
+    tp2 = run_multirank(_tp_rollouts, 4, 2, timeout_s=300)
+    reference = single[0]["off"]
+    for rank, runs in enumerate(tp2):
+        for name in ("off", "kv", "reprefill"):
+            _check_same_outputs(reference, runs[name])  # identical tokens; scores to float reassociation
+            assert runs[name]["exp"]["sample_ids"].tolist() == list(range(16))
+        for name in ("kv", "reprefill"):
+            m = runs[name]["migration"]
+            assert m is not None and m["moved"] > 0 and m["kept"] == [0], (rank, name, m)  # 2 instances: one kept
+            assert m == tp2[0][name]["migration"]  # every rank reports the same migration

@@ -71,7 +71,7 @@ def _perturbed_training_model():
 
 def _sync_from_pp2_dp2(tokens: torch.Tensor) -> dict:
     from fusedrl.distributed import ParallelDims, apply_fsdp, split_decoder
-    from fusedrl.generation import sync_engine_weights
+    from fusedrl.generation import WeightSync
 
     mesh = ParallelDims(pp=2, dp_shard=2).build_mesh("cpu")
     stage = split_decoder(_model(), 2)[mesh["pp"].get_local_rank()]
@@ -82,7 +82,7 @@ def _sync_from_pp2_dp2(tokens: torch.Tensor) -> dict:
             p.mul_(1.0 + 0.01 * (order[name] % 7))
     torch.manual_seed(1234)
     engine = GenerationEngine(build_model("debug").eval(), max_slots=2, max_len=32)
-    stats = sync_engine_weights(engine, stage, mesh["pp"].get_group())
+    stats = WeightSync(stage, engine).sync()
     with torch.no_grad():
         logits = engine.model(tokens)
     result = engine.generate([Request("p", tokens[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=5))])[0]
@@ -102,4 +102,5 @@ def test_weight_sync_from_pp2_dp_shard2_training_layout():
     for out in run_multirank(_sync_from_pp2_dp2, 4, tokens, timeout_s=150):
         torch.testing.assert_close(torch.tensor(out["logits"]), ref_logits)
         assert out["tokens"] == ref_tokens
-        assert out["bytes"] == full_bytes and out["seconds"] > 0
+        # each rank receives every block of the model it does not hold itself, once
+        assert 0 < out["bytes"] < full_bytes and out["seconds"] > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fusedrl"
 
 # The layers of docs/architecture.md, in import order: a package may import only packages of earlier layers
-# (or its own). Top-level modules (buckets.py, train.py) count as packages of their own.
+# (or its own). Top-level modules (buckets.py, layouts.py, train.py) count as packages of their own.
 LAYERS = [
     {"buckets"},
     {"config"},
@@ -22,6 +22,7 @@ LAYERS = [
     {"fusion"},
     {"rlhf"},
     {"tasks"},
+    {"layouts"},
     {"train"},
     {"bench", "testing"},
 ]

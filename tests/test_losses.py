@@ -1,16 +1,24 @@
 import pytest
 import torch
 
+from fusedrl.models import build_model
 from fusedrl.rlhf.losses import (
+    DEFAULT_LOGITS_BUDGET_BYTES,
     PolicyLoss,
     ValueLoss,
+    chunked_policy_loss,
+    chunked_token_logprobs,
+    chunked_token_logprobs_entropy,
     explained_variance,
+    head_vocab_size,
+    logits_chunk_positions,
     policy_loss,
     shift_to_tokens,
     token_entropy,
     token_logprobs,
     value_loss,
 )
+from fusedrl.rlhf.scoring import decoder_hidden_states
 
 
 def _setup(seed=0, b=3, s=6, v=11):
@@ -121,3 +129,109 @@ def test_explained_variance():
     half = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 100.0]])
     m = torch.tensor([[1.0, 1, 1, 1, 1, 0]])
     assert torch.allclose(explained_variance(torch.cat([target, torch.zeros(1, 1)], 1), half, m), torch.tensor(1.0))
+
+
+# ---- chunked LM head: log-probs, entropy and the policy loss from hidden states ----
+
+_B, _S = 2, 9
+
+
+def _decoder(flavor: str):
+    torch.manual_seed(0)
+    model = build_model(flavor, "policy")
+    tokens = torch.randint(0, 512, (_B, _S), generator=torch.Generator().manual_seed(3))
+    return model, tokens
+
+
+def _chunk_targets(tokens: torch.Tensor, logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    mask = torch.zeros(tokens.shape)
+    mask[0, 3:8] = 1
+    mask[1, 5:9] = 1
+    old = logp.detach() + 0.3 * torch.randn(tokens.shape, generator=g)
+    return {"tokens": tokens, "response_mask": mask, "logprobs": old, "advantages": torch.randn(tokens.shape, generator=g)}
+
+
+def test_logits_chunk_positions_follows_the_budget():
+    assert logits_chunk_positions(2, 512, 2 * 512 * 4 * 3) == 3
+    assert logits_chunk_positions(2, 512, 2 * 512 * 4 * 3 + 100) == 3
+    assert logits_chunk_positions(64, 128_256, 1) == 1  # one position is the smallest chunk
+    assert logits_chunk_positions(1, 128_256) * 128_256 * 4 <= DEFAULT_LOGITS_BUDGET_BYTES
+    with pytest.raises(ValueError, match="budget_bytes"):
+        logits_chunk_positions(1, 10, 0)
+    assert head_vocab_size(build_model("debug", "policy").output) == 512
+    assert head_vocab_size(build_model("debug_qwen", "policy").output) == 512  # TiedLinear
+    with pytest.raises(TypeError, match="chunk_positions"):
+        head_vocab_size(torch.nn.ReLU())
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug_qwen"])
+def test_chunked_logprobs_equal_unchunked(flavor):
+    model, tokens = _decoder(flavor)
+    with torch.no_grad():
+        logits = model(tokens)
+        hidden = decoder_hidden_states(model, tokens)
+        for temperature in (1.0, 0.7):
+            want_lp, want_ent = token_logprobs(logits, tokens, temperature), token_entropy(logits, temperature)
+            for chunk in (1, 2, 3, _S - 1, 100):
+                lp, ent = chunked_token_logprobs_entropy(hidden, model.output, tokens, temperature, chunk_positions=chunk)
+                torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+                assert lp.dtype == torch.float32 and (lp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
+            # by token budget: 4 positions x 2 rows x 512 x 4 bytes per chunk
+            lp = chunked_token_logprobs(hidden, model.output, tokens, temperature, budget_bytes=4 * _B * 512 * 4)
+            torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+        one = chunked_token_logprobs(hidden[:, :1], model.output, tokens[:, :1])
+        assert torch.equal(one, torch.zeros(_B, 1))
+
+
+class _SavedShapes(torch.autograd.graph.saved_tensors_hooks):
+    """Records the shapes of tensors autograd saves for backward outside checkpointed regions."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(t.shape))
+        return t
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug_qwen"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_chunked_policy_loss_gradients_equal_unchunked(flavor, entropy_coef):
+    model, tokens = _decoder(flavor)
+    head = model.output
+    weight = model.tok_embeddings.weight if flavor == "debug_qwen" else model.output.weight
+    with torch.no_grad():
+        base = decoder_hidden_states(model, tokens)
+        targets = _chunk_targets(tokens, token_logprobs(model(tokens), tokens))
+    targets["loss_denom"] = torch.full((_B,), 12.0)
+
+    def run(chunked: bool):
+        hidden = base.clone().requires_grad_(True)
+        weight.grad = None
+        saved = _SavedShapes()
+        with saved:
+            if chunked:
+                loss, stats = chunked_policy_loss(hidden, head, targets, 0.2, entropy_coef, 0.9, chunk_positions=3)
+            else:
+                loss, stats = policy_loss(head(hidden).float(), targets, 0.2, entropy_coef, 0.9)
+        loss.backward()
+        vocab_sized = [s for s in saved.shapes if len(s) == 3 and s[-1] == 512]
+        return loss.detach(), stats, hidden.grad, weight.grad.clone(), vocab_sized
+
+    loss, stats, g_hidden, g_weight, full_saved = run(False)
+    c_loss, c_stats, c_hidden, c_weight, chunk_saved = run(True)
+    torch.testing.assert_close(c_loss, loss, atol=1e-6, rtol=1e-5)
+    for k in stats:
+        torch.testing.assert_close(c_stats[k], stats[k], atol=1e-6, rtol=1e-5)
+    assert g_hidden.abs().sum() > 0 and g_weight.abs().sum() > 0
+    torch.testing.assert_close(c_hidden, g_hidden, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(c_weight, g_weight, atol=1e-6, rtol=1e-4)
+    # memory proxy (CPU has no allocator stats): the unchunked loss keeps [B, S, V] tensors for backward,
+    # the checkpointed chunks keep none of vocabulary width
+    assert full_saved and not chunk_saved
+    # the module wrapper and the chunked loss agree with the logits path at the default budget
+    loss_default, _ = chunked_policy_loss(base, head, targets, 0.2, entropy_coef, 0.9)
+    torch.testing.assert_close(loss_default, loss, atol=1e-6, rtol=1e-5)

@@ -240,15 +240,23 @@ def test_every_problem_is_listed_at_once(good_folder):
         assert part in message
 
 
-def test_wrong_dtype_rejected_when_strict_and_cast_otherwise(good_folder):
+def test_bf16_checkpoint_loads_into_fp32_model(good_folder):
     _edit(good_folder, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
-    message = _load_error(good_folder)
-    assert "wrong dtype" in message and "expected torch.float32, found torch.bfloat16" in message
-    assert "strict=False" in message
     model = build_model("debug")
-    load_hf_checkpoint(model, good_folder, "debug", strict=False)
+    load_hf_checkpoint(model, good_folder, "debug")  # any float dtype is cast; there is no strict flag
     expected = load_file(good_folder / "model.safetensors")["model.norm.weight"].float()
     assert model.norm.scale.dtype == torch.float32 and torch.equal(model.norm.scale, expected)
+
+
+def test_float8_and_int_checkpoints_are_refused(good_folder):
+    def edit(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+        t["model.norm.weight"] = t["model.norm.weight"].to(torch.int8)
+
+    _edit(good_folder, edit)
+    message = _load_error(good_folder)
+    assert "unsupported dtype: model.layers.0.mlp.up_proj.weight is torch.float8_e4m3fn" in message
+    assert "unsupported dtype: model.norm.weight is torch.int8" in message and "convert the checkpoint to bf16" in message
 
 
 def test_truncated_file(good_folder):

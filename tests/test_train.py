@@ -121,11 +121,17 @@ BAD_CONFIGS = [
     (["--generation.max_new_tokens=500"], "exceeds the models' max_seq_len 512"),
     (["--training.float8=true"], "float8 training needs CUDA"),
     (["--model.actor_path=/no/such/folder", "--model.critic_path=", "--model.reward_path="], "folder not found"),
+    (["--parallelism.gen_tp=4"], "parallelism.gen_tp = 4: does not divide the KV heads of model.actor = 'debug' (2)"),
+    (["--parallelism.gen_tp=3"], "parallelism.gen_tp = 3"),
+    ([f"--model.{k}=llama3_1_8b" for k in ("actor", "critic", "reward")] + ["--model.actor_path=", "--model.critic_path=",
+                                                                           "--model.reward_path="],
+     "model.actor_path is unset: a random initialisation builds the whole 'llama3_1_8b' model in host memory"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
-                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights"])
+                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights",
+                              "kv-heads-gen-tp", "gen-tp-world", "random-init-8b"])
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError
     from fusedrl.train import prepare

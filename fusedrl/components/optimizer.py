@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,10 +56,16 @@ def grad_norm(
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if grads:
-        total = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        total = total.float()
+        # DTensors of different meshes (FSDP2 x TP layers next to FSDP2-only embeddings and norms) cannot be
+        # stacked: one norm per mesh (reduced over it), then combined.
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for g in grads:
+            by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+        norms = []
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=False)
+            norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+        total = torch.nn.utils.get_total_norm(norms, norm_type, foreach=False)
     else:  # e.g. a pipeline rank whose stages are all frozen; NCCL needs the tensor on the GPU
         on_gpu = pp_group is not None and dist.get_backend(pp_group) == "nccl"
         total = torch.zeros((), dtype=torch.float32, device="cuda" if on_gpu else "cpu")

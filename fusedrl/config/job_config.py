@@ -128,6 +128,11 @@ class GenerationSection:
     top_k: int = _key(0, "Keep only the k most likely tokens; 0 disables it.", at_least(0))
     stop_token_ids: list[int] = _key([], "Extra token ids that end a response, besides the tokenizer's end-of-sequence ids.", each(at_least(0)))
     max_slots: int = _key(64, "Requests decoded at once per generation instance (KV-cache slots).", at_least(1))
+    scoring_max_tokens: int = _key(
+        16384,
+        "Most padded tokens (rows x longest sample) per scoring forward; longer scoring micro-batches are cut.",
+        at_least(1),
+    )
     compile: bool = _key(False, "Compile the decode step with torch.compile (static shapes).")
     backend: Literal["inductor", "eager", "aot_eager", "tensorrt"] = _key(
         "inductor",
@@ -215,6 +220,24 @@ class TrainingSection:
     steps: int = _key(100, "PPO iterations to run.", at_least(1))
     device: Literal["auto", "cpu", "cuda"] = _key("auto", "Device: cuda (NCCL), cpu (gloo) or auto (cuda when available).")
     float8: bool = _key(False, "Train Actor and Critic linears in float8 with torchao (CUDA only).")
+    mixed_precision_param: Literal["bfloat16", "float32"] = _key(
+        "bfloat16",
+        "Compute dtype of Actor and Critic training (FSDP2 param_dtype); master weights and optimizer state stay float32.",
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = _key(
+        "float32", "Dtype of gradient reduction across data-parallel shards (FSDP2 reduce_dtype)."
+    )
+    frozen_dtype: Literal["bfloat16", "float32"] = _key(
+        "bfloat16", "Dtype of the frozen models' weights (Reference and Reward) on the generation instances."
+    )
+    rollout_dtype: Literal["bfloat16", "float32"] = _key(
+        "bfloat16",
+        "Dtype of the rollout copies of the trained models (the engine's Actor and the scoring Critic), which weight "
+        "sync refreshes; also the dtype weight sync sends.",
+    )
+    kv_cache_dtype: Literal["bfloat16", "float32"] = _key(
+        "bfloat16", "Dtype of the generation engine's KV cache (attention runs in this dtype)."
+    )
     nan_policy: Literal["skip", "stop"] = _key(
         "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
     )

@@ -6,6 +6,7 @@ from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
 from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed, select_device
 from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
+from fusedrl.distributed.reshard import ReshardPlan, plan_reshard, reshard
 from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import apply_tp
 
@@ -13,12 +14,15 @@ __all__ = [
     "DecoderStage",
     "Heartbeat",
     "ParallelDims",
+    "ReshardPlan",
     "apply_fsdp",
     "apply_tp",
     "convert_to_float8",
     "describe_failure",
     "gather_full_state_dict",
     "init_distributed",
+    "plan_reshard",
+    "reshard",
     "select_device",
     "split_decoder",
     "stage_layer_ranges",

@@ -1,7 +1,10 @@
 """Inter-stage fusion: migrate the long generation tail onto a few instances and score on the freed ones.
 
-One :class:`MigrationController` per rank (one generation instance per rank of ``group``) runs the rollout
-(generation + scoring) of that rank's requests:
+One :class:`MigrationController` per rank runs the rollout (generation + scoring) of its generation
+instance's requests. An instance is one rank, or ``gen_tp`` ranks holding a tensor-parallel engine that run the
+same requests in lockstep; ``group`` holds one rank per instance (the ranks of the same TP index), so the
+controllers of one TP index see the instances as a group of single ranks, take the same decisions from the
+same all-gathered statistics, and move their own KV shards to the same TP index of another instance:
 
 - fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
 - fusion on: every ``check_interval`` decode steps the ranks all-gather their unfinished count,
@@ -18,6 +21,12 @@ Scoring arrives as a callable (``score``): the controller cuts finished samples 
 micro-batches and hands each to it; what it returns is collected, never inspected. Sampling uses
 per-request RNG streams that travel with the request, so fusion changes no output. Request ids must be
 ints. After the rollout every request id is checked to have been scored exactly once across the ranks.
+
+Messages: request states (KV shards) go over ``group`` (the job's default backend: NCCL on GPUs) in the one
+order every rank derives from the verified plan. Statistics, decisions and finished samples (token ids, small)
+go over ``control_group`` (gloo; receives from any source for the tail streams); within an instance of several
+ranks only its TP rank 0 sends and receives finished samples and hands them to its peers over
+``instance_group`` (gloo), so that every rank of an instance scores the same samples in the same order.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from fusedrl.components.metrics import ChromeTrace
@@ -60,7 +70,7 @@ class MigrationStats:
     """What the migration did (identical on every rank)."""
 
     step: int  # decode step (of the lockstep checks) at which it ran
-    time_s: float  # seconds into the rollout
+    time_s: float  # seconds into the rollout (the latest rank's)
     threshold: int  # unfinished-count threshold that triggered it
     unfinished: int  # global unfinished requests then
     moved: int  # requests moved
@@ -114,7 +124,11 @@ class MigrationController(Generic[T]):
         mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
         check_interval: decode steps between statistics all-gathers.
         costs: rollout costs for ``auto``; default: fitted from this controller's own earlier measurements.
-        group: process group of the generation instances (one per rank).
+        group: one rank per generation instance (the ranks of this rank's TP index); None: all ranks, each an
+            instance. Request states travel here.
+        control_group: the same ranks on a gloo backend (statistics, decisions, finished samples); default
+            ``group``.
+        instance_group: this instance's ranks (gloo) when an instance spans several ranks (gen_tp > 1).
     """
 
     def __init__(
@@ -129,6 +143,8 @@ class MigrationController(Generic[T]):
         check_interval: int = 8,
         costs: RolloutCosts | None = None,
         group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
+        instance_group: dist.ProcessGroup | None = None,
     ) -> None:
         if threshold != "auto" and not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
             raise ValueError(f'migration threshold must be a fraction in (0, 1) or "auto", got {threshold!r}')
@@ -141,24 +157,33 @@ class MigrationController(Generic[T]):
         self.engine, self.score, self.micro_batch_size = engine, score, micro_batch_size
         self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
         self.costs, self.group = costs, group
+        self.control_group = control_group if control_group is not None else group
+        self.instance_group = instance_group if instance_group is not None and dist.get_world_size(instance_group) > 1 else None
+        self.leader = self.instance_group is None or dist.get_rank(self.instance_group) == 0
+        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        self.device = engine.device if nccl else torch.device("cpu")  # where request-state buffers live
         self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
 
     @classmethod
     def from_config(cls, engine: GenerationEngine, score: ScoreFn[T], section: FusionSection, *,
-                    micro_batch_size: int, group: dist.ProcessGroup | None = None) -> MigrationController[T]:
+                    micro_batch_size: int, group: dist.ProcessGroup | None = None,
+                    control_group: dist.ProcessGroup | None = None,
+                    instance_group: dist.ProcessGroup | None = None) -> MigrationController[T]:
         """A controller as the ``[fusion]`` section says (``inter_stage``, ``migration_*``)."""
         return cls(engine, score, micro_batch_size=micro_batch_size, fusion=section.inter_stage,
                    threshold=section.migration_threshold, mode=section.migration_mode,
-                   check_interval=section.migration_check_interval, group=group)
+                   check_interval=section.migration_check_interval, group=group, control_group=control_group,
+                   instance_group=instance_group)
 
     # ------------------------------------------------------------------------------------------ rollout
     def run(self, requests: Sequence[Request], *, gather: bool = False) -> RolloutResult[T]:
-        """Generate and score this rank's ``requests`` (a collective over ``group``)."""
+        """Generate and score this instance's ``requests`` (the same on every rank of an instance; a collective over
+        the groups)."""
         for r in requests:
             if not isinstance(r.id, int):
                 raise ValueError(f"request id {r.id!r} is not an int; the controller needs int ids (sample ids)")
             self.engine.add_request(r)
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        rank, world = dist.get_rank(self.control_group), dist.get_world_size(self.control_group)
         ids_per_rank = self._all_gather([r.id for r in requests])
         all_ids = [i for ids in ids_per_rank for i in ids]
         if len(set(all_ids)) != len(all_ids):
@@ -200,9 +225,17 @@ class MigrationController(Generic[T]):
             raise RuntimeError(f"rollout results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}")
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
+        out: list[Any] = [None] * dist.get_world_size(self.control_group)
+        dist.all_gather_object(out, obj, group=self.control_group)
         return out
+
+    def _share(self, obj: Any) -> Any:
+        """``obj`` of this instance's TP rank 0, on every rank of the instance."""
+        if self.instance_group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group_src=0, group=self.instance_group)
+        return box[0]
 
     def _fitted_costs(self, decode: list[tuple[int, int, float]]) -> RolloutCosts | None:
         if self.costs is not None:
@@ -232,7 +265,7 @@ class _Rollout:
         self.observed_lengths: list[int] = []
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
         self.auto_evaluated_at: int | None = None
-        dist.barrier(group=ctl.group)
+        dist.barrier(group=ctl.control_group)
         self.t0 = time.perf_counter()
 
     def clock(self) -> float:
@@ -243,7 +276,7 @@ class _Rollout:
         ctl = self.ctl
         if not ctl.fusion or self.world == 1:
             self._decode_until_done()
-            dist.barrier(group=ctl.group)  # scoring starts only after every instance finished decoding
+            dist.barrier(group=ctl.control_group)  # scoring starts only after every instance finished decoding
             self._score(self.finished)
             return
         plan = self._decode_until_threshold()
@@ -335,8 +368,9 @@ class _Rollout:
             choice = [None]
             if self.rank == 0:
                 choice[0] = self._simulate_threshold(details)
-            dist.broadcast_object_list(choice, src=dist.get_global_rank(ctl.group, 0) if ctl.group else 0, group=ctl.group)
-            self.auto_choice, self.auto_evaluated_at = choice[0], unfinished
+            dist.broadcast_object_list(choice, group_src=0, group=ctl.control_group)
+            # timings differ between an instance's ranks: all of them follow its TP rank 0 (hence instance 0's)
+            self.auto_choice, self.auto_evaluated_at = ctl._share(choice[0]), unfinished
         return self.auto_choice
 
     def _simulate_threshold(self, details: list) -> tuple[int, int]:
@@ -381,33 +415,41 @@ class _Rollout:
         states = {int(s.id): s for s in exported}
         by_id = {s.id: s for s in self.finished}
         sent_req = sent_samples = 0
+        received_samples: list[RequestResult] = []
         for op, peer, t in plan.program(self.rank):
             t_start = self.clock()
             if t.kind == "request" and op == "send":
-                nbytes = send_states([states.pop(t.ids[0])], peer, group=ctl.group)
+                nbytes = send_states([states.pop(t.ids[0])], peer, group=ctl.group, device=ctl.device)
                 sent_req += nbytes
                 self.measurements.transfers.append((nbytes, self.clock() - t_start))
             elif t.kind == "request":
-                for state in recv_states(peer, group=ctl.group)[1]:
+                for state in recv_states(peer, group=ctl.group, device=ctl.device)[1]:
                     self.engine.import_request(state)
-            elif op == "send":
+            elif op == "send":  # finished samples: the instance's TP rank 0 sends for all its ranks
                 batch = [RequestState.of_result(by_id.pop(i)) for i in t.ids]
-                sent_samples += send_states(batch, peer, group=ctl.group, tag=_SAMPLES_TAG)
-            else:
-                received = [s.to_result() for s in recv_states(peer, group=ctl.group, tag=_SAMPLES_TAG)[1]]
+                if ctl.leader:
+                    sent_samples += send_states(batch, peer, group=ctl.control_group, tag=_SAMPLES_TAG)
+            elif ctl.leader:
+                received = [s.to_result() for s in recv_states(peer, group=ctl.control_group, tag=_SAMPLES_TAG)[1]]
                 if [s.id for s in received] != list(t.ids):
                     raise RuntimeError(f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}")
-                self.finished += received
+                received_samples += received
+        self.finished += ctl._share(received_samples)
         if states:
             raise RuntimeError(f"rank {self.rank} kept exported requests {sorted(states)} that the plan did not send")
         if self.rank in kept:
             self.finished = list(by_id.values())  # sent ones are scored elsewhere
         end = self.clock()
         self._span("migrate", start, end, moved=len(exported))
-        totals = ctl._all_gather((sent_req, sent_samples, end - start))
+        mine = (sent_req, sent_samples, end - start, start)
+        if ctl.instance_group is not None:  # the instance's bytes: every rank's KV shards, its TP rank 0's samples
+            ranks: list[Any] = [None] * dist.get_world_size(ctl.instance_group)
+            dist.all_gather_object(ranks, mine, group=ctl.instance_group)
+            mine = (sum(r[0] for r in ranks), sum(r[1] for r in ranks), max(r[2] for r in ranks), max(r[3] for r in ranks))
+        totals = ctl._all_gather(mine)
         self.migration = MigrationStats(
             step=self.steps,
-            time_s=start,
+            time_s=max(t[3] for t in totals),
             threshold=threshold,
             unfinished=unfinished,
             moved=len(moved),
@@ -421,7 +463,9 @@ class _Rollout:
     # -------------------------------------------------------------------------------------- after it
     def _decode_tail(self, plan: MigrationPlan) -> None:
         """Kept rank: decode the tail; stream its finished samples to the freed ranks, round-robin per sample
-        (the longest samples tend to finish together at the very end: each freed rank scores one of them)."""
+        (the longest samples tend to finish together at the very end: each freed rank scores one of them).
+        Within an instance only TP rank 0 streams; the other ranks decode in lockstep and drop theirs."""
+        ctl = self.ctl
         pending: list[PendingSend] = []
         sent = 0
         if self.finished:
@@ -432,24 +476,35 @@ class _Rollout:
             for sample in self.finished:
                 by_dst.setdefault(plan.tail_destination(self.rank, sent), []).append(RequestState.of_result(sample))
                 sent += 1
-            for dst, samples in by_dst.items():
-                pending.append(isend_states(samples, dst, group=self.ctl.group, tag=_SAMPLES_TAG))
+            if ctl.leader:
+                for dst, samples in by_dst.items():
+                    pending.append(isend_states(samples, dst, group=ctl.control_group, tag=_SAMPLES_TAG))
             self.finished = []
-        for f in plan.freed:  # an empty batch ends this rank's tail stream
-            pending.append(isend_states([], f, group=self.ctl.group, tag=_SAMPLES_TAG))
+        if ctl.leader:
+            for f in plan.freed:  # an empty batch ends this rank's tail stream
+                pending.append(isend_states([], f, group=ctl.control_group, tag=_SAMPLES_TAG))
         for p in pending:
             p.wait()
 
     def _score_tail_streams(self, plan: MigrationPlan) -> None:
         """Freed rank: score the tail samples streamed by the kept ranks, taking whichever stream has a batch
-        first (one kept rank's late samples must not hold back another's)."""
+        first (one kept rank's late samples must not hold back another's). Within an instance TP rank 0
+        receives and hands each batch to its peers (None: all streams ended), so all score the same batches."""
+        ctl = self.ctl
         streams = set(plan.kept)
-        while streams:
-            src, batch = recv_states(None, group=self.ctl.group, tag=_SAMPLES_TAG)
-            if batch:
-                self._score([s.to_result() for s in batch])
-            else:  # the end of src's stream
-                streams.discard(src)
+        while True:
+            batch: list[RequestResult] | None = None
+            if ctl.leader:
+                while streams and not batch:
+                    src, states = recv_states(None, group=ctl.control_group, tag=_SAMPLES_TAG)
+                    if states:
+                        batch = [s.to_result() for s in states]
+                    else:  # the end of src's stream
+                        streams.discard(src)
+            batch = ctl._share(batch)
+            if not batch:
+                return
+            self._score(batch)
 
     def _score(self, samples: list[RequestResult]) -> None:
         """Score ``samples`` in micro-batches of similar lengths (the shortest first), each timed."""

@@ -4,7 +4,7 @@ request-state export/import and its wire format, and loading training weights in
 from fusedrl.generation.engine import EngineStats, GenerationEngine, RequestProgress
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
-from fusedrl.generation.weight_sync import WeightSyncStats, sync_engine_weights
+from fusedrl.generation.weight_sync import WeightSync, WeightSyncStats
 
 __all__ = [
     "EngineStats",
@@ -15,11 +15,11 @@ __all__ = [
     "RequestResult",
     "RequestState",
     "SamplingParams",
+    "WeightSync",
     "WeightSyncStats",
     "isend_states",
     "pack_states",
     "recv_states",
     "request_seed",
     "send_states",
-    "sync_engine_weights",
 ]

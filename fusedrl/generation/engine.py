@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchtune.modules import FeedForward, TransformerDecoder
 from tqdm.auto import tqdm
 
@@ -65,18 +66,24 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def _can_prepack(model: nn.Module) -> bool:
+    """Plain fp32 CPU weights only (not tensor-parallel DTensors, whose linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    plain = not any(isinstance(p, DTensor) for p in model.parameters())
+    return plain and weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 class _SlotForward(nn.Module):
     """Prefill and decode over the slot KV cache, calling the decoder's own submodules.
 
-    Layer i's slot cache is the buffer pair ``k_i``/``v_i``, each [slots, max_len, kv_heads, head_dim];
-    buffers, so that torch.compile / CUDA graphs treat them as static addresses.
+    Layer i's slot cache is the buffer pair ``k_i``/``v_i``, each [slots, max_len, kv_heads, head_dim] in
+    ``kv_dtype``; buffers, so that torch.compile / CUDA graphs treat them as static addresses. Attention runs in
+    the cache's dtype; its output is cast back to the weights' dtype. With tensor-parallel linears (DTensor
+    weights over a generation instance) ``kv_heads`` is this rank's share of the heads: the cache holds this
+    rank's KV heads only.
     """
 
-    def __init__(self, model: TransformerDecoder, slots: int, max_len: int, prepack: bool) -> None:
+    def __init__(self, model: TransformerDecoder, slots: int, max_len: int, prepack: bool,
+                 kv_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
         self.prepack = prepack
@@ -88,7 +95,7 @@ class _SlotForward(nn.Module):
         # write the whole buffer back every step, on a buffer of its own it stays an in-place scatter.
         for i in range(len(model.layers)):
             for kind in "kv":
-                buf = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+                buf = torch.zeros(shape, dtype=kv_dtype or weight.dtype, device=weight.device)
                 self.register_buffer(f"{kind}_{i}", buf, persistent=False)
 
     @property
@@ -146,15 +153,16 @@ class _SlotForward(nn.Module):
     def _attend(self, attn: nn.Module, q, k, v, *, mask=None, is_causal=False) -> torch.Tensor:
         # q [b, s, H, hd], k/v [b, L, KV, hd] -> [b, s, H*hd]; GQA without materialising repeated heads.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
+            q.transpose(1, 2).to(self.dtype),
+            k.transpose(1, 2).to(self.dtype),
+            v.transpose(1, 2).to(self.dtype),
             attn_mask=mask,
             is_causal=is_causal,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         b, _, s, _ = out.shape
-        return self._linear(attn.output_proj, out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim).to(q.dtype)
+        return self._linear(attn.output_proj, out)
 
     def _block(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h = h + layer.sa_scale(attn_out)
@@ -172,8 +180,8 @@ class _SlotForward(nn.Module):
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
             kc, vc = self.cache(i)
-            kc.index_put_((rows, positions), k[:, 0])
-            vc.index_put_((rows, positions), v[:, 0])
+            kc.index_put_((rows, positions), k[:, 0].to(kc.dtype))
+            vc.index_put_((rows, positions), v[:, 0].to(vc.dtype))
             out = self._attend(layer.attn, q, kc[:b, :length], vc[:b, :length], mask=mask)
             h = self._block(layer, h, out)
         return self._linear(self.model.output, self.model.norm(h[:, 0])).float()
@@ -249,6 +257,11 @@ class GenerationEngine:
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
+        kv_dtype: dtype of the KV cache (default: the model's weight dtype).
+
+    The model may be tensor-parallel over a generation instance (``fusedrl.distributed.apply_tp``): every rank
+    of the instance runs the same requests in lockstep, holds its share of the KV heads, and samples the same
+    tokens (the logits are replicated).
     """
 
     def __init__(
@@ -264,6 +277,7 @@ class GenerationEngine:
         quantize: Quantize | None = None,
         batch_buckets: Iterable[int] | None = None,
         len_buckets: Iterable[int] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -283,6 +297,7 @@ class GenerationEngine:
         self.source_model = model
         self.max_slots, self.max_len, self.seed = max_slots, max_len, seed
         self.quantize, self.compile, self.backend, self.mode = quantize, compile, backend, mode
+        self.kv_dtype = kv_dtype
         self.batch_buckets = tuple(sorted(set(batch_buckets or doubling(1, max_slots))))
         self.len_buckets = tuple(sorted(set(len_buckets or doubling(64, max_len))))
         if self.batch_buckets[0] < 1 or self.batch_buckets[-1] != max_slots:
@@ -298,13 +313,13 @@ class GenerationEngine:
         self._ids: set[RequestId] = set()
 
     @classmethod
-    def from_config(cls, model: TransformerDecoder, section: GenerationSection, *, max_len: int,
-                    seed: int) -> GenerationEngine:
+    def from_config(cls, model: TransformerDecoder, section: GenerationSection, *, max_len: int, seed: int,
+                    kv_dtype: torch.dtype | None = None) -> GenerationEngine:
         """An engine as the ``[generation]`` section says (``compile_mode = "default"`` and ``quantize = "none"``
         are torch.compile's default mode and no quantization)."""
         return cls(model, max_slots=section.max_slots, max_len=max_len, seed=seed, compile=section.compile,
                    backend=section.backend, mode=None if section.compile_mode == "default" else section.compile_mode,
-                   quantize=None if section.quantize == "none" else section.quantize)
+                   quantize=None if section.quantize == "none" else section.quantize, kv_dtype=kv_dtype)
 
     # ---------------------------------------------------------------- model / weights
     def _build(self) -> None:
@@ -316,7 +331,7 @@ class GenerationEngine:
             quantize_(model, Int8WeightOnlyConfig())
         self.model = model.eval()
         prepack = self.quantize is None and _can_prepack(self.model)
-        self._forward = _SlotForward(self.model, self.max_slots, self.max_len, prepack)
+        self._forward = _SlotForward(self.model, self.max_slots, self.max_len, prepack, self.kv_dtype)
         self._decode = self._forward
         if self.compile:
             needed = len(self.batch_buckets) * len(self.len_buckets)
@@ -329,6 +344,13 @@ class GenerationEngine:
         if self._active:
             raise RuntimeError("load_weights with requests in flight; finish or export them first")
         self.source_model.load_state_dict(state_dict, strict=True)
+        self.weights_updated()
+
+    def weights_updated(self) -> None:
+        """Call after the source model's weights were written in place (a weight sync): a quantized engine
+        re-quantizes (and recompiles); otherwise the live weights are used as they are."""
+        if self._active:
+            raise RuntimeError("weights changed with requests in flight; finish or export them first")
         if self.quantize is not None:
             self._build()
 

@@ -1,10 +1,11 @@
-"""Weight sync: Actor weights from the training layout to a full replica in every generation engine.
+"""Weight sync: a trained model's weights from the training layout into its rollout copy.
 
-Training layout: each pipeline rank holds its stage module(s) (``fusedrl.distributed.split_decoder``),
-whose parameters may be DTensors sharded over ``dp_shard`` (FSDP2) and/or ``tp``.
-``fusedrl.distributed.gather_full_state_dict`` gives every rank the full state dict (an all-gather of the
-shards, then a broadcast of each stage over the ``pp`` group), and the engine loads it
-(``GenerationEngine.load_weights``).
+Training layout: each pipeline rank holds its stage module(s) (``fusedrl.distributed.split_decoder``), whose
+parameters may be DTensors sharded over ``dp_shard`` (FSDP2) and/or ``tp``. Rollout layout: every generation
+instance holds a copy of the model, tensor-parallel over its ``gen_tp`` ranks (DTensors) or whole (gen_tp = 1),
+in its own dtype. :class:`WeightSync` plans the copy once (:func:`fusedrl.distributed.plan_reshard`: which rank
+sends which block of which tensor to which rank) and runs it each iteration, one decoder layer at a time, each
+block sent once in the rollout copy's dtype; no rank gathers a full model.
 """
 
 from __future__ import annotations
@@ -16,36 +17,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedrl.distributed.state_dict import gather_full_state_dict
+from fusedrl.distributed import plan_reshard, reshard
 from fusedrl.generation.engine import GenerationEngine
 
 
 @dataclass(frozen=True)
 class WeightSyncStats:
     seconds: float
-    bytes: int  # size of the full state dict each rank ends up with
+    bytes: int  # bytes this rank received from other ranks
 
 
-def sync_engine_weights(
-    engine: GenerationEngine,
-    stages: nn.Module | list[nn.Module],
-    pp_group: dist.ProcessGroup | None = None,
-) -> WeightSyncStats:
-    """Load the training stages' current weights into ``engine`` (a full replica per rank); timed."""
-    start = time.perf_counter()
-    stages = stages if isinstance(stages, list) else [stages]
-    full = gather_full_state_dict(stages, pp_group)
-    expected = set(engine.source_model.state_dict())
-    if "output.weight" not in expected:
-        full.pop("output.weight", None)  # tied LM head: the last stage's copy of tok_embeddings.weight
-    missing, unexpected = expected - set(full), set(full) - expected
-    if missing or unexpected:
-        raise ValueError(
-            f"training stages do not add up to the engine's model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}; pass every stage of the Actor and the pp process group"
-        )
-    engine.load_weights({k: v.to(engine.device) for k, v in full.items()})
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    return WeightSyncStats(seconds=time.perf_counter() - start, bytes=nbytes)
+class WeightSync:
+    """Copies the training stages' weights into a rollout copy (a module, or a generation engine's model).
+
+    Collective: every rank of ``group`` (default: all ranks) constructs it with its own stage(s) (possibly
+    none) and its own rollout copy, in the same order as the other syncs of the job; then every call
+    ``sync()`` copies the current weights. Rollout tensors without a training counterpart of the same full
+    shape raise ValueError at construction. An engine is told its weights changed (a quantized engine
+    re-quantizes).
+    """
+
+    def __init__(self, stages: nn.Module | list[nn.Module], target: nn.Module | GenerationEngine,
+                 group: dist.ProcessGroup | None = None) -> None:
+        stages = stages if isinstance(stages, list) else [stages]
+        self.engine = target if isinstance(target, GenerationEngine) else None
+        module = target.source_model if isinstance(target, GenerationEngine) else target
+        self._src = {n: p for stage in stages for n, p in stage.named_parameters()}
+        self._dst = dict(module.named_parameters())
+        self.plan = plan_reshard(self._src, self._dst, group)
+
+    @torch.no_grad()
+    def sync(self) -> WeightSyncStats:
+        start = time.perf_counter()
+        received = reshard(self.plan, self._src, self._dst)
+        if self.engine is not None:
+            self.engine.weights_updated()
+        return WeightSyncStats(seconds=time.perf_counter() - start, bytes=received)

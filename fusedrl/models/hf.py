@@ -3,9 +3,13 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``, with tensor names as
 in HF ``transformers`` (``model.layers.0.self_attn.q_proj.weight``, ...). Names and the Llama RoPE
-permutation of q/k are converted with torchtune's own converters. The head is named by role:
+permutation of q/k are converted by :mod:`fusedrl.models.weights`. The head is named by role:
 ``lm_head.weight`` for a policy (absent when embeddings are tied) and ``score.weight`` ([1, dim],
 as in HF ``*ForSequenceClassification`` reward models) for a value model.
+
+Loading validates every header of the folder first, then reads, per tensor the module holds,
+only the slice covering its local shard (``safe_open(...).get_slice``), so a meta-built, sharded,
+``to_empty``'d module is filled without any rank reading the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -19,26 +23,36 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torchtune.models.convert_weights import hf_to_tune, tune_to_hf
-from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune, qwen2_tune_to_hf
 
-from fusedrl.models.registry import FLAVORS, ROLES, ModelFlavor
+from fusedrl.models.registry import ROLES, ModelFlavor, build_model
+from fusedrl.models.weights import (
+    EMBED_KEY,
+    LM_HEAD_KEY,
+    TUNE_HEAD_KEY,
+    VALUE_HEAD_KEY,
+    _flavor,
+    fill_slices,
+    hf_name,
+    hf_to_tune_rows,
+    init_rope_buffers,
+    module_targets,
+    rope_head_dim,
+    tune_to_hf_state,
+)
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-LM_HEAD_KEY = "lm_head.weight"
-VALUE_HEAD_KEY = "score.weight"
-_EMBED_KEY = "model.embed_tokens.weight"
-_TUNE_HEAD_KEY = "output.weight"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Files an existing checkpoint folder may hold; anything else makes save refuse to replace it.
 _TOKENIZER_FILES = {
@@ -50,8 +64,11 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
+# Checkpoint dtypes cast to the model's dtype on load; anything else (float8, integers) is refused.
+_LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class CheckpointError(ValueError):
@@ -115,14 +132,14 @@ def save_hf_checkpoint(
     final place and renamed into it; an existing checkpoint folder is replaced (tokenizer files in
     it are kept).
     """
-    f = _flavor(flavor)
+    _flavor(flavor)
     _check_role(role)
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}; pass None for one file")
     folder = Path(folder)
     keep = _files_to_keep(folder)
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
-    hf = {name: t.detach().cpu().contiguous() for name, t in _tune_to_hf(state, f, role).items()}
+    hf = {name: t.detach().cpu().contiguous() for name, t in tune_to_hf_state(state, flavor, role).items()}
     dtype = next(iter(hf.values())).dtype
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -149,34 +166,40 @@ def save_hf_checkpoint(
     return folder
 
 
-def load_hf_checkpoint(
-    model: nn.Module,
+def load_hf_weights(
+    module: nn.Module,
     folder: str | os.PathLike,
     flavor: str,
     role: str = "policy",
     *,
-    strict: bool = True,
     init_value_head_from_lm: bool = False,
 ) -> None:
-    """Load an HF checkpoint folder into ``model`` (built with ``build_model(flavor, role)``).
+    """Fill ``module``'s parameters and persistent buffers from the HF checkpoint ``folder``.
 
-    Every tensor is checked (names, shapes, vocab size, dtypes when ``strict``; with
-    ``strict=False`` tensors are cast to the model's dtypes) before any is loaded; all problems are
-    reported together in one :class:`CheckpointError`.
+    ``module`` is a decoder from ``build_model(flavor, role)`` or a ``split_decoder`` stage of one,
+    with plain or DTensor (TP, FSDP2, both) tensors, materialised (e.g. built on meta, sharded, then
+    ``to_empty``'d). For each tensor only the slice of the checkpoint tensor covering this rank's
+    local shard is read; a tied policy's ``output.weight`` (on a last stage) comes from
+    ``model.embed_tokens.weight``. bf16 / fp16 / fp32 tensors are cast to each tensor's dtype.
+
+    Before anything is written, every header of the folder is checked against the full flavor
+    (names, shapes, vocab size, loadable dtypes, ``config.json``); all problems are reported together
+    in one :class:`CheckpointError`. RoPE buffers are then recomputed (they are not in checkpoints).
 
     ``init_value_head_from_lm=True`` starts a value model from a policy (LM) checkpoint: the
     backbone is loaded, ``lm_head.weight`` is ignored and the scalar head is drawn fresh from
-    N(0, (1 / (embed_dim + 1))^2), small enough that initial values are near 0 while the backbone
-    still gets gradients.
+    N(0, (1 / (embed_dim + 1))^2) on the CPU with torch's global RNG, small enough that initial values
+    are near 0 while the backbone still gets gradients. The full head is drawn whether or not
+    ``module`` holds it, so equal RNG states give every rank the same head and the same RNG state after.
     """
     f = _flavor(flavor)
     _check_role(role)
     if init_value_head_from_lm and role != "value":
         raise ValueError("init_value_head_from_lm=True needs role='value'; a policy loads its own LM head")
     folder = Path(folder)
-    state = model.state_dict()
-    if any(t.is_meta for t in state.values()):
-        raise ValueError("model has tensors on the meta device; build it on a real device before loading weights")
+    targets = module_targets(module)
+    full = _full_shapes(flavor, role)
+    _check_module(targets, full, flavor, role)
 
     problems: list[str] = []
     fixes: list[str] = []
@@ -199,7 +222,8 @@ def load_hf_checkpoint(
     if not readable:  # nothing to compare tensors against: report the file problems alone
         _raise(folder, flavor, role, problems, fixes)
 
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in _tune_to_hf(_meta(state), f, role).items()}
+    tied = role == "policy" and f.tie_word_embeddings  # no lm_head: a stage's output.weight reads the embedding
+    expected = {hf_name(name, role): shape for name, shape in full.items() if not (tied and name == TUNE_HEAD_KEY)}
     ignored = [name for name in found if "rotary_emb.inv_freq" in name]
     if LM_HEAD_KEY in found and LM_HEAD_KEY not in expected and (f.tie_word_embeddings or init_value_head_from_lm):
         ignored.append(LM_HEAD_KEY)
@@ -210,30 +234,80 @@ def load_hf_checkpoint(
             fixes.append("load a value checkpoint with init_value_head_from_lm=False")
             ignored.append(VALUE_HEAD_KEY)
         del expected[VALUE_HEAD_KEY]
-    _compare(found, expected, set(ignored), f, flavor, role, strict, problems, fixes)
+    _compare(found, expected, set(ignored), f, flavor, role, problems, fixes)
     if problems:
         _raise(folder, flavor, role, problems, fixes)
     if ignored:
         log.info("checkpoint %s: ignored %d tensor(s): %s", folder, len(ignored), _group(sorted(ignored)))
 
-    hf: dict[str, torch.Tensor] = {}
+    head = targets.pop(TUNE_HEAD_KEY, None) if fresh_head else None
     try:
-        for path in files:
-            with safe_open(path, framework="pt") as fh:
-                for name in fh.keys():
-                    if name in expected:
-                        hf[name] = fh.get_tensor(name)
+        with ExitStack() as stack:
+            fill_slices(targets, _SliceReader(found, f, role, stack).read)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)])
-    tune = _hf_to_tune(hf, f, role)
-    tune = {k: v.to(state[k].dtype) for k, v in tune.items()}
-    result = model.load_state_dict(tune, strict=not fresh_head)
     if fresh_head:
-        if list(result.missing_keys) != [_TUNE_HEAD_KEY] or result.unexpected_keys:
-            raise RuntimeError(f"internal error: unexpected load result {result} for a fresh value head")
-        with torch.no_grad():
-            model.output.weight.normal_(0.0, 1.0 / (f.embed_dim + 1))
+        fresh = torch.empty(1, f.embed_dim).normal_(0.0, 1.0 / (f.embed_dim + 1))
+        if head is not None:
+            fill_slices({TUNE_HEAD_KEY: head}, lambda name, box: fresh[box])
         log.info("checkpoint %s: value model started from an LM checkpoint with a fresh %s", folder, VALUE_HEAD_KEY)
+    init_rope_buffers(module)
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    flavor: str,
+    role: str = "policy",
+    *,
+    init_value_head_from_lm: bool = False,
+) -> None:
+    """Load an HF checkpoint folder into a full ``model``; the same as :func:`load_hf_weights`."""
+    load_hf_weights(model, folder, flavor, role, init_value_head_from_lm=init_value_head_from_lm)
+
+
+class _SliceReader:
+    """Reads boxes of torchtune tensors from the checkpoint's files (opened once, on first use)."""
+
+    def __init__(self, found: Mapping[str, tuple[Path, torch.dtype, tuple[int, ...]]], f: ModelFlavor, role: str,
+                 stack: ExitStack) -> None:
+        self.found, self.f, self.role, self.stack = found, f, role, stack
+        self.handles: dict[Path, Any] = {}
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """The ``box`` of torchtune tensor ``name``; Llama q/k rows are read as the whole heads covering it."""
+        tied = name == TUNE_HEAD_KEY and self.role == "policy" and self.f.tie_word_embeddings
+        source = EMBED_KEY if tied else hf_name(name, self.role)
+        path = self.found[source][0]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(safe_open(path, framework="pt"))
+        tensor = self.handles[path].get_slice(source)
+        head_dim = rope_head_dim(name, self.f)
+        if head_dim is None:
+            return tensor[box]
+        rows = box[0]
+        first = rows.start // head_dim * head_dim
+        block = tensor[(slice(first, -(-rows.stop // head_dim) * head_dim), *box[1:])]
+        return hf_to_tune_rows(block, head_dim)[rows.start - first : rows.stop - first]
+
+
+def _full_shapes(flavor: str, role: str) -> dict[str, tuple[int, ...]]:
+    """torchtune name -> global shape of every tensor of the full model (a tied policy's head included)."""
+    state = build_model(flavor, role, device="meta").state_dict()
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    if TUNE_HEAD_KEY not in shapes and role == "policy":  # tied: a last stage's head is the embedding
+        shapes[TUNE_HEAD_KEY] = shapes["tok_embeddings.weight"]
+    return shapes
+
+
+def _check_module(targets: Mapping[str, torch.Tensor], full: Mapping[str, tuple[int, ...]], flavor: str, role: str) -> None:
+    """Every tensor of ``module`` must be a tensor of the full model, with its global shape."""
+    wrong = [n for n, t in targets.items() if full.get(n) != tuple(t.shape)]
+    if wrong:
+        raise ValueError(
+            f"module does not match flavor {flavor!r} role {role!r}: that model lacks or shapes differently "
+            f"{_group(wrong)}; pass the flavor and role the module was built with (build_model(flavor, role))"
+        )
 
 
 def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: list[str]) -> None:
@@ -245,42 +319,10 @@ def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: lis
     )
 
 
-# ---------------------------------------------------------------------------- conversion
-
-
-def _tune_to_hf(state: Mapping[str, torch.Tensor], f: ModelFlavor, role: str) -> dict[str, torch.Tensor]:
-    body = {k: v for k, v in state.items() if k != _TUNE_HEAD_KEY}
-    dims = dict(num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, dim=f.embed_dim)
-    if f.family == "qwen2":
-        hf = qwen2_tune_to_hf(body, tie_word_embeddings=f.tie_word_embeddings, **dims)
-    else:
-        hf = tune_to_hf(body, **dims)
-    if _TUNE_HEAD_KEY in state:
-        hf[LM_HEAD_KEY if role == "policy" else VALUE_HEAD_KEY] = state[_TUNE_HEAD_KEY]
-    return hf
-
-
-def _hf_to_tune(hf: Mapping[str, torch.Tensor], f: ModelFlavor, role: str) -> dict[str, torch.Tensor]:
-    head_key = LM_HEAD_KEY if role == "policy" else VALUE_HEAD_KEY
-    body = {k: v for k, v in hf.items() if k not in (LM_HEAD_KEY, VALUE_HEAD_KEY)}
-    dims = dict(num_heads=f.num_heads, num_kv_heads=f.num_kv_heads, dim=f.embed_dim)
-    if f.family == "qwen2":
-        tune = qwen2_hf_to_tune(body, tie_word_embeddings=f.tie_word_embeddings, **dims)
-    else:
-        tune = hf_to_tune(body, **dims)
-    if head_key in hf:
-        tune[_TUNE_HEAD_KEY] = hf[head_key]
-    return tune
-
-
-def _meta(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
-
-
 # ---------------------------------------------------------------------------- validation
 
 
-def _compare(found, expected, ignored, f, flavor, role, strict, problems, fixes) -> None:
+def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - ignored)
     if missing:
@@ -295,28 +337,31 @@ def _compare(found, expected, ignored, f, flavor, role, strict, problems, fixes)
         fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
 
     wrong_shape: dict[tuple, list[str]] = {}
-    wrong_dtype: dict[tuple, list[str]] = {}
+    wrong_dtype: dict[torch.dtype, list[str]] = {}
     for name in sorted(set(found) & set(expected)):
         _, dtype, shape = found[name]
-        want_shape, want_dtype = expected[name]
+        want_shape = expected[name]
+        if dtype not in _LOADABLE_DTYPES:
+            wrong_dtype.setdefault(dtype, []).append(name)
         if shape != want_shape:
-            if name in (_EMBED_KEY, LM_HEAD_KEY) and shape[1:] == want_shape[1:]:
+            if name in (EMBED_KEY, LM_HEAD_KEY) and shape[1:] == want_shape[1:]:
                 problems.append(
                     f"vocab mismatch: {name} has {shape[0]} rows but flavor {flavor!r} has vocab_size {f.vocab_size}"
                 )
                 fixes.append("use the flavor whose vocab_size equals the checkpoint's embedding rows")
             else:
                 wrong_shape.setdefault((want_shape, shape), []).append(name)
-        elif strict and dtype != want_dtype:
-            wrong_dtype.setdefault((want_dtype, dtype), []).append(name)
     for (want, got), names in wrong_shape.items():
         problems.append(f"wrong shape: {_group(names)} expected {list(want)}, found {list(got)}")
     if wrong_shape:
         fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
-    for (want, got), names in wrong_dtype.items():
-        problems.append(f"wrong dtype: {_group(names)} expected {want}, found {got}")
+    for got, names in wrong_dtype.items():
+        problems.append(f"unsupported dtype: {_group(names)} is {got}, expected a float tensor (bf16, fp16 or fp32)")
     if wrong_dtype:
-        fixes.append("pass strict=False to cast the tensors to the model's dtype, or build the model in the checkpoint's dtype")
+        fixes.append(
+            "convert the checkpoint to bf16 first (quantized float8 / integer weights need their scales, "
+            "which this loader does not apply)"
+        )
 
 
 def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str], fixes: list[str]) -> None:
@@ -494,12 +539,6 @@ def _replace_folder(tmp: Path, folder: Path) -> None:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def _flavor(flavor: str) -> ModelFlavor:
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown model flavor {flavor!r}; valid flavors: {', '.join(sorted(FLAVORS))}")
-    return FLAVORS[flavor]
 
 
 def _check_role(role: str) -> None:

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
 
+from fusedrl.distributed.compat import prepare_static_stage
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action
 from fusedrl.pipelining.lowering import (
     COMM_KINDS,
@@ -59,9 +59,10 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 class StageModule:
     """This rank's stage of one model and how its activations look.
 
-    Activations between stages are ``[micro_batch, seq, hidden_dim]``; the last stage returns
-    ``[micro_batch, seq, output_dim]`` (vocabulary for a policy, 1 for a value model); the first stage
-    takes the token ids ``[micro_batch, seq]``.
+    Activations between stages are ``[micro_batch, seq, hidden_dim]`` in ``activation_dtype`` (the compute
+    dtype: bfloat16 under an FSDP2 bf16 mixed-precision policy); the last stage returns float32
+    ``[micro_batch, seq, output_dim]`` (vocabulary for a policy, 1 for a value model); the first stage takes the
+    token ids ``[micro_batch, seq]``.
     """
 
     module: nn.Module
@@ -129,19 +130,16 @@ class FusedPipelineSchedule:
         spec, s, n = self.models[model], self.stage_index[model], self.program.placement.pp
         b, seq = mb_input.shape[:2]
 
-        def act(dim: int, requires_grad: bool) -> torch.Tensor:
-            return torch.empty(b, seq, dim, dtype=spec.activation_dtype, device=self.device, requires_grad=requires_grad)
+        def act(dim: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(b, seq, dim, dtype=dtype, device=self.device, requires_grad=True)
 
         # Non-first stages need requires_grad example inputs, or received activations get no gradient.
-        example_in = mb_input.to(self.device) if s == 0 else act(spec.hidden_dim, True)
-        example_out = act(spec.output_dim if s == n - 1 else spec.hidden_dim, True)
+        example_in = mb_input.to(self.device) if s == 0 else act(spec.hidden_dim, spec.activation_dtype)
+        example_out = act(spec.output_dim, torch.float32) if s == n - 1 else act(spec.hidden_dim, spec.activation_dtype)
         stage = PipelineStage(spec.module, s, n, self.device, input_args=example_in, output_args=example_out,
                               group=self.group)
         stage.stage_index_to_group_rank = {j: self.program.placement.rank_of(model, j) for j in range(n)}
-        stage.has_backward = True
-        stage._inference_mode = InferenceMode.STATIC  # static metadata: no P2P while building
-        stage._prepare_forward_infra(n_mb, None, {}, has_backward=True)
-        stage._prepare_backward_infra(n_mb)
+        prepare_static_stage(stage, n_mb)  # static metadata: no P2P while building
         self._stages[key] = stage
         return stage
 

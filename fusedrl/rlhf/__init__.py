@@ -2,11 +2,17 @@
 
 from fusedrl.rlhf.advantages import gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.scoring import Scorer, ScoringModels
+from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
 from fusedrl.rlhf.losses import (
+    DEFAULT_LOGITS_BUDGET_BYTES,
     PolicyLoss,
     ValueLoss,
+    chunked_policy_loss,
+    chunked_token_logprobs,
+    chunked_token_logprobs_entropy,
     explained_variance,
+    head_vocab_size,
+    logits_chunk_positions,
     policy_loss,
     shift_to_tokens,
     token_entropy,
@@ -15,8 +21,16 @@ from fusedrl.rlhf.losses import (
 )
 
 __all__ = [
+    "DEFAULT_LOGITS_BUDGET_BYTES",
     "Scorer",
     "ScoringModels",
+    "chunked_policy_loss",
+    "chunked_token_logprobs",
+    "chunked_token_logprobs_entropy",
+    "decoder_hidden_states",
+    "head_vocab_size",
+    "logits_chunk_positions",
+    "scoring_micro_batches",
     "Experience",
     "PolicyLoss",
     "ValueLoss",

@@ -10,14 +10,36 @@ Losses are token means over ``response_mask``. By default the mean is per micro-
 ``loss_denom`` target (``[B]``, each entry the number of response tokens of the whole minibatch)
 to get one global token mean when gradients of several micro-batches are accumulated.
 The ``stats`` dicts hold detached scalar tensors (no host sync).
+
+Chunked head: :func:`chunked_token_logprobs`, :func:`chunked_token_logprobs_entropy` and
+:func:`chunked_policy_loss` take the decoder's final hidden states ``[B, S, D]`` and its LM head
+instead of logits ``[B, S, V]``. They apply the head to a few output positions at a time (as many as
+keep one float32 logits chunk ``positions x B x V x 4`` bytes within ``budget_bytes``), keep only the
+per-token log-prob (and entropy) of each chunk and move on, so full-vocabulary logits of the whole
+batch never exist. Under autograd each chunk is wrapped in :func:`torch.utils.checkpoint.checkpoint`,
+so backward recomputes one chunk's logits at a time instead of keeping every chunk's alive. Results
+equal the unchunked functions on ``model(tokens)`` up to float32 rounding.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fusedrl.config import PPOSection
+
+DEFAULT_LOGITS_BUDGET_BYTES = 256 * 2**20
+"""Default bound of one float32 logits chunk (positions x rows x vocab x 4 bytes) of the chunked head.
+
+Transient peak per chunk is a small multiple of it: the logits, their log-softmax, and (for the
+entropy) the probabilities; under autograd also their gradients during that chunk's backward."""
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+"""An LM head: ``model.output`` of a decoder (``nn.Linear``, torchtune ``TiedLinear`` or any module
+mapping ``[..., D]`` to ``[..., V]``)."""
 
 
 def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
@@ -36,6 +58,114 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     """``[B, S]`` entropy of the distribution that sampled each token (token-aligned; column 0 is 0)."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def head_vocab_size(head: Head) -> int:
+    """Output width ``V`` of an LM head: ``weight.shape[0]`` of an ``nn.Linear`` or of a ``TiedLinear``'s tied module."""
+    module = getattr(head, "tied_module", head)  # torchtune TiedLinear keeps the embedding it shares
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"cannot read the vocabulary size of LM head {type(head).__name__}; pass an nn.Linear, a torchtune "
+            "TiedLinear, or chunk_positions= explicitly"
+        )
+    return weight.shape[0]
+
+
+def logits_chunk_positions(rows: int, vocab_size: int, budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES) -> int:
+    """Most output positions per chunk with ``positions * rows * vocab_size * 4 <= budget_bytes`` (at least 1).
+
+    A single position always forms a chunk, even when ``rows * vocab_size * 4`` alone exceeds the budget.
+    """
+    if rows < 1 or vocab_size < 1:
+        raise ValueError(f"rows and vocab_size must be >= 1, got rows={rows}, vocab_size={vocab_size}")
+    if budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+    return max(1, budget_bytes // (rows * vocab_size * 4))
+
+
+def _chunk_logprobs_entropy(
+    head: Head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: float32 log-softmax of ``head(hidden) / temperature`` gathered at ``targets`` (+ entropy)."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if entropy else picked.new_zeros(())
+    return picked, ent
+
+
+def _chunked(
+    hidden: torch.Tensor,
+    head: Head,
+    tokens: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+    budget_bytes: int,
+    chunk_positions: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if hidden.dim() != 3 or tokens.shape != hidden.shape[:2]:
+        raise ValueError(f"hidden must be [B, S, D] and tokens [B, S]; got {tuple(hidden.shape)} and {tuple(tokens.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows, seq = tokens.shape
+    if chunk_positions is None:
+        chunk_positions = logits_chunk_positions(rows, head_vocab_size(head), budget_bytes)
+    elif chunk_positions < 1:
+        raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}")
+    # Output position t predicts token t + 1: positions 0 .. S-2 score tokens 1 .. S-1.
+    grad = torch.is_grad_enabled()
+    empty = hidden.new_zeros(rows, 0, dtype=torch.float32)
+    picked, ents = [empty], [empty]  # a single position scores no token
+    for start in range(0, seq - 1, chunk_positions):
+        stop = min(start + chunk_positions, seq - 1)
+        args = (head, hidden[:, start:stop], tokens[:, start + 1 : stop + 1], temperature, entropy)
+        if grad:  # recompute this chunk's logits in backward instead of saving them
+            p, e = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False)
+        else:
+            p, e = _chunk_logprobs_entropy(*args)
+        picked.append(p)
+        ents.append(e)
+    logp = F.pad(torch.cat(picked, dim=1), (1, 0))
+    return logp, (F.pad(torch.cat(ents, dim=1), (1, 0)) if entropy else None)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    head: Head,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
+    chunk_positions: int | None = None,
+) -> torch.Tensor:
+    """``token_logprobs(head(hidden).float(), tokens, temperature)`` (``[B, S]`` float32, token-aligned, column
+    0 is 0) computed ``chunk_positions`` output positions at a time (default: as many as fit one float32 logits
+    chunk in ``budget_bytes``, see :func:`logits_chunk_positions`).
+
+    ``hidden``: the decoder's final normed hidden states ``[B, S, D]`` (its output just before the head);
+    ``head``: ``model.output``. With grad mode on each chunk is checkpointed: only one chunk's logits are
+    alive at a time in forward and in backward, and gradients reach ``hidden`` and the head's weight.
+    """
+    return _chunked(hidden, head, tokens, temperature, False, budget_bytes, chunk_positions)[0]
+
+
+def chunked_token_logprobs_entropy(
+    hidden: torch.Tensor,
+    head: Head,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
+    chunk_positions: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_token_logprobs` and ``token_entropy(head(hidden).float(), temperature)`` in one pass
+    (both ``[B, S]``, token-aligned, column 0 is 0)."""
+    logp, entropy = _chunked(hidden, head, tokens, temperature, True, budget_bytes, chunk_positions)
+    assert entropy is not None
+    return logp, entropy
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,11 +193,55 @@ def policy_loss(
 
     ``targets``: ``tokens``, ``response_mask``, ``logprobs`` (old), ``advantages`` (all ``[B, S]``),
     optional ``loss_denom``. ``temperature`` must be the sampling temperature the old log-probs used.
+    See :func:`chunked_policy_loss` for the same loss from hidden states without full logits.
     """
     _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "policy_loss")
+    logp = token_logprobs(logits, targets["tokens"], temperature)
+    if entropy_coef != 0.0:
+        entropy = token_entropy(logits, temperature)
+    else:
+        with torch.no_grad():
+            entropy = token_entropy(logits, temperature)
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef)
+
+
+def chunked_policy_loss(
+    hidden: torch.Tensor,
+    head: Head,
+    targets: dict[str, torch.Tensor],
+    clip_eps: float = 0.2,
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    *,
+    budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
+    chunk_positions: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`policy_loss` of ``logits = head(hidden)`` without materialising those logits.
+
+    ``hidden``: the Actor's final (normed) hidden states ``[B, S, D]``; ``head``: its LM head. Loss,
+    stats and gradients (w.r.t. ``hidden`` and the head's weight) equal ``policy_loss(head(hidden).float(),
+    ...)`` up to float32 rounding; only one chunk's logits are alive at a time in forward and backward
+    (see :func:`chunked_token_logprobs_entropy` for ``budget_bytes`` / ``chunk_positions``).
+    """
+    _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "chunked_policy_loss")
+    logp, entropy = chunked_token_logprobs_entropy(
+        hidden, head, targets["tokens"], temperature, budget_bytes=budget_bytes, chunk_positions=chunk_positions
+    )
+    if entropy_coef == 0.0:
+        entropy = entropy.detach()
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef)
+
+
+def _surrogate(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    targets: dict[str, torch.Tensor],
+    clip_eps: float,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate from token-aligned new log-probs and entropies ``[B, S]``."""
     mask = targets["response_mask"].float()
     denom = targets.get("loss_denom")
-    logp = token_logprobs(logits, targets["tokens"], temperature)
     log_ratio = (logp - targets["logprobs"].float()) * mask
     ratio = log_ratio.exp()
     adv = targets["advantages"].float()
@@ -75,10 +249,10 @@ def policy_loss(
     clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg_loss = masked_mean(torch.maximum(unclipped, clipped), mask, denom)
     loss = pg_loss
-    entropy = None
+    entropy_mean = None
     if entropy_coef != 0.0:
-        entropy = masked_mean(token_entropy(logits, temperature), mask, denom)
-        loss = loss - entropy_coef * entropy
+        entropy_mean = masked_mean(entropy, mask, denom)
+        loss = loss - entropy_coef * entropy_mean
     with torch.no_grad():
         stats = {
             "policy_loss": pg_loss.detach(),
@@ -86,7 +260,7 @@ def policy_loss(
             # k3 estimate of KL(old || new) on the sampled tokens
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
-            "entropy": (entropy if entropy is not None else masked_mean(token_entropy(logits, temperature), mask)).detach(),
+            "entropy": (entropy_mean if entropy_mean is not None else masked_mean(entropy, mask)).detach(),
         }
     return loss, stats
 

@@ -2,9 +2,13 @@
 
 Runs on any instance that holds the three models (the Reference and Reward are frozen and loaded
 once; the Critic is refreshed by the same weight sync as the Actor). Samples are sorted by length
-and cut into micro-batches, each right-padded to its own longest sample; causal attention keeps the
-padding from reaching real tokens, so no mask is needed. Output follows the
-:class:`~fusedrl.rlhf.Experience` layout (per-token tensors aligned with ``tokens``).
+and cut into micro-batches (:func:`scoring_micro_batches`: at most ``micro_batch_size`` rows and,
+optionally, ``max_tokens`` padded tokens), each right-padded to its own longest sample; causal
+attention keeps the padding from reaching real tokens, so no mask is needed. Each model runs its
+body (:func:`decoder_hidden_states`); the Reference's LM head is applied a chunk of positions at a
+time (:func:`~fusedrl.rlhf.losses.chunked_token_logprobs`), so full-vocabulary logits of a whole
+micro-batch never exist; the Reward's and Critic's scalar heads are applied directly. Output follows
+the :class:`~fusedrl.rlhf.Experience` layout (per-token tensors aligned with ``tokens``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,59 @@ from torch import nn
 from fusedrl.generation import RequestResult
 from fusedrl.rlhf.advantages import last_token_index
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.losses import shift_to_tokens, token_logprobs
+from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, chunked_token_logprobs, shift_to_tokens
+
+
+def decoder_hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Final normed hidden states ``[B, S, D]`` of a torchtune ``TransformerDecoder`` (or a decoder-shaped
+    module with ``tok_embeddings``, ``layers`` and ``norm``): its plain causal forward without the head.
+
+    Invariant: ``model(tokens) == model.output(decoder_hidden_states(model, tokens)).float()`` for a model
+    without KV caches. Positions are ``0 .. S-1`` and attention is causal (torchtune's attention uses
+    ``is_causal`` when it gets no mask and has no KV cache), so right padding never reaches real tokens.
+    Only the modules' own forwards run, so tensor-parallel (DTensor) layers work unchanged.
+    """
+    if any(getattr(m, "kv_cache", None) is not None for m in model.modules()):
+        raise ValueError(
+            "decoder_hidden_states needs a model without KV caches (with caches set up, torchtune's attention "
+            "is not causal without a mask); score with a model that never ran setup_caches"
+        )
+    max_len = getattr(model, "max_seq_len", None)
+    if max_len is not None and tokens.shape[1] > max_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {max_len}")
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    h = model.tok_embeddings(tokens)
+    for layer in layers:
+        h = layer(h)
+    return model.norm(h)
+
+
+def scoring_micro_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Cut samples of these ``lengths`` (in the given order, usually ascending) into consecutive micro-batches.
+
+    Returns lists of indices into ``lengths``; concatenated they are ``0 .. len(lengths)-1`` in order.
+    Each micro-batch has at most ``max_rows`` rows and, when ``max_tokens`` is given, at most
+    ``max_tokens`` padded tokens (rows x its longest length), except that a sample longer than
+    ``max_tokens`` forms a micro-batch of its own. Cuts are greedy: a micro-batch grows while both limits hold.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+    out: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i, n in enumerate(lengths):
+        grown = max(width, n)
+        fits = len(current) < max_rows and (max_tokens is None or (len(current) + 1) * grown <= max_tokens)
+        if current and not fits:
+            out.append(current)
+            current, grown = [], n
+        current.append(i)
+        width = grown
+    if current:
+        out.append(current)
+    return out
 
 
 @dataclass
@@ -32,20 +88,30 @@ class ScoringModels:
 
 @dataclass
 class Scorer:
-    """Scores finished samples (the generation engine's results) in micro-batches of ``micro_batch_size``.
+    """Scores finished samples (the generation engine's results) in length-sorted micro-batches of at most
+    ``micro_batch_size`` rows and, when set, ``max_tokens`` padded tokens (rows x longest sample; a longer
+    sample is scored alone).
 
     ``temperature`` divides the Reference logits (use the sampling temperature the Actor's log-probs
-    were taken at; the generation engine reports them at 1.0).
+    were taken at; the generation engine reports them at 1.0). ``logits_budget_bytes`` bounds one float32
+    chunk of Reference logits (positions x rows x vocab x 4 bytes; see
+    :func:`~fusedrl.rlhf.losses.chunked_token_logprobs`). Micro-batching changes no result.
     """
 
     models: ScoringModels
     micro_batch_size: int = 8
     pad_id: int = 0
     temperature: float = 1.0
+    max_tokens: int | None = None
+    logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None (no token limit), got {self.max_tokens}")
+        if self.logits_budget_bytes < 1:
+            raise ValueError(f"logits_budget_bytes must be >= 1, got {self.logits_budget_bytes}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
@@ -61,10 +127,8 @@ class Scorer:
             if s.logprobs and len(s.logprobs) != len(s.tokens):
                 raise ValueError(f"sample {s.id} has {len(s.logprobs)} log-probs for {len(s.tokens)} response tokens")
         order = sorted(range(len(samples)), key=lambda i: (samples[i].num_tokens, i))
-        parts = [
-            self._score_micro_batch([samples[i] for i in order[j : j + self.micro_batch_size]])
-            for j in range(0, len(order), self.micro_batch_size)
-        ]
+        cuts = scoring_micro_batches([samples[i].num_tokens for i in order], self.micro_batch_size, self.max_tokens)
+        parts = [self._score_micro_batch([samples[order[j]] for j in cut]) for cut in cuts]
         merged = Experience.concat(parts, pad_token_id=self.pad_id)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -83,9 +147,13 @@ class Scorer:
             if s.logprobs:
                 logprobs[row, p:n] = torch.tensor(list(s.logprobs))
         dev_tokens, dev_mask = tokens.to(device), mask.to(device)
-        ref = token_logprobs(self.models.reference(dev_tokens), dev_tokens, self.temperature) * dev_mask
-        values = shift_to_tokens(self.models.critic(dev_tokens).squeeze(-1).float()) * dev_mask
-        reward = self.models.reward(dev_tokens).squeeze(-1).float()
+        ref_model, critic, reward_model = self.models.reference, self.models.critic, self.models.reward
+        ref = chunked_token_logprobs(
+            decoder_hidden_states(ref_model, dev_tokens), ref_model.output, dev_tokens, self.temperature,
+            budget_bytes=self.logits_budget_bytes,
+        ) * dev_mask
+        values = shift_to_tokens(critic.output(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float()) * dev_mask
+        reward = reward_model.output(decoder_hidden_states(reward_model, dev_tokens)).squeeze(-1).float()
         scores = reward.gather(1, last_token_index(dev_mask)[:, None]).squeeze(1)
         exp = Experience(
             tokens=tokens,

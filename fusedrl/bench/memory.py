@@ -1,0 +1,1137 @@
+"""Memory per rank of a PPO job: ``python -m fusedrl.bench.memory --config CONFIG [--world N] [--json] [--measure]
+[--device-gib G] [--section.key=value ...]``.
+
+For each distinct rank of an N-rank job the job's two layouts (:func:`fusedrl.layouts.build_training_layout`,
+:func:`fusedrl.layouts.build_rollout_layout`) are built on the meta device under torch's fake process group
+(:func:`fusedrl.distributed.compat.init_fake_process_group`: one process plays rank r, builds, measures, destroys the
+group, next rank), so the sizes below come from the real module trees and DTensor shardings. Distinct ranks: every
+pipeline rank with its first and last dp_shard rank, TP rank 0. Ranks of one stage differ only by uneven FSDP2 chunks
+(the last dp rank holds the short ones); TP ranks hold equal shares (``apply_tp`` refuses uneven ones); every rank
+holds the same rollout models (gen_tp divides the heads and the MLP width). The weight-sync plan needs every rank's
+shard boxes: they come from :func:`fusedrl.models.weights.shard_indices` on the built ranks' placements, checked
+against the built ranks' own DTensors, and are fed to the real :func:`fusedrl.distributed.plan_reshard`.
+
+Notation: ``c`` compute itemsize (``training.mixed_precision_param``), ``r`` rollout itemsize (``rollout_dtype``; the
+Reference and Reward use ``frozen_dtype``), ``kv`` KV-cache itemsize; ``D`` embed dim, ``H`` heads, ``KV`` KV heads,
+``hd = D / H``, ``q = H hd``, ``F`` MLP width, ``V`` vocabulary, ``L`` layers; ``b`` rows of a micro-batch
+(``ppo.microbatch_size``), ``s`` its length (the largest training bucket, ``round_up(P + N, evenly_spaced(P + N))``
+with ``P = data.max_prompt_len``, ``N = generation.max_new_tokens``), ``T = b s`` its tokens; ``M`` micro-batches per
+model and minibatch (``minibatch_size / dp_shard / microbatch_size``).
+
+Persistent state (all phases, steady state after the first iteration):
+
+- ``train_params_{actor,critic}``: the rank's local FSDP2 (x TP) shards, float32 master weights: ``4 x local numel``.
+- ``optimizer_{actor,critic}``: AdamW ``exp_avg`` and ``exp_avg_sq`` on the same shards: ``8 x local numel`` (the
+  0-dim ``step`` tensors live on the host).
+- ``rollout_{actor,critic,reference,reward}``: local numel of each rollout copy (TP shards over gen_tp for the
+  attention / MLP weights, embedding, norms and heads whole) x its dtype.
+- ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / gen_tp) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
+- ``rope_buffers``: each model copy's RoPE tables (torchtune: ``max_seq_len x hd/2 x 2`` + ``hd/2`` entries, float32
+  unless the copy was cast): 67 MB per copy for Llama 3.1, six copies per rank.
+- ``pipeline_buffers``: the executor caches one ``PipelineStage`` pair per micro-batch shape, and each stage
+  preallocates ``M`` receive buffers (non-first stage: activations) and ``M`` gradient receive buffers (non-last
+  stage), each ``[b, s, D] x c``: ``M x T x D x c`` per buffer kind and model, for each sequence bucket that has
+  been trained (the estimate counts ``--pipeline-shapes`` buckets, default 1, the longest).
+
+Training-phase state:
+
+- ``gradients_{actor,critic}``: float32 sharded gradients, as large as the local shards, from the reduce-scatter at
+  the end of the minibatch until ``zero_grad`` after the optimizer step.
+- ``unsharded_params``: ``reshard_after_forward=False`` keeps both stages all-gathered in the compute dtype from
+  their first forward until the minibatch's gradient reduction: ``c x`` the stage's TP-local numel.
+- ``unsharded_grads``: the executor runs every backward without gradient sync, so FSDP2 accumulates *unsharded*
+  gradients of the whole stage across micro-batches, in the reduce dtype when it differs from the compute dtype
+  (``training.mixed_precision_reduce``), else in the compute dtype: ``4 x`` TP-local numel with bf16/fp32.
+- ``activations``: bytes held per in-flight micro-batch of a stage with ``l`` layers (autograd's saved tensors; with
+  SDPA no ``[H, s, s]`` score tensor is saved), per transformer layer
+  ``T x [2 (8 D + c D) + c (4 q / tp + 4 F / tp) + 8 + 4 H / tp]``: each RMSNorm saves its float32 input copy and
+  normalized value and its output in the compute dtype; attention saves q, k, v (k and v expanded to ``H / tp`` heads
+  by torchtune's GQA), the SDPA output and its float32 log-sum-exp; the MLP saves w1's output, its SiLU, w3's output
+  and their product; plus 8 bytes of RMSNorm ``rstd`` per token. Per stage: ``l`` layers, plus ``8 T`` token ids on
+  the first stage, plus the stage output ``c T D`` held by ``PipelineStage`` until its backward (non-last stage) or the
+  final norm ``T (8 D + c D)`` and, for the Critic, its value output; with a float32 compute dtype a non-first
+  stage's first float32 norm input is its receive buffer (already counted). Checked against
+  ``saved_tensors_hooks`` (``--measure``): the formula is exact for one layer in float32 and bfloat16.
+- ``actor_logits``: the Actor's last stage holds, per in-flight micro-batch, its float32 logits ``[b, s, V]`` (the
+  stage output) and their float32 log-softmax ``[b, s-1, V]`` (saved by autograd) plus the gather index:
+  ``T V 4 + b (s-1) (8 V + 8)``.
+- ``logits_transient``: ``3 x 4 T V`` on the Actor's last stage: the policy loss's no-grad entropy keeps three more
+  float32 ``[b, s-1, V]`` tensors alive (log-softmax, exp, product), and its backward about as many gradients.
+- In flight: along the rank's lowered program (:func:`fusedrl.train.plan_program`), the number of micro-batches of a
+  model held at once is the running count of its F minus B (or W) actions; the estimate takes the maximum over the
+  program of ``sum over models of count x per-micro-batch bytes`` (exact for the schedule in use; the per-model
+  maxima are reported too).
+- ``experience``: the scored batch every rank holds and its padded copy: ``2 x batch_size x s x 40`` bytes (int64
+  tokens + eight float32 per-token tensors).
+- ``optimizer_step``: one float32 copy of the shards (foreach AdamW's ``sqrt(exp_avg_sq)``).
+
+The training peak is the largest of three moments: compute (persistent + unsharded params and grads + the
+activation peak + logits + experience), reduce (persistent + unsharded params and grads + sharded grads +
+experience) and optimizer step (persistent + sharded grads + optimizer temporaries + experience).
+
+Other phases (one transient at a time on a rank: decoding, scoring and weight sync never overlap on one rank):
+
+- ``weight_sync_buffers``: weight sync copies one unit (a decoder layer, or a tensor outside the layers) at a time;
+  for the unit of the real plan (:class:`fusedrl.distributed.ReshardPlan`) that costs this rank most:
+  receive buffers (transfers to it from other ranks) + send blocks (transfers from it, each a cast or
+  ``contiguous()`` copy of a slice of its source shard) + the largest cast copy of a block it keeps itself. Actor and
+  Critic syncs run one after the other: the larger counts.
+- ``prefill_activations`` (generation): the engine admits up to ``max_slots`` prompts at once and prefills them
+  without grad: ``T_p = max_slots x P`` tokens, peak inside a layer ``T_p x max(r (2 D + 3 F / g), r (2 D + 6 q / g),
+  (8 + 2 r) D)`` (MLP: residual, normed input, SiLU, w3 output, product; attention: q, expanded k, v, output;
+  norm: float32 temporaries), ``g = gen_tp``, plus ``n x V x (r + 4)`` logits at the last positions.
+- ``decode_logits`` (generation): ``max_slots x V x (r + 24)``: the head's output and its float32 copy, then the
+  sampler's log-softmax, scaled logits, probabilities, exponential noise and their ratio; ``+ 25`` bytes per entry
+  when top-k / top-p filtering is on (sort values and int64 indices, masks, cumulative sums, scatter).
+- ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch holds at most ``max_slots`` samples and at
+  most ``scoring_max_tokens`` padded tokens (``T_s``, a longer sample alone); its no-grad forward peaks like prefill
+  with ``T_s`` tokens; the Reference's chunked head then keeps its hidden states ``r T_s D`` and one float32 logits
+  chunk (``rows x positions x V x 4 <= DEFAULT_LOGITS_BUDGET_BYTES``) twice: the chunk and its log-softmax
+  (``SCORING_CHUNK_MULTIPLE = 2``; in bf16 the head's bf16 output is freed before the log-softmax). The phase holds
+  the larger of the two (the worst micro-batch shape is searched).
+
+Not estimated: the CUDA context, NCCL and allocator fragmentation / caching; compiled-graph (CUDA graph) pools;
+the engine's int8 copy when ``generation.quantize`` is set; the KV states of migrated requests waiting in a kept
+instance's queue; a transient ``[b, s, V]`` float32 example tensor the executor allocates once when it builds a
+stage for a new shape; host-side copies (the CPU engine's prepacked weights). ``docs/memory.md`` tells how to read
+the figures.
+
+With ``--measure`` the same config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation,
+a small batch, 4 CPU ranks) runs through the real :class:`fusedrl.train.Trainer` for two iterations; every rank
+sums the bytes of the live tensors of each category and the estimate for the same layout and program is compared
+(ratio measured / estimated per category; a compared category off by more than 10% fails the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fusedrl.buckets import evenly_spaced, round_up
+from fusedrl.config import ConfigError, JobConfig, load_config, validate_world_size
+from fusedrl.distributed import plan_reshard
+from fusedrl.distributed.compat import init_fake_process_group
+from fusedrl.distributed.reshard import Box, ReshardPlan
+from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout
+from fusedrl.models import FLAVORS
+from fusedrl.models.registry import ModelFlavor
+from fusedrl.models.weights import shard_indices
+from fusedrl.pipelining import ACTOR, CRITIC, LoweredProgram
+from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positions
+
+GIB = 2**30
+PHASES: tuple[str, ...] = ("weight_sync", "generation", "scoring", "training")
+ROLLOUT_MODELS: tuple[str, ...] = ("actor", "critic", "reference", "reward")
+LOGITS_TRANSIENT_MULTIPLE = 3
+"""Extra float32 ``[b, s-1, V]`` tensors alive during the Actor's policy loss (entropy) and its backward."""
+SCORING_CHUNK_MULTIPLE = 2
+"""Float32 logits chunks alive at once in the Reference's chunked head: the chunk and its log-softmax."""
+SAMPLING_BYTES = 24
+"""Float32 ``[slots, V]`` tensors of one decode step's sampling, in bytes per entry (six of them)."""
+FILTER_BYTES = 25
+"""Extra bytes per ``[slots, V]`` entry when top-k / top-p filtering is on."""
+EXPERIENCE_BYTES_PER_TOKEN = 40
+"""int64 tokens + eight float32 per-token tensors of the scored batch."""
+TOLERANCE = 0.10
+MEASURE_CONFIG = "train_configs/debug_ppo.toml"
+MEASURE_OVERRIDES: tuple[str, ...] = (
+    "--model.actor=debug_large", "--model.critic=debug_large", "--model.reward=debug_large",
+    "--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--model.reference_path=",
+    "--ppo.batch_size=8", "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1",
+    "--data.max_prompt_len=32", "--generation.max_new_tokens=24", "--generation.max_slots=4",
+    "--generation.stop_token_ids=[]", "--fusion.schedule_search_budget_s=0.2",
+)
+_RUN_OVERRIDES: tuple[str, ...] = (
+    "--training.steps=2", "--checkpoint.interval=0", "--checkpoint.resume=false", "--checkpoint.export_hf=false",
+    "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false", "--metrics.timeline_interval=0",
+    "--training.device=cpu",
+)
+
+
+# ---------------------------------------------------------------------------------------------- formulas
+
+
+def _itemsize(name: str) -> int:
+    return DTYPES[name].itemsize
+
+
+def training_seq_len(cfg: JobConfig) -> int:
+    """The longest training bucket: what the trainer pads a minibatch of full-length samples to."""
+    longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+    return round_up(longest, evenly_spaced(longest))
+
+
+def layer_activation_bytes(f: ModelFlavor, tokens: int, c: int, tp: int) -> int:
+    """Autograd's saved bytes of one transformer layer's forward over ``tokens`` tokens (module docstring)."""
+    d, h = f.embed_dim, f.num_heads
+    q = h * (d // h)
+    per_token = 2 * (8 * d + c * d) + c * (4 * q // tp + 4 * f.intermediate_dim // tp) + 8 + 4 * (h // tp)
+    return tokens * per_token
+
+
+def stage_activation_bytes(f: ModelFlavor, layers: int, first: bool, last: bool, role: str, rows: int, seq: int,
+                           c: int, tp: int) -> int:
+    """Bytes one in-flight micro-batch holds on a training stage, the Actor's logits excluded."""
+    tokens, d = rows * seq, f.embed_dim
+    total = layers * layer_activation_bytes(f, tokens, c, tp)
+    if first:
+        total += 8 * tokens  # token ids saved by the embedding
+    elif c == 4 and layers:
+        total -= 4 * tokens * d  # the first norm's float32 input is the receive buffer itself
+    if last:
+        total += tokens * (8 * d + c * d)  # final norm
+        if role == "value":
+            total += tokens * (c + 4)  # value head output and its float32 copy
+    else:
+        total += tokens * c * d  # the stage output, held until its backward
+    return total
+
+
+def actor_logits_bytes(f: ModelFlavor, rows: int, seq: int) -> int:
+    """Float32 logits ``[b, s, V]`` and log-softmax ``[b, s-1, V]`` (+ gather index) of one in-flight micro-batch."""
+    return rows * seq * f.vocab_size * 4 + rows * (seq - 1) * (f.vocab_size * 4 + 8)
+
+
+def body_peak_bytes(f: ModelFlavor, tokens: int, r: int, g: int) -> int:
+    """Peak bytes of a no-grad decoder forward over ``tokens`` tokens (prefill, scoring), inside its largest layer."""
+    d, h = f.embed_dim, f.num_heads
+    q = h * (d // h)
+    return tokens * max(r * (2 * d + 3 * f.intermediate_dim // g), r * (2 * d + 6 * q // g), (8 + 2 * r) * d)
+
+
+def decode_logits_bytes(f: ModelFlavor, slots: int, r: int, filtering: bool) -> int:
+    return slots * f.vocab_size * (r + SAMPLING_BYTES + (FILTER_BYTES if filtering else 0))
+
+
+def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
+    return body_peak_bytes(f, rows * width, r, g) + rows * f.vocab_size * (r + 4)
+
+
+def scoring_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int,
+                  budget: int = DEFAULT_LOGITS_BUDGET_BYTES) -> tuple[int, int]:
+    """(body peak, Reference hidden states + chunked-head logits) of one scoring micro-batch of ``rows x width``."""
+    chunk = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), max(1, width - 1)) * f.vocab_size * 4
+    return body_peak_bytes(f, rows * width, r, g), r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * chunk
+
+
+def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int) -> tuple[int, int, tuple[int, int]]:
+    """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width))."""
+    gen = cfg.generation
+    longest = cfg.data.max_prompt_len + gen.max_new_tokens
+    best = (0, 0, (1, longest))
+    for rows in range(1, gen.max_slots + 1):
+        width = longest if rows == 1 else min(longest, gen.scoring_max_tokens // rows)
+        if width < 2:
+            break
+        body, head = scoring_bytes(f, rows, width, r, g)
+        if max(body, head) > max(best[0], best[1]):
+            best = (body, head, (rows, width))
+    return best
+
+
+def rope_bytes(module: nn.Module) -> int:
+    """Bytes of the RoPE tables of ``module`` (torchtune RoPE modules; built on meta, Llama 3.1's have none yet)."""
+    total = 0
+    for m in module.modules():
+        if not callable(getattr(m, "rope_init", None)):
+            continue
+        buffers = list(m.buffers(recurse=False))
+        if buffers:
+            total += sum(b.numel() * b.element_size() for b in buffers)
+        else:  # created float32 when materialized (fusedrl.models.init_rope_buffers)
+            total += 4 * (m.max_seq_len * (m.dim // 2) * 2 + m.dim // 2)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- layouts on meta
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One parameter of a built module: its full shape, this rank's share, and how it is sharded."""
+
+    name: str
+    shape: tuple[int, ...]
+    local_numel: int
+    itemsize: int
+    placements: tuple = ()
+    mesh_dims: tuple[str, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    box: Box | None = None  # this rank's box (fusedrl.distributed.reshard.local_box)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local_numel * self.itemsize
+
+    def unsharded_numel(self) -> int:
+        """Numel once FSDP2 all-gathers it (its TP share)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        for dim, size, p in zip(self.mesh_dims, self.mesh_shape, self.placements):
+            if dim != "dp_shard" and not p.is_replicate():
+                n //= size
+        return n
+
+
+def describe(module: nn.Module) -> list[TensorInfo]:
+    """The parameters of ``module`` (meta DTensors or plain tensors) as :class:`TensorInfo`."""
+    from fusedrl.distributed.reshard import local_box
+
+    out = []
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            out.append(TensorInfo(name, tuple(p.shape), p.to_local().numel(), p.element_size(), tuple(p.placements),
+                                  tuple(mesh.mesh_dim_names), tuple(mesh.shape), local_box(p)))
+        else:
+            out.append(TensorInfo(name, tuple(p.shape), p.numel(), p.element_size(), box=local_box(p)))
+    return out
+
+
+@dataclass
+class StageInfo:
+    model: str  # actor | critic
+    index: int
+    layers: int
+    first: bool
+    last: bool
+    tensors: list[TensorInfo]
+    rope: int
+
+
+@dataclass
+class RankBuild:
+    """What one rank's layouts hold, read from the modules built on meta."""
+
+    rank: int
+    coords: dict[str, int]
+    stages: dict[str, StageInfo]
+    rollout: dict[str, list[TensorInfo]]
+    rollout_rope: dict[str, int]
+    kv_heads: int  # the engine's KV heads on this rank
+
+
+def rank_coords(cfg: JobConfig, rank: int) -> dict[str, int]:
+    """Coordinates of ``rank`` in the training mesh ``(pp, dp_shard, tp)`` and the generation mesh
+    ``(gen_dp, gen_tp)`` (both row-major over the ranks, as ``init_device_mesh`` lays them out)."""
+    p = cfg.parallelism
+    return {"pp": rank // (p.dp_shard * p.tp), "dp_shard": rank // p.tp % p.dp_shard, "tp": rank % p.tp,
+            "gen_dp": rank // p.gen_tp, "gen_tp": rank % p.gen_tp}
+
+
+def distinct_ranks(cfg: JobConfig) -> list[int]:
+    """Every pipeline rank with its first and last dp_shard rank, TP rank 0 (see the module docstring)."""
+    p = cfg.parallelism
+    return sorted({(pp * p.dp_shard + d) * p.tp for pp in range(p.pp) for d in (0, p.dp_shard - 1)})
+
+
+def fake_group(rank: int, world: int) -> None:
+    """Play rank ``rank`` of ``world`` under a fake process group, with DTensor's sharding-propagation caches
+    emptied first: their keys ignore the rank, so a cached output spec would carry the previous rank's mesh (and
+    mesh coordinate) into this rank's FSDP2 parameters (torch internals, read by nothing else in fusedrl)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    init_fake_process_group(rank, world)
+
+
+def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
+    """Build rank ``rank``'s training and rollout layouts on meta under a fake process group and describe them."""
+    fake_group(rank, world)
+    try:
+        device = torch.device("cpu")  # the mesh's device type; with materialize=False nothing is allocated
+        training = build_training_layout(cfg, device, materialize=False)
+        rollout = build_rollout_layout(cfg, device, materialize=False)
+        stages = {}
+        for model, module, index in ((ACTOR, training.actor_stage, training.pp_rank),
+                                     (CRITIC, training.critic_stage, training.pp - 1 - training.pp_rank)):
+            stages[model] = StageInfo(model, index, len(module.layers), module.tok_embeddings is not None,
+                                      module.output is not None, describe(module), rope_bytes(module))
+        models = {name: getattr(rollout, name) for name in ROLLOUT_MODELS}
+        kv_heads = models["actor"].layers[0].attn.num_kv_heads  # apply_tp divided it by gen_tp
+        return RankBuild(rank, rank_coords(cfg, rank), stages, {n: describe(m) for n, m in models.items()},
+                         {n: rope_bytes(m) for n, m in models.items()}, kv_heads)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- weight sync
+
+
+_BOX_CACHE: dict[tuple, Box | None] = {}
+
+
+def _box_at(t: TensorInfo, coords: dict[str, int]) -> Box | None:
+    """The box of ``t`` held at the mesh coordinates ``coords`` (None when empty)."""
+    if not t.placements:
+        return Box(tuple(0 for _ in t.shape), t.shape)
+    coordinate = tuple(coords[d] for d in t.mesh_dims)
+    key = (t.shape, repr(t.placements), t.mesh_shape, coordinate)
+    if key not in _BOX_CACHE:
+        idx = shard_indices(t.shape, t.placements, t.mesh_shape, coordinate)
+        if any(len(i) == 0 for i in idx):
+            _BOX_CACHE[key] = None
+        else:
+            for d, i in enumerate(idx):
+                if int(i[-1]) - int(i[0]) + 1 != len(i):
+                    raise ValueError(f"{t.name}: the shard at {coordinate} is not one block along dim {d}")
+            _BOX_CACHE[key] = Box(tuple(int(i[0]) for i in idx), tuple(len(i) for i in idx))
+    return _BOX_CACHE[key]
+
+
+def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], model: str,
+                   ) -> list[tuple[dict, dict]]:
+    """Per rank, ``({name: (shape, box)} of its training stage of ``model``, {name: (shape, box, dtype)} of its
+    rollout copy)``: what :func:`fusedrl.distributed.plan_reshard` gathers from every rank."""
+    by_pp = {}
+    for b in builds.values():
+        by_pp.setdefault(b.coords["pp"], b)
+    reference = next(iter(builds.values()))
+    dtype = DTYPES[cfg.training.rollout_dtype]
+    everyone = []
+    for rank in range(world):
+        coords = rank_coords(cfg, rank)
+        stage = by_pp[coords["pp"]].stages[model]
+        src = {t.name: (t.shape, box) for t in stage.tensors if (box := _box_at(t, coords)) is not None}
+        dst = {t.name: (t.shape, box, dtype) for t in reference.rollout[model] if (box := _box_at(t, coords)) is not None}
+        everyone.append((src, dst))
+    for b in builds.values():  # the arithmetic must agree with the DTensors the built ranks hold
+        mine_src, mine_dst = everyone[b.rank]
+        for t in b.stages[model].tensors:
+            if t.local_numel and mine_src[t.name][1] != t.box:
+                raise RuntimeError(f"rank {b.rank} {t.name}: computed box {mine_src[t.name][1]} != built {t.box}")
+        for t in b.rollout[model]:
+            if t.local_numel and mine_dst[t.name][1] != t.box:
+                raise RuntimeError(f"rank {b.rank} rollout {t.name}: computed box {mine_dst[t.name][1]} != built {t.box}")
+    return everyone
+
+
+def plan_for(everyone: list[tuple[dict, dict]]) -> ReshardPlan:
+    """The real weight-sync plan from every rank's boxes (under an initialised fake process group)."""
+
+    def gather(out: list, obj: Any, group: Any = None) -> None:
+        out[:] = everyone
+
+    with mock.patch.object(dist, "all_gather_object", gather):
+        return plan_reshard({}, {})
+
+
+def _contiguous_within(box: Box, outer: Box) -> bool:
+    """Whether ``box`` is one contiguous run of the row-major local tensor of ``outer``."""
+    partial = [d for d, (a, b) in enumerate(zip(box.sizes, outer.sizes)) if a < b]
+    return not partial or all(box.sizes[d] == 1 for d in range(partial[-1]))
+
+
+def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_itemsize: int,
+                    ranks: Iterable[int]) -> dict[int, dict[str, int]]:
+    """Per rank in ``ranks``: the bytes of its costliest unit of ``plan`` (recv + send copies + largest own cast
+    block) and that unit's parts."""
+    wanted = set(ranks)
+    best = {r: {"total": 0, "recv": 0, "send": 0, "self": 0} for r in wanted}
+    for unit in plan.units:
+        recv: dict[int, int] = {}
+        send: dict[int, int] = {}
+        own: dict[int, int] = {}
+        for t in unit:
+            if t.src not in wanted and t.dst not in wanted:
+                continue
+            wire = plan.wire_dtype[t.name].itemsize
+            nbytes = t.box.numel * wire
+            copies = wire != src_itemsize or not _contiguous_within(t.box, everyone[t.src][0][t.name][1])
+            if t.src == t.dst:
+                if wire != src_itemsize:
+                    own[t.src] = max(own.get(t.src, 0), nbytes)
+                continue
+            recv[t.dst] = recv.get(t.dst, 0) + nbytes
+            if copies:
+                send[t.src] = send.get(t.src, 0) + nbytes
+        for r in wanted:
+            parts = {"recv": recv.get(r, 0), "send": send.get(r, 0), "self": own.get(r, 0)}
+            total = sum(parts.values())
+            if total > best[r]["total"]:
+                best[r] = {"total": total, **parts}
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- the estimate
+
+
+def in_flight(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
+    """Along ``pp_rank``'s program: per model the most micro-batches held at once, the largest
+    ``sum(count x per_mb bytes)``, and the counts at that moment."""
+    count = {ACTOR: 0, CRITIC: 0}
+    most = dict(count)
+    peak, at_peak = 0, dict(count)
+    split = {m: any(a.kind == "W" for a in program.programs[pp_rank] if a.model == m) for m in count}
+    for a in program.programs[pp_rank]:
+        if a.kind == "F":
+            count[a.model] += 1
+        elif a.kind == ("W" if split[a.model] else "B"):
+            count[a.model] -= 1
+        else:
+            continue
+        most[a.model] = max(most[a.model], count[a.model])
+        live = sum(count[m] * per_mb[m] for m in count)
+        if live > peak:
+            peak, at_peak = live, dict(count)
+    return most, peak, at_peak
+
+
+@dataclass
+class RankEstimate:
+    """One rank's figures in bytes: persistent state, transients, and what is live at each phase's peak."""
+
+    rank: int
+    coords: dict[str, int]
+    persistent: dict[str, int]
+    transients: dict[str, int]
+    phases: dict[str, dict[str, int]]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def phase_peak(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def persistent_total(self) -> int:
+        return sum(self.persistent.values())
+
+    @property
+    def peak(self) -> tuple[int, str]:
+        return max((self.phase_peak(p), p) for p in PHASES)
+
+
+@dataclass
+class Estimate:
+    config: str
+    world: int
+    ranks: list[RankEstimate]
+    notes: list[str]
+
+    def max_over_ranks(self, phase: str, category: str) -> tuple[int, int]:
+        """(bytes, rank) of the rank with the most of ``category`` at ``phase``'s peak."""
+        return max(((r.phases[phase].get(category, 0), r.rank) for r in self.ranks), key=lambda x: (x[0], -x[1]))
+
+
+def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, sync: dict[str, int],
+                  pipeline_seqs: Sequence[int]) -> RankEstimate:
+    """The figures of one built rank (module docstring)."""
+    t, par, gen = cfg.training, cfg.parallelism, cfg.generation
+    c, r, frozen, kv = (_itemsize(t.mixed_precision_param), _itemsize(t.rollout_dtype), _itemsize(t.frozen_dtype),
+                        _itemsize(t.kv_cache_dtype))
+    accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
+    rows, seq = cfg.ppo.microbatch_size, training_seq_len(cfg)
+    flavors = {ACTOR: FLAVORS[cfg.model.actor], CRITIC: FLAVORS[cfg.model.critic]}
+    actor = flavors[ACTOR]
+    n_mb = program.microbatches[ACTOR]
+
+    persistent: dict[str, int] = {}
+    for m, st in build.stages.items():
+        persistent[f"train_params_{m}"] = sum(x.local_bytes for x in st.tensors)
+    for m, st in build.stages.items():
+        persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors)
+    for name in ROLLOUT_MODELS:
+        persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout[name])
+    longest = cfg.data.max_prompt_len + gen.max_new_tokens
+    head_dim = actor.embed_dim // actor.num_heads
+    persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * longest * build.kv_heads * head_dim * kv
+    persistent["rope_buffers"] = sum(st.rope for st in build.stages.values()) + sum(build.rollout_rope.values())
+    pipe = 0
+    for m, st in build.stages.items():
+        kinds = (not st.first) + (not st.last)
+        pipe += sum(kinds * n_mb * rows * s * flavors[m].embed_dim * c for s in pipeline_seqs)
+    persistent["pipeline_buffers"] = pipe
+
+    per_mb = {m: stage_activation_bytes(flavors[m], st.layers, st.first, st.last, "policy" if m == ACTOR else "value",
+                                        rows, seq, c, par.tp) for m, st in build.stages.items()}
+    logits_mb = actor_logits_bytes(actor, rows, seq) if build.stages[ACTOR].last else 0
+    most, act_peak, at_peak = in_flight(program, build.coords["pp"], {ACTOR: per_mb[ACTOR] + logits_mb,
+                                                                         CRITIC: per_mb[CRITIC]})
+    logits_held = at_peak[ACTOR] * logits_mb
+    transients = {
+        "weight_sync_buffers": sync["total"],
+        "unsharded_params": sum(c * x.unsharded_numel() for st in build.stages.values() for x in st.tensors),
+        "unsharded_grads": sum(accum * x.unsharded_numel() for st in build.stages.values() for x in st.tensors),
+        "activations": act_peak - logits_held,
+        "actor_logits": logits_held,
+        "logits_transient": LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if logits_mb else 0,
+        "experience": 2 * cfg.ppo.batch_size * seq * EXPERIENCE_BYTES_PER_TOKEN,
+        "optimizer_step": sum(4 * x.local_numel for st in build.stages.values() for x in st.tensors),
+    }
+    g = par.gen_tp
+    filtering = gen.top_k > 0 or gen.top_p < 1.0
+    transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, cfg.data.max_prompt_len, r, g)
+    transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots, r, filtering)
+    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g)
+    transients["scoring_activations"], transients["scoring_logits"] = body, head
+    gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
+
+    def pick(*names: str) -> dict[str, int]:
+        return {n: transients[n] for n in names}
+
+    def larger(a: str, b: str) -> dict[str, int]:
+        return pick(a if transients[a] >= transients[b] else b)
+
+    moments = [
+        pick("unsharded_params", "unsharded_grads", "activations", "actor_logits", "logits_transient", "experience"),
+        {**pick("unsharded_params", "unsharded_grads", "experience"), **gradients},
+        {**gradients, **pick("optimizer_step", "experience")},
+    ]
+    phases = {
+        "weight_sync": {**persistent, **pick("weight_sync_buffers")},
+        "generation": {**persistent, **larger("prefill_activations", "decode_logits")},
+        "scoring": {**persistent, **larger("scoring_activations", "scoring_logits")},
+        "training": {**persistent, **max(moments, key=lambda d: sum(d.values()))},
+    }
+    details = {"in_flight_max": most, "in_flight_at_peak": at_peak, "activation_bytes_per_microbatch": per_mb,
+               "actor_logits_bytes_per_microbatch": logits_mb, "microbatches": n_mb, "seq_len": seq,
+               "gradients": gradients, "weight_sync_unit": sync, "scoring_microbatch": list(shape),
+               "stage_layers": {m: st.layers for m, st in build.stages.items()}}
+    return RankEstimate(build.rank, build.coords, persistent, transients, phases, details)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "", ranks: Sequence[int] | None = None,
+             program: LoweredProgram | None = None, pipeline_seqs: Sequence[int] | None = None,
+             pipeline_shapes: int = 1, progress: Callable[[str], None] | None = _progress) -> Estimate:
+    """Build the distinct ranks (or ``ranks``) of a ``world``-rank job on meta and estimate their memory.
+
+    ``program``: the lowered training program (default: :func:`fusedrl.train.plan_program`, the schedule search with
+    the config's budget); ``pipeline_seqs``: the sequence buckets whose pipeline stages are cached (default: the
+    ``pipeline_shapes`` longest buckets)."""
+    from fusedrl.train import plan_program
+
+    par = cfg.parallelism
+    world = par.pp * par.dp_shard * par.tp if world is None else world
+    validate_world_size(cfg, world)
+    say = progress or (lambda _: None)
+    wanted = list(ranks) if ranks is not None else distinct_ranks(cfg)
+    to_build = sorted(set(wanted) | {(pp * par.dp_shard) * par.tp for pp in range(par.pp)})
+    start = time.perf_counter()
+    builds: dict[int, RankBuild] = {}
+    for i, rank in enumerate(to_build, 1):
+        c = rank_coords(cfg, rank)
+        say(f"[memory] building rank {rank} ({i}/{len(to_build)}: pp={c['pp']} dp_shard={c['dp_shard']} tp={c['tp']}) "
+            f"of {world}, {time.perf_counter() - start:.1f}s")
+        builds[rank] = build_rank(cfg, rank, world)
+    syncs: dict[int, dict[str, int]] = {r: {"total": 0} for r in wanted}
+    fake_group(0, world)
+    try:
+        for model in (ACTOR, CRITIC):
+            say(f"[memory] planning the {model} weight sync over {world} ranks, {time.perf_counter() - start:.1f}s")
+            everyone = all_rank_boxes(cfg, world, builds, model)
+            per_rank = sync_transients(plan_for(everyone), everyone, 4, wanted)
+            for rank, figures in per_rank.items():
+                if figures["total"] > syncs[rank]["total"]:
+                    syncs[rank] = {**figures, "model": model}
+    finally:
+        dist.destroy_process_group()
+    if program is None:
+        say(f"[memory] planning the training program (schedule search budget {cfg.fusion.schedule_search_budget_s} s)")
+        program, _ = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
+    if pipeline_seqs is None:
+        longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        pipeline_seqs = list(evenly_spaced(longest))[-max(1, pipeline_shapes):]  # the last one is training_seq_len
+    results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs) for r in wanted]
+    say(f"[memory] done in {time.perf_counter() - start:.1f}s")
+    notes = [] if ranks is not None else [
+        f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP rank "
+        "0; the other ranks of a stage differ only by uneven FSDP2 chunks, and every rank holds the same rollout shares)"]
+    notes.append(f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (one stage pair is cached per "
+                 "trained bucket)")
+    return Estimate(config_name, world, results, notes)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _gib(n: float) -> float:
+    return n / GIB
+
+
+def categories(est: Estimate) -> list[str]:
+    """Every category that appears at some phase peak, persistent ones first."""
+    seen: dict[str, None] = {}
+    for r in est.ranks:
+        for name in r.persistent:
+            seen.setdefault(name)
+    for phase in PHASES:
+        for r in est.ranks:
+            for name in r.phases[phase]:
+                seen.setdefault(name)
+    return list(seen)
+
+
+def format_table(est: Estimate, device_gib: float) -> str:
+    """Per category and phase: the largest bytes over ranks (GiB) and the rank holding them; then per rank."""
+    width = 14
+    lines = [f"memory per rank: {est.config}, {est.world} ranks (GiB at each phase's peak, max over ranks, rank)"]
+    lines.append(f"{'category':<22}" + "".join(f"{p:>{width}}" for p in PHASES))
+    for name in categories(est):
+        cells = []
+        for phase in PHASES:
+            value, rank = est.max_over_ranks(phase, name)
+            cells.append(f"{_gib(value):>8.3f} r{rank:<4}" if value else f"{'-':>8}      ")
+        lines.append(f"{name:<22}" + "".join(f"{c:>{width}}" for c in cells))
+    peaks = []
+    for phase in PHASES:
+        value, rank = max((r.phase_peak(phase), r.rank) for r in est.ranks)
+        peaks.append(f"{_gib(value):>8.3f} r{rank:<4}")
+    lines.append(f"{'phase peak':<22}" + "".join(f"{c:>{width}}" for c in peaks))
+    lines.append("")
+    lines.append(f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'persistent':>11} {'peak':>8}  {'phase':<12} in flight (actor, critic)")
+    for r in est.ranks:
+        value, phase = r.peak
+        flight = r.details["in_flight_max"]
+        lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {r.coords['dp_shard']:>3} {r.coords['tp']:>3} "
+                     f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} {flight[ACTOR]}, {flight[CRITIC]}")
+    persistent = max(r.persistent_total for r in est.ranks)
+    peak, worst = max((r.peak[0], r.rank) for r in est.ranks)
+    lines.append("")
+    lines.extend(f"note: {n}" for n in est.notes)
+    verdict = "fits" if _gib(peak) <= device_gib else "does NOT fit"
+    lines.append(f"per-rank persistent {_gib(persistent):.2f} GiB, per-rank peak {_gib(peak):.2f} GiB (rank {worst}, "
+                 f"{est.ranks[[r.rank for r in est.ranks].index(worst)].peak[1]}): {verdict} in {device_gib:g} GiB")
+    return "\n".join(lines)
+
+
+def to_json(est: Estimate, device_gib: float) -> dict:
+    """The ``--json`` object: maxima over ranks in GiB, and every rank's figures."""
+    phases = {}
+    for phase in PHASES:
+        value, rank = max((r.phase_peak(phase), r.rank) for r in est.ranks)
+        phases[phase] = {"peak_gib": round(_gib(value), 3), "rank": rank,
+                         "categories_gib": {n: round(_gib(est.max_over_ranks(phase, n)[0]), 3)
+                                            for n in categories(est) if est.max_over_ranks(phase, n)[0]}}
+    peak = max(r.peak[0] for r in est.ranks)
+    ranks = {str(r.rank): {"coords": r.coords, "persistent_gib": round(_gib(r.persistent_total), 3),
+                           "peak_gib": round(_gib(r.peak[0]), 3), "peak_phase": r.peak[1],
+                           "persistent": r.persistent, "transients": r.transients,
+                           "phase_peaks_gib": {p: round(_gib(r.phase_peak(p)), 3) for p in PHASES},
+                           "in_flight_max": r.details["in_flight_max"]} for r in est.ranks}
+    return {"config": est.config, "world": est.world, "device_gib": device_gib,
+            "per_rank_persistent_gib": round(_gib(max(r.persistent_total for r in est.ranks)), 3),
+            "per_rank_peak_gib": round(_gib(peak), 3), "fits": _gib(peak) <= device_gib, "phases": phases,
+            "ranks": ranks}
+
+
+# ---------------------------------------------------------------------------------------------- --measure
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shards)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
+    out = set()
+    for t in tensors:
+        if t is not None:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def _stage_buffers(stage: Any) -> list[torch.Tensor]:
+    """The receive and gradient-receive buffers a ``PipelineStage`` preallocated."""
+    out = []
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        out.extend(i.buffer for i in infos if getattr(i, "buffer", None) is not None)
+    return out
+
+
+def _fsdp_unsharded_grads(module: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's accumulated unsharded gradients of ``module`` (torch internals: read-only, for measurement)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for p in getattr(group, "fsdp_params", ()):
+            grad = p.unsharded_accumulated_grad
+            if grad is None and hasattr(p, "_unsharded_param"):
+                grad = p._unsharded_param.grad
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
+def _profile_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` under the profiler with CPU memory events; (its result, peak net bytes allocated during it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return result, peak
+
+
+class _SavedTensors:
+    """Live bytes of autograd's saved tensors (and held stage outputs) per in-flight micro-batch of a training step.
+
+    ``PipelineStage.forward_one_chunk`` sets the current micro-batch (the loss that follows is charged to it too);
+    a full backward releases it. Storages of parameters, buffers and receive buffers are left out at the end.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple, dict[int, int]]] = []
+        self.current: tuple | None = None
+        self.excluded: set[int] = set()
+        self.per_key: dict[tuple, dict[int, int]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None and not t.is_meta:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            s = local.untyped_storage()
+            self.per_key.setdefault(self.current, {})[s.data_ptr()] = s.nbytes()
+        return t
+
+    def forward(self, key: tuple, output: Any, stage: Any) -> None:
+        self.current = key
+        outputs = output if isinstance(output, tuple) else (output,)
+        held = self.per_key.setdefault(key, {})
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                local = o.to_local() if isinstance(o, DTensor) else o
+                held[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        self.events.append(("F", key, held))
+        self.excluded |= _ptrs(stage.submod.parameters()) | _ptrs(stage.submod.buffers()) | _ptrs(_stage_buffers(stage))
+
+    def release(self, key: tuple) -> None:
+        self.events.append(("B", key, {}))
+
+    def peak(self) -> tuple[int, dict[tuple, int]]:
+        """(largest live bytes over the step, bytes per micro-batch key)."""
+        sizes = {k: sum(n for p, n in v.items() if p not in self.excluded) for k, v in self.per_key.items()}
+        live, peak = set(), 0
+        for kind, key, _ in self.events:
+            (live.add if kind == "F" else live.discard)(key)
+            peak = max(peak, sum(sizes[k] for k in live))
+        return peak, sizes
+
+
+def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
+    """On every rank: run the trainer for two iterations and sum the live bytes of each category."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from fusedrl.train import Trainer
+
+    cfg = load_config([*argv, f"--job.output_dir={out}"])
+    trainer = Trainer(cfg)
+    layout, rollout, engine = trainer.layout, trainer.rollout, trainer.engine
+    stage_modules = {ACTOR: layout.actor_stage, CRITIC: layout.critic_stage}
+    got: dict[str, Any] = {"unsharded": {}, "sync": {}, "profiled": {}, "activations": {}}
+    names = {id(layout.actor_stage): ACTOR, id(layout.critic_stage): CRITIC}
+
+    # weight sync: bytes of each unit's P2P batch (sends and receive buffers)
+    def wrap_sync(sync: Any, model: str) -> None:
+        original = sync.sync
+        real_batch = dist.batch_isend_irecv
+
+        def batch(ops: list) -> Any:
+            got["sync"][model] = max(got["sync"].get(model, 0), sum(o.tensor.numel() * o.tensor.element_size() for o in ops))
+            return real_batch(ops)
+
+        def wrapped() -> Any:
+            with mock.patch.object(dist, "batch_isend_irecv", batch):
+                result, peak = _profile_peak(original)
+            got["profiled"][f"weight_sync_{model}"] = max(got["profiled"].get(f"weight_sync_{model}", 0), peak)
+            return result
+        sync.sync = wrapped
+
+    for sync, model in zip(trainer.syncs, (ACTOR, CRITIC)):
+        wrap_sync(sync, model)
+
+    # training: unsharded params / grads before the reduction; saved tensors per micro-batch
+    saved = _SavedTensors()
+    real_reduce, real_forward, real_backward = (PipelineStage.perform_reduce_grad, PipelineStage.forward_one_chunk,
+                                                PipelineStage.backward_one_chunk)
+
+    def reduce(self: PipelineStage, *args: Any, **kwargs: Any) -> Any:
+        model = names[id(self.submod)]
+        params = [p for p in self.submod.parameters() if not isinstance(p, DTensor)]
+        figures = {"params": _storage_bytes(params), "grads": _storage_bytes(_fsdp_unsharded_grads(self.submod))}
+        old = got["unsharded"].get(model, {"params": 0, "grads": 0})
+        got["unsharded"][model] = {k: max(old[k], v) for k, v in figures.items()}
+        return real_reduce(self, *args, **kwargs)
+
+    def forward(self: PipelineStage, mb: int, *args: Any, **kwargs: Any) -> Any:
+        saved.current = (names[id(self.submod)], mb)
+        output = real_forward(self, mb, *args, **kwargs)
+        saved.forward((names[id(self.submod)], mb), output, self)
+        return output
+
+    def backward(self: PipelineStage, mb: int, *args: Any, **kwargs: Any) -> Any:
+        saved.current = None
+        result = real_backward(self, mb, *args, **kwargs)
+        if kwargs.get("full_backward", True):
+            saved.release((names[id(self.submod)], mb))
+        return result
+
+    schedule_step = layout.schedule.step
+    steps_seen = [0]
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        steps_seen[0] += 1
+        saved.__init__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+        with hooks, mock.patch.multiple(PipelineStage, perform_reduce_grad=reduce, forward_one_chunk=forward,
+                                        backward_one_chunk=backward):
+            if steps_seen[0] == 2:  # the second minibatch: stages already built
+                result, peak = _profile_peak(lambda: schedule_step(*args, **kwargs))
+                got["profiled"]["training_step"] = peak
+            else:
+                result = schedule_step(*args, **kwargs)
+        peak, sizes = saved.peak()
+        if peak > got["activations"].get("peak", 0):
+            got["activations"] = {"peak": peak, "per_microbatch": {m: max((v for (mm, _), v in sizes.items() if mm == m),
+                                                                          default=0) for m in (ACTOR, CRITIC)}}
+        return result
+    layout.schedule.step = step
+
+    # gradients at the optimizer step
+    for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
+        def opt_step(*args: Any, _opt: Any = opt, _model: str = model, _original: Any = opt.step, **kwargs: Any) -> Any:
+            key = f"gradients_{_model}"
+            got[key] = max(got.get(key, 0), _storage_bytes(p.grad for p in stage_modules[_model].parameters()))
+            return _original(*args, **kwargs)
+        opt.step = opt_step
+
+    # generation and scoring transients (profiled)
+    scorer = trainer.controller.score.__self__
+    real_score_mb, real_prefill, real_decode = scorer._score_micro_batch, engine._prefill, engine._decode_step
+
+    def score_mb(samples: list) -> Any:
+        width = max(s.num_tokens for s in samples)
+        result, peak = _profile_peak(lambda: real_score_mb(samples))
+        shape = (len(samples), width)
+        best = got["profiled"].get("scoring")
+        if best is None or peak > best["peak"]:
+            got["profiled"]["scoring"] = {"peak": peak, "shape": shape}
+        return result
+
+    def prefill(slots: list) -> Any:
+        width = max(len(s.request.prompt) + len(s.generated[:-1]) for s in slots)
+        result, peak = _profile_peak(lambda: real_prefill(slots))
+        best = got["profiled"].get("prefill")
+        if best is None or peak > best["peak"]:
+            got["profiled"]["prefill"] = {"peak": peak, "shape": (len(slots), width)}
+        return result
+
+    decodes = [0]
+
+    def decode_step() -> Any:
+        decodes[0] += 1
+        if decodes[0] % 8 != 3:
+            return real_decode()
+        b = len(engine._active)
+        result, peak = _profile_peak(real_decode)
+        best = got["profiled"].get("decode")
+        if best is None or peak > best["peak"]:
+            got["profiled"]["decode"] = {"peak": peak, "rows": b}
+        return result
+    scorer._score_micro_batch, engine._prefill, engine._decode_step = score_mb, prefill, decode_step
+
+    for step_number in (1, 2):
+        trainer.train_step(step_number)
+
+    persistent = {}
+    for model, module in stage_modules.items():
+        persistent[f"train_params_{model}"] = _storage_bytes(module.parameters())
+    for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
+        persistent[f"optimizer_{model}"] = _storage_bytes(v for s in opt.state.values() for k, v in s.items()
+                                                          if k != "step" and isinstance(v, torch.Tensor))
+    for name in ROLLOUT_MODELS:
+        persistent[f"rollout_{name}"] = _storage_bytes(getattr(rollout, name).parameters())
+    persistent["kv_cache"] = _storage_bytes(b for n, b in engine._forward.named_buffers() if n[:2] in ("k_", "v_"))
+    persistent["rope_buffers"] = _storage_bytes(b for m in (*stage_modules.values(), *(getattr(rollout, n) for n in ROLLOUT_MODELS))
+                                                for b in m.buffers())
+    stages = list(layout.schedule._stages.items())
+    persistent["pipeline_buffers"] = _storage_bytes(b for _, st in stages for b in _stage_buffers(st))
+    got["pipeline_seqs"] = sorted({key[2][1] for key, _ in stages})
+    got["persistent"] = persistent
+    got["program"] = layout.schedule.program
+    got["rank"] = dist.get_rank()
+    return got
+
+
+def measure(argv: list[str], world: int) -> list[dict[str, Any]]:
+    """Run the config through the real trainer on ``world`` CPU ranks; per-rank measured bytes."""
+    import tempfile
+
+    from fusedrl.testing import run_multirank
+
+    with tempfile.TemporaryDirectory() as out:
+        return run_multirank(_measure_worker, world, argv, out, timeout_s=1800.0)
+
+
+@dataclass
+class Comparison:
+    rank: int
+    category: str
+    measured: int
+    estimated: int
+    gated: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.measured / self.estimated if self.estimated else (1.0 if not self.measured else float("inf"))
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE
+
+
+def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> list[Comparison]:
+    """Measured vs estimated per rank and category (gated: must agree within 10%; else informational)."""
+    out: list[Comparison] = []
+    t, gen = cfg.training, cfg.generation
+    r, g = _itemsize(t.rollout_dtype), cfg.parallelism.gen_tp
+    actor = FLAVORS[cfg.model.actor]
+    for m, e in zip(measured, est.ranks):
+        for name, value in m["persistent"].items():
+            out.append(Comparison(e.rank, name, value, e.persistent[name], True))
+        for model in (ACTOR, CRITIC):
+            out.append(Comparison(e.rank, f"gradients_{model}", m.get(f"gradients_{model}", 0),
+                                  e.details["gradients"][f"gradients_{model}"], True))
+        unsharded = {k: sum(v[k] for v in m["unsharded"].values()) for k in ("params", "grads")}
+        out.append(Comparison(e.rank, "unsharded_params", unsharded["params"], e.transients["unsharded_params"], True))
+        out.append(Comparison(e.rank, "unsharded_grads", unsharded["grads"], e.transients["unsharded_grads"], True))
+        out.append(Comparison(e.rank, "activations+actor_logits", m["activations"]["peak"],
+                              e.transients["activations"] + e.transients["actor_logits"], True))
+        unit = e.details["weight_sync_unit"]
+        out.append(Comparison(e.rank, "weight_sync_buffers (send+recv)", max(m["sync"].values(), default=0),
+                              unit.get("recv", 0) + unit.get("send", 0), True))
+        prof = m["profiled"]
+        if "scoring" in prof:
+            rows, width = prof["scoring"]["shape"]
+            body, head = scoring_bytes(actor, rows, width, r, g)
+            out.append(Comparison(e.rank, f"scoring micro-batch {rows}x{width} (profiled)", prof["scoring"]["peak"],
+                                  max(body, head), False))
+        if "prefill" in prof:
+            rows, width = prof["prefill"]["shape"]
+            out.append(Comparison(e.rank, f"prefill {rows}x{width} (profiled)", prof["prefill"]["peak"],
+                                  prefill_bytes(actor, rows, width, r, g), False))
+        if "decode" in prof:
+            out.append(Comparison(e.rank, f"decode step, {gen.max_slots} slots (profiled)", prof["decode"]["peak"],
+                                  decode_logits_bytes(actor, gen.max_slots, r, gen.top_k > 0 or gen.top_p < 1.0), False))
+        if "training_step" in prof:
+            tr = e.transients
+            out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"],
+                                  tr["unsharded_params"] + tr["unsharded_grads"] + tr["activations"] + tr["actor_logits"]
+                                  + tr["logits_transient"] + e.details["gradients"]["gradients_actor"]
+                                  + e.details["gradients"]["gradients_critic"], False))
+        sync_peak = max((v for k, v in prof.items() if k.startswith("weight_sync")), default=None)
+        if sync_peak is not None:
+            out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"], False))
+    return out
+
+
+def format_comparison(rows: list[Comparison]) -> str:
+    lines = [f"{'rank':>4}  {'category':<44}{'measured MiB':>14}{'estimated MiB':>15}{'ratio':>8}  check"]
+    for c in rows:
+        check = ("ok" if c.ok else "OFF BY >10%") if c.gated else "informational"
+        lines.append(f"{c.rank:>4}  {c.category:<44}{c.measured / 2**20:>14.3f}{c.estimated / 2**20:>15.3f}"
+                     f"{c.ratio:>8.3f}  {check}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedrl.bench.memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None, help="TOML job config (default with --measure: a debug_large run "
+                        f"of {MEASURE_CONFIG})")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default pp * dp_shard * tp; 4 with --measure)")
+    parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    parser.add_argument("--measure", action="store_true", help="run the config through the real trainer on CPU ranks "
+                        "and compare with the estimate")
+    parser.add_argument("--device-gib", type=float, default=80.0, help="device memory to check the peak against")
+    parser.add_argument("--pipeline-shapes", type=int, default=1,
+                        help="sequence buckets whose pipeline stages (and buffers) are assumed cached (default 1)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=")[0]]
+    if bad:
+        parser.error(f"unexpected arguments {bad}; config overrides look like --section.key=value")
+    if args.measure:
+        return _main_measure(args, overrides)
+    if args.config is None:
+        parser.error("--config is required (or --measure)")
+    try:
+        cfg = load_config(["--job.config_file", args.config, *overrides])
+        est = estimate(cfg, args.world, config_name=args.config, pipeline_shapes=args.pipeline_shapes)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(est, args.device_gib))
+    if args.json:
+        print(json.dumps(to_json(est, args.device_gib)))
+    return 0
+
+
+def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
+    config = args.config or MEASURE_CONFIG
+    argv = ["--job.config_file", config, *(MEASURE_OVERRIDES if args.config is None else ()), *overrides, *_RUN_OVERRIDES]
+    try:
+        cfg = load_config(argv)
+        world = args.world or cfg.parallelism.pp * cfg.parallelism.dp_shard * cfg.parallelism.tp
+        validate_world_size(cfg, world)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _progress(f"[memory] running {config} through the trainer on {world} CPU ranks (2 iterations)")
+    measured = sorted(measure(argv, world), key=lambda m: m["rank"])
+    est = estimate(cfg, world, config_name=config, ranks=list(range(world)), program=measured[0]["program"],
+                   pipeline_seqs=measured[0]["pipeline_seqs"])
+    rows = compare(cfg, measured, est)
+    print(format_table(est, args.device_gib))
+    print()
+    print(f"measured (real trainer, {world} CPU ranks, 2 iterations) vs estimated, per rank and category:")
+    print(format_comparison(rows))
+    gated = [c for c in rows if c.gated]
+    failed = [c for c in gated if not c.ok]
+    print(f"{len(gated) - len(failed)}/{len(gated)} compared categories within {TOLERANCE:.0%}"
+          + ("" if not failed else f"; off: {', '.join(sorted({c.category for c in failed}))}"))
+    if args.json:
+        result = to_json(est, args.device_gib)
+        result["comparison"] = [{"rank": c.rank, "category": c.category, "measured": c.measured,
+                                 "estimated": c.estimated, "ratio": round(c.ratio, 4), "gated": c.gated} for c in rows]
+        result["comparison_ok"] = not failed
+        print(json.dumps(result))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The one place fusedrl touches torch internals (private modules and methods), each with the reason.
+
+Everything else in fusedrl uses public torch APIs; when a torch upgrade moves one of these, only this file
+changes.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+
+def prepare_static_stage(stage: PipelineStage, num_microbatches: int) -> None:
+    """Set up a ``PipelineStage`` built with static example inputs/outputs for ``num_microbatches`` with
+    backward, without the shape-inference P2P exchange. The stock schedules do this inside their ``step``;
+    fusedrl's executor drives two models' stages itself, so it calls the stages' own preparation."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    stage.has_backward = True
+    stage._inference_mode = InferenceMode.STATIC
+    stage._prepare_forward_infra(num_microbatches, None, {}, has_backward=True)
+    stage._prepare_backward_infra(num_microbatches)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group that performs no communication (torch's test-only "fake" backend), for building the
+    real layouts of a large job on the meta device in one process (``python -m fusedrl.bench.memory``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

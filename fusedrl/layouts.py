@@ -1,0 +1,197 @@
+"""The job's two layouts of the four PPO models, built on the meta device and materialized shard by shard.
+
+- **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
+  rank pp-1-j) x tensor parallelism over ``tp`` x FSDP2 over ``dp_shard``, with a mixed-precision policy
+  (``training.mixed_precision_*``: compute in bf16, float32 master weights, optimizer state and gradient
+  reduction).
+- **Rollout**: ``gen_tp`` consecutive ranks form one generation instance (``world / gen_tp`` instances). Each
+  instance holds the engine's Actor, the Reference, the Reward and the scoring Critic, tensor-parallel over its
+  ranks (DTensors: attention and MLP sharded, embedding, norms and heads replicated), in
+  ``training.rollout_dtype`` / ``training.frozen_dtype``.
+
+Nothing is replicated across ranks that a layout shards: every model is built on the meta device, parallelized
+there, then ``to_empty``-ed on the device and filled with only this rank's shards, read as slices from the HF
+checkpoint (``fusedrl.models.load_hf_weights``). Without a checkpoint (random initialisation, for tests and
+debug runs) the whole model is built once in host memory from a seed and sliced the same way. The rollout copies
+of the trained models get their weights from the weight sync, not from here.
+
+:func:`build_layouts` with ``materialize=False`` stops before allocating anything: ``python -m fusedrl.bench.memory``
+measures the real module trees and shardings that way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fusedrl.config import JobConfig
+from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder
+from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
+
+
+@dataclass
+class TrainingLayout:
+    """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models."""
+
+    mesh: DeviceMesh
+    pp_group: dist.ProcessGroup
+    pp_rank: int
+    dp_rank: int
+    pp: int
+    dp: int
+    tp: int
+    actor_stage: nn.Module
+    critic_stage: nn.Module
+
+
+@dataclass
+class RolloutLayout:
+    """This rank's generation instance and its tensor-parallel rollout models.
+
+    ``group`` holds one rank per instance (the ranks of this rank's TP index: request states travel there),
+    ``control_group`` the same ranks on gloo, ``instance_group`` this instance's ranks (gloo; None when
+    gen_tp = 1). See :class:`fusedrl.fusion.MigrationController`.
+    """
+
+    mesh: DeviceMesh
+    instance: int
+    instances: int
+    gen_tp: int
+    actor: nn.Module  # the engine's Actor, refreshed by weight sync
+    critic: nn.Module  # the scoring Critic, refreshed by weight sync
+    reference: nn.Module
+    reward: nn.Module
+    group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+    instance_group: dist.ProcessGroup | None
+
+
+def dims_of(cfg: JobConfig, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    return ParallelDims(pp=p.pp, dp_shard=p.dp_shard, tp=p.tp, gen_tp=p.gen_tp, world_size=world_size)
+
+
+def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> TrainingLayout:
+    """Split Actor and Critic into pipeline stages, tensor-parallelize them over ``tp`` and shard them with FSDP2
+    over ``dp_shard`` (collective). Parameters stay on the meta device unless ``materialize``."""
+    dims = dims_of(cfg, dist.get_world_size())
+    mesh = dims.build_mesh(device.type)
+    pp_rank = mesh["pp"].get_local_rank()
+    t = cfg.training
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
+
+    def stage(flavor: str, role: str, index: int) -> nn.Module:
+        module = split_decoder(build_model(flavor, role, device="meta"), dims.pp)[index]
+        if dims.tp > 1:
+            apply_tp(module, mesh["tp"])
+        # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
+        apply_fsdp(module, mesh["dp_shard"], mp_policy=policy, reshard_after_forward=False)
+        if materialize:
+            module.to_empty(device=device)
+        return module
+
+    actor = stage(cfg.model.actor, "policy", pp_rank)
+    critic = stage(cfg.model.critic, "value", dims.pp - 1 - pp_rank)
+    return TrainingLayout(mesh, mesh.get_group("pp"), pp_rank, mesh["dp_shard"].get_local_rank(), dims.pp,
+                          dims.dp_shard, dims.tp, actor, critic)
+
+
+def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> RolloutLayout:
+    """The generation instances and their tensor-parallel models (collective). Meta unless ``materialize``."""
+    dims = dims_of(cfg, dist.get_world_size())
+    mesh = dims.build_gen_mesh(device.type)
+    t, m = cfg.training, cfg.model
+
+    def model(flavor: str, role: str, dtype: str) -> nn.Module:
+        module = build_model(flavor, role, device="meta").to(DTYPES[dtype])
+        if dims.gen_tp > 1:
+            apply_tp(module, mesh["gen_tp"])
+        if materialize:
+            module.to_empty(device=device)
+            init_rope_buffers(module)
+        return module.eval().requires_grad_(False)
+
+    group = mesh["gen_dp"].get_group()
+    # torch's "fake" backend (memory estimates on the meta device) communicates nothing: no gloo copies needed
+    gloo = dist.get_backend(group) in ("gloo", "fake")
+    control = group if gloo else _gloo_copy(mesh, "gen_dp")
+    instance = None if dims.gen_tp == 1 else (mesh["gen_tp"].get_group() if gloo else _gloo_copy(mesh, "gen_tp"))
+    return RolloutLayout(
+        mesh, mesh["gen_dp"].get_local_rank(), dims.num_gen_instances, dims.gen_tp,
+        actor=model(m.actor, "policy", t.rollout_dtype), critic=model(m.critic, "value", t.rollout_dtype),
+        reference=model(m.actor, "policy", t.frozen_dtype), reward=model(m.reward, "value", t.frozen_dtype),
+        group=group, control_group=control, instance_group=instance,
+    )
+
+
+def _gloo_copy(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
+    """A gloo group of the ranks that share this rank's coordinate on every mesh dim but ``dim`` (collective:
+    every rank creates every such group, in the same order)."""
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(dim), -1).reshape(-1, mesh.size(mesh.mesh_dim_names.index(dim)))
+    mine = None
+    for row in ranks.tolist():
+        g = dist.new_group(row, backend="gloo")
+        if dist.get_rank() in row:
+            mine = g
+    assert mine is not None
+    return mine
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: RolloutLayout) -> None:
+    """Fill the training stages, the Reference and the Reward from their checkpoints (this rank's slices only),
+    or from a seeded random initialisation (every rank draws the same full model). The rollout copies of the
+    Actor and the Critic are filled by the first weight sync."""
+    m = cfg.model
+    actor = _source(cfg, m.actor, "policy", m.actor_path, offset=0)
+    actor(training.actor_stage)
+    _source(cfg, m.critic, "value", m.critic_path, offset=1)(training.critic_stage)
+    (_source(cfg, m.actor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
+    _source(cfg, m.reward, "value", m.reward_path, offset=2)(rollout.reward)
+
+
+def _source(cfg: JobConfig, flavor: str, role: str, path: str | None, offset: int) -> Callable[[nn.Module], None]:
+    """A function filling a module of (flavor, role) from ``path`` or from the seeded random initialisation."""
+    if path:
+        def from_checkpoint(module: nn.Module) -> None:
+            if role == "policy":
+                load_hf_weights(module, path, flavor, role)
+                return
+            try:  # a value model from a value checkpoint, or from an LM checkpoint with a fresh head
+                load_hf_weights(module, path, flavor, role)
+            except CheckpointError as value_error:
+                torch.manual_seed(cfg.job.seed * 7919 + offset)  # the fresh head is the same on every rank
+                try:
+                    load_hf_weights(module, path, flavor, role, init_value_head_from_lm=True)
+                except CheckpointError:
+                    raise value_error from None
+        return from_checkpoint
+    state: dict[str, torch.Tensor] = {}
+
+    def from_seed(module: nn.Module) -> None:
+        if not state:  # built once per model, whatever the number of modules filled from it
+            torch.manual_seed(cfg.job.seed * 7919 + offset)
+            state.update(build_model(flavor, role).state_dict())
+        load_state_slices(module, state)
+    return from_seed
+
+
+def random_init_params(flavor: str) -> int:
+    """Parameters of ``flavor`` (what a random initialisation builds in host memory)."""
+    f = FLAVORS[flavor]
+    layer = 2 * f.embed_dim * (f.num_heads + f.num_kv_heads) * (f.embed_dim // f.num_heads) + 3 * f.embed_dim * f.intermediate_dim
+    return f.vocab_size * f.embed_dim * (1 if f.tie_word_embeddings else 2) + f.num_layers * layer
