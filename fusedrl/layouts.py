@@ -93,7 +93,8 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
     def stage(flavor: str, role: str, index: int) -> nn.Module:
-        module = split_decoder(build_model(flavor, role, device="meta"), dims.pp)[index]
+        # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
+        module = split_decoder(build_model(flavor, role, device="meta"), dims.pp, apply_head=role == "value")[index]
         if dims.tp > 1:
             apply_tp(module, mesh["tp"])
         # unsharded between a micro-batch's forward and backward: one all-gather per stage and step

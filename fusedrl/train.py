@@ -202,7 +202,9 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     compute = DTYPES[cfg.training.mixed_precision_param]
     layout.schedule = FusedPipelineSchedule(
         program,
-        StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo), actor.embed_dim, actor.vocab_size, compute),
+        # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
+        StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=layout.actor_stage.output),
+                    actor.embed_dim, actor.embed_dim, compute),
         StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute),
         group=layout.pp_group,
         device=device,

@@ -173,3 +173,37 @@ def _nccl_gradients(programs):
 def test_gradients_match_reference_over_nccl():
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
     run_multirank(_nccl_gradients, 2, programs, timeout_s=180.0)
+
+
+def _chunked_head_gradients(program) -> None:
+    """pp=2: the Actor's last stage returns hidden states and PolicyLoss applies the LM head in chunks of 3
+    positions; gradients must equal a single process's with the full-logits PolicyLoss."""
+    from fusedrl.rlhf import PolicyLoss, ValueLoss
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    actor, critic = build_model("debug", "policy"), build_model("debug", "value")
+    ref_actor, ref_critic = copy.deepcopy(actor), copy.deepcopy(critic)
+    a_stage = split_decoder(actor, 2, apply_head=False)[rank]
+    c_stage = split_decoder(critic, 2)[1 - rank]
+    loss = PolicyLoss(head=a_stage.output, chunk_positions=3) if rank == 1 else PolicyLoss()
+    ex = FusedPipelineSchedule(program, StageModule(a_stage, loss, 64, 64), StageModule(c_stage, ValueLoss(), 64, 1))
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 512, (4, SEQ), generator=g)
+    mask = (torch.rand(4, SEQ, generator=g) > 0.3).float()
+    actor_t = {"tokens": tokens, "response_mask": mask, "logprobs": -6.0 + 0.1 * torch.randn(4, SEQ, generator=g),
+               "advantages": torch.randn(4, SEQ, generator=g)}
+    critic_t = {"response_mask": mask, "values": torch.randn(4, SEQ, generator=g), "returns": torch.randn(4, SEQ, generator=g)}
+    ex.step(tokens, tokens, actor_t, critic_t)
+    for x, t in _micro(tokens, actor_t, 2):
+        (PolicyLoss()(ref_actor(x), t)[0] / 2).backward()
+    for x, t in _micro(tokens, critic_t, 2):
+        (ValueLoss()(ref_critic(x), t)[0] / 2).backward()
+    for stage, ref in ((a_stage, ref_actor), (c_stage, ref_critic)):
+        want = dict(ref.named_parameters())
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name}: {s}")
+
+
+def test_chunked_lm_head_in_the_loss_gives_the_full_logits_gradients():
+    run_multirank(_chunked_head_gradients, 2, _program("fused", 2, 2, 2), timeout_s=120.0)

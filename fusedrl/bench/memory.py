@@ -137,6 +137,11 @@ LOGITS_TRANSIENT_MULTIPLE = 3
 """Extra float32 ``[b, s-1, V]`` tensors alive during the Actor's policy loss (entropy) and its backward."""
 SCORING_CHUNK_MULTIPLE = 2
 """Float32 logits chunks alive at once in the Reference's chunked head: the chunk and its log-softmax."""
+CHUNKED_HEAD_MULTIPLE = 4
+"""Float32 logits chunks alive at once in the policy loss's chunked LM head (forward: logits, log-softmax, exp,
+product; its checkpointed backward stays below)."""
+LOSS_BYTES_PER_TOKEN = 36
+"""Small per-token tensors a PPO loss saves (masks, ratios, clipped values)."""
 SAMPLING_BYTES = 24
 """Float32 ``[slots, V]`` tensors of one decode step's sampling, in bytes per entry (six of them)."""
 FILTER_BYTES = 25
@@ -181,21 +186,25 @@ def layer_activation_bytes(f: ModelFlavor, tokens: int, c: int, tp: int) -> int:
 
 
 def stage_activation_bytes(f: ModelFlavor, layers: int, first: bool, last: bool, role: str, rows: int, seq: int,
-                           c: int, tp: int) -> int:
-    """Bytes one in-flight micro-batch holds on a training stage, the Actor's logits excluded."""
+                           c: int, tp: int, head_in_loss: bool = False) -> int:
+    """Bytes one in-flight micro-batch holds on a training stage, the Actor's full logits excluded.
+
+    ``head_in_loss``: the stage returns its final hidden states (float32) and the policy loss applies the LM head
+    in checkpointed chunks (``split_decoder(..., apply_head=False)``, ``PolicyLoss(head=...)``)."""
     tokens, d = rows * seq, f.embed_dim
     total = layers * layer_activation_bytes(f, tokens, c, tp)
     if first:
         total += 8 * tokens  # token ids saved by the embedding
     elif c == 4 and layers:
         total -= 4 * tokens * d  # the first norm's float32 input is the receive buffer itself
-    if last:
-        total += tokens * (8 * d + c * d)  # final norm
-        if role == "value":
-            total += tokens * (c + 4)  # value head output and its float32 copy
-    else:
-        total += tokens * c * d  # the stage output, held until its backward
-    return total
+    if not last:
+        return total + tokens * c * d  # the stage output, held until its backward
+    total += tokens * (8 * d + LOSS_BYTES_PER_TOKEN)  # final norm's saved float32 tensors; the loss's own
+    if role == "value":
+        return total + tokens * (c * d + c + 4)  # normed input saved by the value head; its output, float32 copy
+    if head_in_loss:  # float32 hidden output (held) and the loss's compute-dtype copy (checkpoint input)
+        return total + tokens * (4 * d + (c * d if c != 4 else 0))
+    return total + tokens * c * d  # normed input saved by the LM head
 
 
 def actor_logits_bytes(f: ModelFlavor, rows: int, seq: int) -> int:
@@ -309,6 +318,7 @@ class StageInfo:
     last: bool
     tensors: list[TensorInfo]
     rope: int
+    head_in_loss: bool  # a last stage that returns hidden states (the loss applies the LM head in chunks)
 
 
 @dataclass
@@ -356,8 +366,10 @@ def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
         stages = {}
         for model, module, index in ((ACTOR, training.actor_stage, training.pp_rank),
                                      (CRITIC, training.critic_stage, training.pp - 1 - training.pp_rank)):
-            stages[model] = StageInfo(model, index, len(module.layers), module.tok_embeddings is not None,
-                                      module.output is not None, describe(module), rope_bytes(module))
+            last = module.output is not None
+            stages[model] = StageInfo(model, index, len(module.layers), module.tok_embeddings is not None, last,
+                                      describe(module), rope_bytes(module),
+                                      last and not getattr(module, "apply_head", True))
         models = {name: getattr(rollout, name) for name in ROLLOUT_MODELS}
         kv_heads = models["actor"].layers[0].attn.num_kv_heads  # apply_tp divided it by gen_tp
         return RankBuild(rank, rank_coords(cfg, rank), stages, {n: describe(m) for n, m in models.items()},
@@ -467,25 +479,43 @@ def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_it
 # ---------------------------------------------------------------------------------------------- the estimate
 
 
-def in_flight(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int]) -> tuple[dict[str, int], int, dict[str, int]]:
-    """Along ``pp_rank``'s program: per model the most micro-batches held at once, the largest
-    ``sum(count x per_mb bytes)``, and the counts at that moment."""
+def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int], logits_mb: int,
+                  params: dict[str, int], grads: dict[str, int], loss_transient: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
+
+    A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
+    backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
+    gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B when this
+    rank holds its last stage (``logits_mb`` or ``loss_transient`` non-zero). Returns (per model the most
+    micro-batches held at once, the categories live at the largest moment)."""
     count = {ACTOR: 0, CRITIC: 0}
     most = dict(count)
-    peak, at_peak = 0, dict(count)
+    gathered: set[str] = set()
+    graded: set[str] = set()
     split = {m: any(a.kind == "W" for a in program.programs[pp_rank] if a.model == m) for m in count}
+    best: dict[str, int] = {}
     for a in program.programs[pp_rank]:
-        if a.kind == "F":
-            count[a.model] += 1
-        elif a.kind == ("W" if split[a.model] else "B"):
-            count[a.model] -= 1
-        else:
+        if a.kind not in ("F", "B", "I", "W"):
             continue
-        most[a.model] = max(most[a.model], count[a.model])
-        live = sum(count[m] * per_mb[m] for m in count)
-        if live > peak:
-            peak, at_peak = live, dict(count)
-    return most, peak, at_peak
+        m = a.model
+        if a.kind == "F":
+            gathered.add(m)
+            count[m] += 1
+            most[m] = max(most[m], count[m])
+        elif a.kind in ("B", "W"):
+            graded.add(m)
+        live = {
+            "unsharded_params": sum(params[x] for x in gathered),
+            "unsharded_grads": sum(grads[x] for x in graded),
+            "activations": sum(count[x] * per_mb[x] for x in count),
+            "actor_logits": count[ACTOR] * logits_mb,
+            "logits_transient": loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0,
+        }
+        if sum(live.values()) > sum(best.values()):
+            best = live
+        if a.kind == ("W" if split[m] else "B"):
+            count[m] -= 1
+    return most, best
 
 
 @dataclass
@@ -524,13 +554,14 @@ class Estimate:
 
 
 def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, sync: dict[str, int],
-                  pipeline_seqs: Sequence[int]) -> RankEstimate:
-    """The figures of one built rank (module docstring)."""
+                  pipeline_seqs: Sequence[int], seq_len: int | None = None) -> RankEstimate:
+    """The figures of one built rank (module docstring); ``seq_len``: the training micro-batch length (default
+    :func:`training_seq_len`)."""
     t, par, gen = cfg.training, cfg.parallelism, cfg.generation
     c, r, frozen, kv = (_itemsize(t.mixed_precision_param), _itemsize(t.rollout_dtype), _itemsize(t.frozen_dtype),
                         _itemsize(t.kv_cache_dtype))
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
-    rows, seq = cfg.ppo.microbatch_size, training_seq_len(cfg)
+    rows, seq = cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg)
     flavors = {ACTOR: FLAVORS[cfg.model.actor], CRITIC: FLAVORS[cfg.model.critic]}
     actor = flavors[ACTOR]
     n_mb = program.microbatches[ACTOR]
@@ -553,18 +584,30 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     persistent["pipeline_buffers"] = pipe
 
     per_mb = {m: stage_activation_bytes(flavors[m], st.layers, st.first, st.last, "policy" if m == ACTOR else "value",
-                                        rows, seq, c, par.tp) for m, st in build.stages.items()}
-    logits_mb = actor_logits_bytes(actor, rows, seq) if build.stages[ACTOR].last else 0
-    most, act_peak, at_peak = in_flight(program, build.coords["pp"], {ACTOR: per_mb[ACTOR] + logits_mb,
-                                                                         CRITIC: per_mb[CRITIC]})
-    logits_held = at_peak[ACTOR] * logits_mb
+                                        rows, seq, c, par.tp, st.head_in_loss) for m, st in build.stages.items()}
+    head = build.stages[ACTOR]
+    chunked = head.last and head.head_in_loss
+    logits_mb = actor_logits_bytes(actor, rows, seq) if head.last and not chunked else 0
+    chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), seq - 1) * actor.vocab_size * 4
+    stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
+    stage_grads = {m: accum * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
+    loss_transient = (CHUNKED_HEAD_MULTIPLE * chunk if chunked else
+                      LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if head.last else 0)
+    most, compute = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
+                                  loss_transient)
+    groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
+    for st in build.stages.values():
+        for x in st.tensors:
+            key = f"{st.model}.{'.'.join(x.name.split('.')[:2]) if x.name.startswith('layers.') else 'root'}"
+            groups[key] = groups.get(key, 0) + accum * x.unsharded_numel()
     transients = {
         "weight_sync_buffers": sync["total"],
-        "unsharded_params": sum(c * x.unsharded_numel() for st in build.stages.values() for x in st.tensors),
-        "unsharded_grads": sum(accum * x.unsharded_numel() for st in build.stages.values() for x in st.tensors),
-        "activations": act_peak - logits_held,
-        "actor_logits": logits_held,
-        "logits_transient": LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if logits_mb else 0,
+        "unsharded_params": sum(stage_params.values()),
+        "unsharded_grads": sum(stage_grads.values()),
+        "activations": compute["activations"],
+        "actor_logits": compute["actor_logits"],
+        "logits_transient": loss_transient,
+        "reduce_scatter": max(groups.values()),
         "experience": 2 * cfg.ppo.batch_size * seq * EXPERIENCE_BYTES_PER_TOKEN,
         "optimizer_step": sum(4 * x.local_numel for st in build.stages.values() for x in st.tensors),
     }
@@ -582,9 +625,9 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     def larger(a: str, b: str) -> dict[str, int]:
         return pick(a if transients[a] >= transients[b] else b)
 
-    moments = [
-        pick("unsharded_params", "unsharded_grads", "activations", "actor_logits", "logits_transient", "experience"),
-        {**pick("unsharded_params", "unsharded_grads", "experience"), **gradients},
+    moments = [  # see the module docstring: compute, gradient reduction, optimizer step
+        {**compute, **pick("experience")},
+        pick("unsharded_params", "unsharded_grads", "reduce_scatter", "experience"),
         {**gradients, **pick("optimizer_step", "experience")},
     ]
     phases = {
@@ -593,7 +636,7 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
         "scoring": {**persistent, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **max(moments, key=lambda d: sum(d.values()))},
     }
-    details = {"in_flight_max": most, "in_flight_at_peak": at_peak, "activation_bytes_per_microbatch": per_mb,
+    details = {"in_flight_max": most, "training_compute_peak": compute, "activation_bytes_per_microbatch": per_mb,
                "actor_logits_bytes_per_microbatch": logits_mb, "microbatches": n_mb, "seq_len": seq,
                "gradients": gradients, "weight_sync_unit": sync, "scoring_microbatch": list(shape),
                "stage_layers": {m: st.layers for m, st in build.stages.items()}}
@@ -606,12 +649,14 @@ def _progress(message: str) -> None:
 
 def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "", ranks: Sequence[int] | None = None,
              program: LoweredProgram | None = None, pipeline_seqs: Sequence[int] | None = None,
-             pipeline_shapes: int = 1, progress: Callable[[str], None] | None = _progress) -> Estimate:
+             pipeline_shapes: int = 1, seq_len: int | None = None,
+             progress: Callable[[str], None] | None = _progress) -> Estimate:
     """Build the distinct ranks (or ``ranks``) of a ``world``-rank job on meta and estimate their memory.
 
     ``program``: the lowered training program (default: :func:`fusedrl.train.plan_program`, the schedule search with
     the config's budget); ``pipeline_seqs``: the sequence buckets whose pipeline stages are cached (default: the
-    ``pipeline_shapes`` longest buckets)."""
+    ``pipeline_shapes`` longest buckets); ``seq_len``: the training micro-batch length (default: the longest
+    bucket)."""
     from fusedrl.train import plan_program
 
     par = cfg.parallelism
@@ -645,7 +690,7 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
     if pipeline_seqs is None:
         longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
         pipeline_seqs = list(evenly_spaced(longest))[-max(1, pipeline_shapes):]  # the last one is training_seq_len
-    results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs) for r in wanted]
+    results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs, seq_len) for r in wanted]
     say(f"[memory] done in {time.perf_counter() - start:.1f}s")
     notes = [] if ranks is not None else [
         f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP rank "
@@ -850,6 +895,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     cfg = load_config([*argv, f"--job.output_dir={out}"])
     trainer = Trainer(cfg)
     layout, rollout, engine = trainer.layout, trainer.rollout, trainer.engine
+    engine._forward.prepack = False  # the CPU-only prepacked weight copies would count as prefill transients
     stage_modules = {ACTOR: layout.actor_stage, CRITIC: layout.critic_stage}
     got: dict[str, Any] = {"unsharded": {}, "sync": {}, "profiled": {}, "activations": {}}
     names = {id(layout.actor_stage): ACTOR, id(layout.critic_stage): CRITIC}
@@ -858,9 +904,11 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     def wrap_sync(sync: Any, model: str) -> None:
         original = sync.sync
         real_batch = dist.batch_isend_irecv
+        sources = _ptrs(sync._src.values())  # a send of a slice that needs no copy is a view of its source shard
 
         def batch(ops: list) -> Any:
-            got["sync"][model] = max(got["sync"].get(model, 0), sum(o.tensor.numel() * o.tensor.element_size() for o in ops))
+            fresh = _storage_bytes(o.tensor for o in ops if o.tensor.untyped_storage().data_ptr() not in sources)
+            got["sync"][model] = max(got["sync"].get(model, 0), fresh)
             return real_batch(ops)
 
         def wrapped() -> Any:
@@ -1048,10 +1096,9 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
                                   decode_logits_bytes(actor, gen.max_slots, r, gen.top_k > 0 or gen.top_p < 1.0), False))
         if "training_step" in prof:
             tr = e.transients
-            out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"],
-                                  tr["unsharded_params"] + tr["unsharded_grads"] + tr["activations"] + tr["actor_logits"]
-                                  + tr["logits_transient"] + e.details["gradients"]["gradients_actor"]
-                                  + e.details["gradients"]["gradients_critic"], False))
+            step = max(sum(e.details["training_compute_peak"].values()),
+                       tr["unsharded_params"] + tr["unsharded_grads"] + tr["reduce_scatter"])
+            out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"], step, False))
         sync_peak = max((v for k, v in prof.items() if k.startswith("weight_sync")), default=None)
         if sync_peak is not None:
             out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"], False))
@@ -1114,7 +1161,7 @@ def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     _progress(f"[memory] running {config} through the trainer on {world} CPU ranks (2 iterations)")
     measured = sorted(measure(argv, world), key=lambda m: m["rank"])
     est = estimate(cfg, world, config_name=config, ranks=list(range(world)), program=measured[0]["program"],
-                   pipeline_seqs=measured[0]["pipeline_seqs"])
+                   pipeline_seqs=measured[0]["pipeline_seqs"], seq_len=max(measured[0]["pipeline_seqs"]))
     rows = compare(cfg, measured, est)
     print(format_table(est, args.device_gib))
     print()

@@ -50,8 +50,10 @@ class DecoderStage(nn.Module):
     """One pipeline stage of a TransformerDecoder: ``forward(x)`` only.
 
     Stage 0 takes token ids ``[B, S]``; other stages take hidden states ``[B, S, D]``; the last stage
-    returns the model output (``float32``, like TransformerDecoder). Attention is plain causal with
-    positions ``0..S-1`` (right-padded training batches; no KV cache, mask or packing).
+    returns the model output (``float32``, like TransformerDecoder), or with ``apply_head=False`` the final
+    normed hidden states (``float32``; the head, still held by the stage, is then applied by the loss).
+    Attention is plain causal with positions ``0..S-1`` (right-padded training batches; no KV cache, mask or
+    packing).
 
     ``layers`` is keyed by the layer's index in the full model, so parameter names match the full
     model's state dict (``layers.5.attn.q_proj.weight``).
@@ -64,6 +66,7 @@ class DecoderStage(nn.Module):
         norm: nn.Module | None,
         output: nn.Module | None,
         max_seq_len: int,
+        apply_head: bool = True,
     ) -> None:
         super().__init__()
         self.tok_embeddings = tok_embeddings
@@ -71,6 +74,7 @@ class DecoderStage(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        self.apply_head = apply_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] > self.max_seq_len:
@@ -81,7 +85,7 @@ class DecoderStage(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h).float()
+            h = self.output(h).float() if self.apply_head else h.float()
         return h
 
 
@@ -99,9 +103,12 @@ def _output_module(model: TransformerDecoder) -> nn.Module:
 
 
 def split_decoder(
-    model: TransformerDecoder, num_stages: int, boundaries: Sequence[int] | None = None
+    model: TransformerDecoder, num_stages: int, boundaries: Sequence[int] | None = None, *, apply_head: bool = True
 ) -> list[DecoderStage]:
     """Split ``model`` into ``num_stages`` stage modules (see ``stage_layer_ranges`` for the layout).
+
+    ``apply_head=False``: the last stage returns its final hidden states and leaves the head to the loss (a
+    chunked LM-head loss, ``fusedrl.rlhf.PolicyLoss(head=stage.output)``).
 
     The stages reference the model's own submodules (no copies): build the full model, keep your
     stage, drop the rest. For a tied-embedding model split over several ranks, the embedding weight
@@ -123,6 +130,7 @@ def split_decoder(
             norm=model.norm if s == last else None,
             output=_output_module(model) if s == last else None,
             max_seq_len=model.max_seq_len,
+            apply_head=apply_head,
         )
         for s, layer_range in enumerate(ranges)
     ]

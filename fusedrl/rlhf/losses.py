@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusedrl.config import PPOSection
@@ -312,24 +313,35 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Ten
 
 
 class PolicyLoss:
-    """``policy_loss`` with fixed hyper-parameters: ``PolicyLoss(0.2, 0.01)(logits, targets) -> (loss, stats)``."""
+    """``policy_loss`` with fixed hyper-parameters: ``PolicyLoss(0.2, 0.01)(logits, targets) -> (loss, stats)``.
+
+    With ``head`` (the LM head of the pipeline's last stage, whose forward then returns final hidden states
+    instead of logits) the loss takes hidden states and applies the head itself in checkpointed chunks of
+    positions (:func:`chunked_policy_loss`): no full-vocabulary logits of the micro-batch ever exist.
+    """
 
     target_names = ("tokens", "response_mask", "logprobs", "advantages")
 
-    def __init__(self, clip_eps: float = 0.2, entropy_coef: float = 0.0, temperature: float = 1.0) -> None:
+    def __init__(self, clip_eps: float = 0.2, entropy_coef: float = 0.0, temperature: float = 1.0, *,
+                 head: nn.Linear | None = None, chunk_positions: int | None = None) -> None:
         if clip_eps <= 0:
             raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.clip_eps, self.entropy_coef, self.temperature = clip_eps, entropy_coef, temperature
+        self.clip_eps, self.entropy_coef, self.temperature, self.head = clip_eps, entropy_coef, temperature, head
+        self.chunk_positions = chunk_positions  # None: sized by DEFAULT_LOGITS_BUDGET_BYTES
 
     @classmethod
-    def from_config(cls, section: PPOSection) -> PolicyLoss:
+    def from_config(cls, section: PPOSection, head: nn.Linear | None = None) -> PolicyLoss:
         """``clip_eps`` and ``entropy_coef`` of ``[ppo]``, at temperature 1 (the engine's log-probs are taken there)."""
-        return cls(section.clip_eps, section.entropy_coef, temperature=1.0)
+        return cls(section.clip_eps, section.entropy_coef, temperature=1.0, head=head)
 
-    def __call__(self, logits: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return policy_loss(logits, targets, self.clip_eps, self.entropy_coef, self.temperature)
+    def __call__(self, output: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.head is None:
+            return policy_loss(output, targets, self.clip_eps, self.entropy_coef, self.temperature)
+        hidden = output.to(self.head.weight.dtype)  # a float32 stage output into a bf16 (mixed-precision) head
+        return chunked_policy_loss(hidden, self.head, targets, self.clip_eps, self.entropy_coef, self.temperature,
+                                   chunk_positions=self.chunk_positions)
 
 
 class ValueLoss:
