@@ -32,8 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fusedrl.config import JobConfig
-from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder
+from fusedrl.distributed import ParallelDims, TiedEmbeddings, apply_fsdp, apply_tp, group_devices, split_decoder
 from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
+from fusedrl.pipelining import FusedPipelineSchedule, LocalSchedule
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in 
 
 @dataclass
 class TrainingLayout:
-    """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models."""
+    """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models; the trainer adds
+    the executor that runs them (``schedule``: a fused pipeline program, or both models locally when pp = 1)."""
 
     mesh: DeviceMesh
     pp_group: dist.ProcessGroup
@@ -54,6 +56,10 @@ class TrainingLayout:
     tp: int
     actor_stage: nn.Module
     critic_stage: nn.Module
+    tied: TiedEmbeddings  # sums the Actor's embedding and LM-head gradients when pipeline stages split them
+    schedule: FusedPipelineSchedule | LocalSchedule | None = None
+    plan_method: str = ""
+    microbatches: int = 0  # per model, per minibatch, on each data-parallel shard
 
 
 @dataclass
@@ -105,8 +111,9 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
 
     actor = stage(cfg.model.actor, "policy", pp_rank)
     critic = stage(cfg.model.critic, "value", dims.pp - 1 - pp_rank)
+    tied = TiedEmbeddings(mesh, actor, FLAVORS[cfg.model.actor].tie_word_embeddings)
     return TrainingLayout(mesh, mesh.get_group("pp"), pp_rank, mesh["dp_shard"].get_local_rank(), dims.pp,
-                          dims.dp_shard, dims.tp, actor, critic)
+                          dims.dp_shard, dims.tp, actor, critic, tied)
 
 
 def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> RolloutLayout:
@@ -125,8 +132,9 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
         return module.eval().requires_grad_(False)
 
     group = mesh["gen_dp"].get_group()
-    # torch's "fake" backend (memory estimates on the meta device) communicates nothing: no gloo copies needed
-    gloo = dist.get_backend(group) in ("gloo", "fake")
+    # control messages are CPU tensors: a group whose backend carries them (gloo, "cuda:nccl,cpu:gloo", or the
+    # fake backend of memory estimates) serves as is, an NCCL-only one gets gloo copies
+    gloo = "cpu" in group_devices(group)
     control = group if gloo else _gloo_copy(mesh, "gen_dp")
     instance = None if dims.gen_tp == 1 else (mesh["gen_tp"].get_group() if gloo else _gloo_copy(mesh, "gen_tp"))
     return RolloutLayout(

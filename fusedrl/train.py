@@ -79,6 +79,7 @@ from fusedrl.pipelining import (
     CRITIC,
     CostModel,
     FusedPipelineSchedule,
+    LocalSchedule,
     LoweredProgram,
     Placement,
     StageModule,
@@ -119,9 +120,6 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
     """Everything about the config that can be refused before a process group exists (raises ConfigError)."""
     validate_world_size(cfg, world_size)
     par, gen = cfg.parallelism, cfg.generation
-    if par.pp < 2:
-        raise ConfigError(f"parallelism.pp = {par.pp}: the trainer's fused pipeline executor needs pp >= 2 "
-                          "(Actor and Critic share the pipeline ranks); launch >= 2 processes with --parallelism.pp=2")
     instances = world_size // par.gen_tp
     if cfg.ppo.batch_size % instances:
         raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
@@ -191,24 +189,30 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
 
 
 def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> None:
-    """Plan one program for every minibatch (the cost model uses the longest sequence) on rank 0, broadcast it,
-    and give ``layout`` its fused executor over the pipeline group (collective)."""
+    """Give ``layout`` its executor (collective). pp >= 2: plan one program for every minibatch (the cost model
+    uses the longest sequence) on rank 0, broadcast it, and run it with the fused executor over the pipeline
+    group. pp = 1: the models train one after the other (``fusion.intra_stage`` has nothing to fuse)."""
+    actor, critic = FLAVORS[cfg.model.actor], FLAVORS[cfg.model.critic]
+    compute = DTYPES[cfg.training.mixed_precision_param]
+    # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
+    actor_spec = StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=layout.actor_stage.output),
+                             actor.embed_dim, actor.embed_dim, compute)
+    critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
+    if layout.pp == 1:
+        layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+        layout.schedule = LocalSchedule(actor_spec, critic_spec, {ACTOR: layout.microbatches, CRITIC: layout.microbatches},
+                                        group=layout.pp_group, device=device)
+        layout.plan_method = "none: pp = 1, Actor then Critic"
+        if cfg.fusion.intra_stage and dist.get_rank() == 0:
+            log.info("fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
+                     "the Actor and the Critic train one after the other")
+        return
     holder: list[Any] = [None]
     if dist.get_rank() == 0:
         holder[0] = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
     dist.broadcast_object_list(holder, src=0)
     program, layout.plan_method = holder[0]
-    actor, critic = FLAVORS[cfg.model.actor], FLAVORS[cfg.model.critic]
-    compute = DTYPES[cfg.training.mixed_precision_param]
-    layout.schedule = FusedPipelineSchedule(
-        program,
-        # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
-        StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=layout.actor_stage.output),
-                    actor.embed_dim, actor.embed_dim, compute),
-        StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute),
-        group=layout.pp_group,
-        device=device,
-    )
+    layout.schedule = FusedPipelineSchedule(program, actor_spec, critic_spec, group=layout.pp_group, device=device)
     layout.microbatches = program.microbatches["actor"]
 
 
@@ -373,6 +377,7 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
         g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
         for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
             stats = train_minibatch(layout, mb, record=record)
+            layout.tied.sum_gradients()
             for k, v in stats.items():
                 sums[k] = sums[k] + v if k in sums else v
             if record:

@@ -29,7 +29,7 @@ def two_ranks():
 def _batch(batch_size: int = 4, seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # torch 2.11's stages check input strides
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

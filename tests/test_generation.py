@@ -196,9 +196,9 @@ def test_request_state_wire_form_round_trips(model):
     assert all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors)
     back, back_finished, back_waiting = unpack_states(tensors[1:])
     assert back.request == state.request and back.generated == state.generated and back.logprobs == state.logprobs
-    assert torch.equal(back.k, state.k) and torch.equal(back.v, state.v) and torch.equal(back.rng_state, state.rng_state)
+    assert torch.equal(back.k, state.k) and torch.equal(back.v, state.v)
     assert back.finish_reason is None and back_finished.to_result() == finished.to_result()
-    assert not back_finished.has_kv and back_finished.rng_state is None
+    assert not back_finished.has_kv
     assert back_waiting.request == waiting.request and back_waiting.generated == [] and not back_waiting.has_kv
     with pytest.raises(ValueError, match="has not finished"):
         back.to_result()
@@ -282,3 +282,26 @@ def test_weight_sync_checks_the_stages_and_the_layout(model):
     tokens = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         torch.testing.assert_close(engine.model(tokens), trained(tokens))
+
+
+def test_counter_based_sampling_is_per_request_and_follows_the_distribution():
+    from fusedrl.generation.sampling import exponential_noise, sample_tokens
+
+    seeds, counters = torch.tensor([7, 2**62 + 5, 7]), torch.tensor([0, 3, 1])
+    both = exponential_noise(seeds, counters, 50)
+    assert torch.equal(both[1], exponential_noise(seeds[1:2], counters[1:2], 50)[0])  # a row is its own
+    assert not torch.equal(both[0], both[2])  # the next token of the same request draws anew
+    many = exponential_noise(torch.arange(400), torch.zeros(400, dtype=torch.int64), 500)
+    assert abs(many.mean().item() - 1.0) < 0.01 and abs(many.var().item() - 1.0) < 0.02  # Exp(1): mean = var = 1
+    # 20000 draws (one per counter) from p = (0.5, 0.3, 0.2, 0): frequencies within 1.5% of p
+    n = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0])).expand(n, 4)
+    ones = torch.ones(n)
+    tokens, logprobs = sample_tokens(logits, ones, torch.zeros(n, dtype=torch.int64), ones,
+                                     torch.full((n,), 11), torch.arange(n))
+    freq = torch.bincount(tokens, minlength=4).double() / n
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), atol=0.015), freq
+    assert torch.allclose(logprobs, logits.gather(-1, tokens[:, None]).squeeze(-1))
+    greedy, _ = sample_tokens(logits[:3], torch.zeros(3), torch.zeros(3, dtype=torch.int64), torch.ones(3),
+                              torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), any_sampled=False)
+    assert greedy.tolist() == [0, 0, 0]

@@ -96,3 +96,40 @@ def test_action_on_the_wrong_rank_is_rejected():
     progs[0].append(Action(ACTOR, 1, 0, "W"))
     with pytest.raises(ProgramError, match="stage lives on rank 1"):
         verify_program(progs, placement, counts)
+
+
+def test_the_nccl_model_rejects_a_wait_cycle_across_three_ranks():
+    """Posted without blocking, per pair in order, these messages all match; on NCCL each rank runs its P2P
+    operations on one stream in posting order, and every rank waits behind a receive whose sender waits too.
+    (Rank 2's two messages are kept in separate batches by a compute action between them: posted as one batch,
+    as consecutive messages with one peer are, they would progress together and break the cycle.)"""
+    from fusedrl.pipelining.lowering import RECV_B, RECV_F, SEND_B, SEND_F, _simulate_streams
+
+    placement = Placement(3)
+    programs = {
+        0: [Action(ACTOR, 0, 0, RECV_B)],  # x from rank 1
+        1: [Action(ACTOR, 1, 0, RECV_B), Action(ACTOR, 1, 0, SEND_B), Action(ACTOR, 1, 0, SEND_F)],  # y, then x, z
+        2: [Action(ACTOR, 2, 0, RECV_F), Action(CRITIC, 0, 0, "F"), Action(ACTOR, 2, 0, SEND_B)],  # z, then y
+    }
+    with pytest.raises(ProgramError, match="deadlocks"):
+        _simulate_streams(programs, placement)
+    programs[1] = [programs[1][2], programs[1][0], programs[1][1]]  # rank 1 sends z first: every batch completes
+    _simulate_streams(programs, placement)
+    programs[1] = [programs[1][1], programs[1][2], programs[1][0]]  # the cycle again ...
+    programs[2] = [programs[2][0], programs[2][2], programs[2][1]]  # ... broken by one batch [recv z, send y]
+    _simulate_streams(programs, placement)
+
+
+def test_consecutive_messages_with_one_peer_form_one_batch():
+    from fusedrl.pipelining.lowering import comm_batches
+
+    placement, counts = Placement(2), {ACTOR: 4, CRITIC: 4}
+    program = lower(fused_schedule(placement, CostModel.uniform(placement, 1.0, 0.7), 4, 4, budget_s=0.2).schedule,
+                    placement, counts)
+    for r, prog in program.programs.items():
+        batches = comm_batches(prog, placement)
+        assert sorted(i for b in batches for i in b) == [i for i, a in enumerate(prog) if a.kind in COMM_KINDS]
+        for batch in batches:
+            assert batch == list(range(batch[0], batch[-1] + 1))  # consecutive positions, one peer
+            assert len({peer_of(prog[i], placement) for i in batch}) == 1
+    assert any(len(b) > 1 for r, prog in program.programs.items() for b in comm_batches(prog, placement))

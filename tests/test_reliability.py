@@ -142,7 +142,8 @@ def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, pois
             "policy_loss": reported, "value_loss": value_loss.detach()}
 
     monkeypatch.setattr(train, "train_minibatch", fake_minibatch)
-    layout = SimpleNamespace(dp=1, pp_group=None, actor_stage=actor, critic_stage=critic)
+    layout = SimpleNamespace(dp=1, pp_group=None, actor_stage=actor, critic_stage=critic,
+                             tied=SimpleNamespace(sum_gradients=lambda: None))
     opts = []
     for m in (actor, critic):
         o = build_optimizer(m, 1e-2, 0.0)

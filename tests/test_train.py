@@ -114,7 +114,6 @@ def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
 
 
 BAD_CONFIGS = [
-    (["--parallelism.pp=1", "--parallelism.dp_shard=4"], "parallelism.pp = 1: the trainer's fused pipeline executor needs pp >= 2"),
     (["--parallelism.dp_shard=1"], "must equal the world size 4"),
     (["--ppo.minibatch_size=12"], "must be a multiple of ppo.minibatch_size = 12 (command line)"),
     (["--ppo.clip_epss=0.1"], "unknown key in [ppo]; did you mean clip_eps?"),
@@ -130,7 +129,7 @@ BAD_CONFIGS = [
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
-                         ids=["pp1", "world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights",
+                         ids=["world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights",
                               "kv-heads-gen-tp", "gen-tp-world", "random-init-8b"])
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError

@@ -1,12 +1,18 @@
 """Generation throughput: fusedrl engine (eager, compiled, int8) vs torchtune's ``generate``.
 
     python -m fusedrl.bench.generation [--json] [--quantize] [--new-tokens N] [--batch-sizes 1,8,32]
+    python -m fusedrl.bench.generation --device cuda --flavor llama3_2_1b --dtype bfloat16 \
+        --compile-mode reduce-overhead --batch-sizes 1,8,32,128 --json     # on a GPU
 
-Same model (``debug_large``, random weights, fp32), same prompts, same number of new tokens per
-request (forced: no stop tokens, sampling at temperature 1), one thread (``torch.set_num_threads(1)``).
+Same model (``debug_large`` by default, random weights), same prompts, same number of new tokens per
+request (forced: no stop tokens, sampling at temperature 1); on CPU one thread (``torch.set_num_threads(1)``).
 Tokens/s counts generated tokens over wall time including prefill; compile time is excluded (a
 warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
 ``--repeats`` times each, and the best time per mode counts.
+
+On a GPU each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode
+step must read every weight and the batch's KV cache once, so ``roofline tok/s = batch / ((weight bytes +
+batch x mean context x KV bytes per token) / --hbm-bytes-per-s)`` (default 4.8e12 B/s, an H200's HBM3e).
 """
 
 from __future__ import annotations
@@ -23,15 +29,16 @@ from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
 
 
-def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> torch.Tensor:
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (batch, prompt_len), generator=g)
+    return torch.randint(1, vocab, (batch, prompt_len), generator=g).to(device)
 
 
 def _torchtune_runner(model, prompts: torch.Tensor, new_tokens: int):
     model = copy.deepcopy(model)  # torchtune caches are fixed to one batch size once set up
-    model.setup_caches(batch_size=prompts.shape[0], dtype=torch.float32, decoder_max_seq_len=prompts.shape[1] + new_tokens)
-    rng = torch.Generator().manual_seed(0)
+    dtype = model.tok_embeddings.weight.dtype
+    model.setup_caches(batch_size=prompts.shape[0], dtype=dtype, decoder_max_seq_len=prompts.shape[1] + new_tokens)
+    rng = torch.Generator(device=prompts.device).manual_seed(0)
 
     def run():
         model.reset_caches()
@@ -55,9 +62,22 @@ def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: 
 
 
 def _seconds(run) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def roofline_tokens_per_s(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> float:
+    """Decode tokens/s if every step read all weights and the batch's KV cache at ``bytes_per_s``."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    attn = model.layers[0].attn
+    kv_per_token = len(model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.tok_embeddings.weight.element_size()
+    mean_context = prompt_len + new_tokens / 2
+    return batch / ((weights + batch * mean_context * kv_per_token) / bytes_per_s)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -71,10 +91,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode (interleaved); the best counts")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled mode")
     p.add_argument("--quantize", action="store_true", help="also run the int8 weight-only engine")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
+                   help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12, help="memory bandwidth of the roofline (GPU only)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build_model(args.flavor).eval()
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args.flavor).to(device=args.device, dtype=dtype).eval()
     vocab = model.tok_embeddings.num_embeddings
     max_len = args.prompt_len + args.new_tokens
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -88,14 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.flavor}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.threads} thread(s)")
     print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in modes) + f" {'best/torchtune':>15}")
     speedup: dict[str, float] = {}
+    roofline: dict[str, dict[str, float]] = {}
     for b in batch_sizes:
-        prompts = _prompts(b, args.prompt_len, vocab, seed=b)
+        prompts = _prompts(b, args.prompt_len, vocab, seed=b, device=args.device)
         tokens = b * args.new_tokens
         runners = {"torchtune": _torchtune_runner(model, prompts, args.new_tokens)}
         runners["eager"] = _engine_runner(GenerationEngine(model, max_slots=b, max_len=max_len), prompts, args.new_tokens)
         if "compiled" in modes:
             # One length bucket: one compiled graph per batch size.
-            engine = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, len_buckets=[max_len])
+            mode = None if args.compile_mode == "default" else args.compile_mode
+            engine = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, mode=mode, len_buckets=[max_len])
             runners["compiled"] = _engine_runner(engine, prompts, args.new_tokens)
         if "int8_eager" in modes:
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, quantize="int8_weight_only")
@@ -113,14 +142,22 @@ def main(argv: list[str] | None = None) -> dict:
             compile_s[str(b)] = warmup["compiled"] - best["compiled"]
         fused = [modes[m][str(b)] for m in ("eager", "compiled") if m in modes]
         speedup[str(b)] = max(fused) / modes["torchtune"][str(b)]
-        print(f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>14.2f}x")
+        line = f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>14.2f}x"
+        if args.device == "cuda":
+            roof = roofline_tokens_per_s(model, b, args.prompt_len, args.new_tokens, args.hbm_bytes_per_s)
+            roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
+            line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
+        print(line)
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
     out = {
         "speedup_vs_torchtune": speedup,
         "modes": modes,
         "compile_overhead_s": compile_s,
+        "roofline_fraction": roofline,
         "flavor": args.flavor,
+        "device": args.device,
+        "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "threads": args.threads,

@@ -1,105 +1,105 @@
 """Memory per rank of a PPO job: ``python -m fusedrl.bench.memory --config CONFIG [--world N] [--json] [--measure]
-[--device-gib G] [--section.key=value ...]``.
+[--device-gib G] [--pipeline-shapes K] [--section.key=value ...]``.
 
-For each distinct rank of an N-rank job the job's two layouts (:func:`fusedrl.layouts.build_training_layout`,
+For each distinct rank of an N-rank job both layouts (:func:`fusedrl.layouts.build_training_layout`,
 :func:`fusedrl.layouts.build_rollout_layout`) are built on the meta device under torch's fake process group
-(:func:`fusedrl.distributed.compat.init_fake_process_group`: one process plays rank r, builds, measures, destroys the
-group, next rank), so the sizes below come from the real module trees and DTensor shardings. Distinct ranks: every
-pipeline rank with its first and last dp_shard rank, TP rank 0. Ranks of one stage differ only by uneven FSDP2 chunks
-(the last dp rank holds the short ones); TP ranks hold equal shares (``apply_tp`` refuses uneven ones); every rank
-holds the same rollout models (gen_tp divides the heads and the MLP width). The weight-sync plan needs every rank's
-shard boxes: they come from :func:`fusedrl.models.weights.shard_indices` on the built ranks' placements, checked
-against the built ranks' own DTensors, and are fed to the real :func:`fusedrl.distributed.plan_reshard`.
+(:func:`fusedrl.distributed.compat.init_fake_process_group`: one process plays rank r, builds, reads the modules,
+destroys the group, next rank), so every size below comes from the real module trees and DTensor shardings.
+Distinct ranks: every pipeline rank with its first and last dp_shard rank, TP rank 0. The other ranks of a stage
+differ only by uneven FSDP2 chunks (the last dp rank holds the short ones), TP ranks hold equal shares (``apply_tp``
+refuses uneven ones) and every rank holds the same rollout shares (gen_tp divides heads and MLP width). The
+weight-sync plan needs every rank's shard boxes: :func:`fusedrl.models.weights.shard_indices` computes them from the
+built ranks' placements (checked against the built DTensors) and the real :func:`fusedrl.distributed.plan_reshard`
+plans the sync from them.
 
-Notation: ``c`` compute itemsize (``training.mixed_precision_param``), ``r`` rollout itemsize (``rollout_dtype``; the
-Reference and Reward use ``frozen_dtype``), ``kv`` KV-cache itemsize; ``D`` embed dim, ``H`` heads, ``KV`` KV heads,
-``hd = D / H``, ``q = H hd``, ``F`` MLP width, ``V`` vocabulary, ``L`` layers; ``b`` rows of a micro-batch
-(``ppo.microbatch_size``), ``s`` its length (the largest training bucket, ``round_up(P + N, evenly_spaced(P + N))``
-with ``P = data.max_prompt_len``, ``N = generation.max_new_tokens``), ``T = b s`` its tokens; ``M`` micro-batches per
-model and minibatch (``minibatch_size / dp_shard / microbatch_size``).
+Notation: ``c`` compute itemsize (``training.mixed_precision_param``), ``r`` rollout itemsize (``rollout_dtype``;
+the Reference and Reward use ``frozen_dtype``), ``kv`` KV-cache itemsize; ``D`` embed dim, ``H`` / ``KV`` heads / KV
+heads, ``hd = D / H``, ``q = H hd``, ``k = KV hd``, ``F`` MLP width, ``V`` vocabulary, ``L`` layers; ``tp``, ``g =
+gen_tp``; ``P = data.max_prompt_len``, ``N = generation.max_new_tokens``; a training micro-batch has ``b =
+ppo.microbatch_size`` rows of ``s`` tokens (the longest bucket ``round_up(P + N, evenly_spaced(P + N))``), ``T = b
+s``; ``M = minibatch_size / dp_shard / microbatch_size`` micro-batches per model.
 
-Persistent state (all phases, steady state after the first iteration):
+Persistent (every phase; steady state after the first iteration):
 
-- ``train_params_{actor,critic}``: the rank's local FSDP2 (x TP) shards, float32 master weights: ``4 x local numel``.
-- ``optimizer_{actor,critic}``: AdamW ``exp_avg`` and ``exp_avg_sq`` on the same shards: ``8 x local numel`` (the
-  0-dim ``step`` tensors live on the host).
-- ``rollout_{actor,critic,reference,reward}``: local numel of each rollout copy (TP shards over gen_tp for the
-  attention / MLP weights, embedding, norms and heads whole) x its dtype.
-- ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / gen_tp) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
-- ``rope_buffers``: each model copy's RoPE tables (torchtune: ``max_seq_len x hd/2 x 2`` + ``hd/2`` entries, float32
-  unless the copy was cast): 67 MB per copy for Llama 3.1, six copies per rank.
-- ``pipeline_buffers``: the executor caches one ``PipelineStage`` pair per micro-batch shape, and each stage
-  preallocates ``M`` receive buffers (non-first stage: activations) and ``M`` gradient receive buffers (non-last
-  stage), each ``[b, s, D] x c``: ``M x T x D x c`` per buffer kind and model, for each sequence bucket that has
-  been trained (the estimate counts ``--pipeline-shapes`` buckets, default 1, the longest).
+- ``train_params_{actor,critic}``: the local FSDP2 (x TP) shards in float32: ``4 x local numel``.
+- ``optimizer_{actor,critic}``: AdamW ``exp_avg`` and ``exp_avg_sq`` on the shards, ``8 x local numel`` (the 0-dim
+  ``step`` tensors stay on the host).
+- ``rollout_{actor,critic,reference,reward}``: each rollout copy's local numel (attention / MLP weights sharded over
+  g; embedding, norms and heads whole) x its dtype.
+- ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
+- ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes unless the
+  copy was cast (67 MB for Llama 3.1's 131072 positions).
+- ``pipeline_buffers``: the executor keeps one ``PipelineStage`` pair per trained micro-batch shape, and a stage
+  preallocates ``M`` activation receive buffers (non-first stage) and ``M`` gradient receive buffers (non-last stage),
+  each ``c T D``; counted for ``--pipeline-shapes`` sequence buckets (default 1, the longest).
 
-Training-phase state:
+Training phase:
 
-- ``gradients_{actor,critic}``: float32 sharded gradients, as large as the local shards, from the reduce-scatter at
-  the end of the minibatch until ``zero_grad`` after the optimizer step.
-- ``unsharded_params``: ``reshard_after_forward=False`` keeps both stages all-gathered in the compute dtype from
-  their first forward until the minibatch's gradient reduction: ``c x`` the stage's TP-local numel.
-- ``unsharded_grads``: the executor runs every backward without gradient sync, so FSDP2 accumulates *unsharded*
-  gradients of the whole stage across micro-batches, in the reduce dtype when it differs from the compute dtype
-  (``training.mixed_precision_reduce``), else in the compute dtype: ``4 x`` TP-local numel with bf16/fp32.
-- ``activations``: bytes held per in-flight micro-batch of a stage with ``l`` layers (autograd's saved tensors; with
-  SDPA no ``[H, s, s]`` score tensor is saved), per transformer layer
-  ``T x [2 (8 D + c D) + c (4 q / tp + 4 F / tp) + 8 + 4 H / tp]``: each RMSNorm saves its float32 input copy and
-  normalized value and its output in the compute dtype; attention saves q, k, v (k and v expanded to ``H / tp`` heads
-  by torchtune's GQA), the SDPA output and its float32 log-sum-exp; the MLP saves w1's output, its SiLU, w3's output
-  and their product; plus 8 bytes of RMSNorm ``rstd`` per token. Per stage: ``l`` layers, plus ``8 T`` token ids on
-  the first stage, plus the stage output ``c T D`` held by ``PipelineStage`` until its backward (non-last stage) or the
-  final norm ``T (8 D + c D)`` and, for the Critic, its value output; with a float32 compute dtype a non-first
-  stage's first float32 norm input is its receive buffer (already counted). Checked against
-  ``saved_tensors_hooks`` (``--measure``): the formula is exact for one layer in float32 and bfloat16.
-- ``actor_logits``: the Actor's last stage holds, per in-flight micro-batch, its float32 logits ``[b, s, V]`` (the
-  stage output) and their float32 log-softmax ``[b, s-1, V]`` (saved by autograd) plus the gather index:
-  ``T V 4 + b (s-1) (8 V + 8)``.
-- ``logits_transient``: ``3 x 4 T V`` on the Actor's last stage: the policy loss's no-grad entropy keeps three more
-  float32 ``[b, s-1, V]`` tensors alive (log-softmax, exp, product), and its backward about as many gradients.
-- In flight: along the rank's lowered program (:func:`fusedrl.train.plan_program`), the number of micro-batches of a
-  model held at once is the running count of its F minus B (or W) actions; the estimate takes the maximum over the
-  program of ``sum over models of count x per-micro-batch bytes`` (exact for the schedule in use; the per-model
-  maxima are reported too).
-- ``experience``: the scored batch every rank holds and its padded copy: ``2 x batch_size x s x 40`` bytes (int64
-  tokens + eight float32 per-token tensors).
+- ``gradients_{actor,critic}``: float32 sharded gradients (as large as the shards) from the end-of-minibatch
+  reduce-scatter until ``zero_grad`` after the optimizer step.
+- ``unsharded_params``: with ``reshard_after_forward=False`` a stage stays all-gathered in the compute dtype from its
+  first forward to the minibatch's gradient reduction: ``c x`` its TP-local numel.
+- ``unsharded_grads``: the executor runs every backward without gradient sync, so FSDP2 accumulates the *unsharded*
+  gradient of the whole stage over the micro-batches, in the reduce dtype when it differs from the compute dtype
+  (``training.mixed_precision_reduce``), else in the compute dtype: ``4 x`` TP-local numel for bf16 / fp32.
+- ``activations``, per in-flight micro-batch of a stage of ``l`` layers (autograd's saved tensors; SDPA saves no
+  ``[H, s, s]`` scores): per layer ``T x [2 (8 D + c D) + c (4 q + 4 F) / tp + 8 + 4 H / tp]``. Each RMSNorm saves its
+  float32 input copy, the normalized float32 value and its compute-dtype output; attention saves q, k and v (k, v
+  expanded to ``H / tp`` heads by torchtune's GQA), the SDPA output and its float32 log-sum-exp; the MLP saves w1's
+  output, its SiLU, w3's output and their product; 8 bytes of ``rstd``. Per stage: ``l`` layers; ``+ 8 T`` token ids
+  on the first stage; a non-last stage's output ``c T D`` (held by ``PipelineStage`` until its backward); a last
+  stage's final norm ``8 T D``, ``36 T`` of loss tensors and: Critic ``T (c D + c + 4)`` (head input and value
+  output); Actor with the LM head in the loss (``split_decoder(apply_head=False)``, ``PolicyLoss(head=...)``) ``T (4 D
+  + c D)`` (the float32 hidden output and the loss's compute-dtype copy, the checkpointed chunks' input), else ``c T
+  D`` plus ``actor_logits``, ``4 T V + 4 b (s-1) (V + 2)`` (float32 logits and log-softmax). With a float32
+  compute dtype a non-first stage's first norm input is its receive buffer: ``- 4 T D``. Measured exactly by
+  ``--measure`` (``saved_tensors_hooks`` plus the held stage outputs).
+- ``logits_transient`` (Actor's last stage, during its forward and backward): ``4 x`` one float32 logits chunk
+  (``b x positions x V x 4 <= DEFAULT_LOGITS_BUDGET_BYTES``) for the chunked LM head (logits, log-softmax, exp,
+  product; measured 4.0 in forward, 3.5 in backward), or ``3 x 4 b (s-1) V`` with full logits (the entropy's
+  log-softmax, exp and product; measured 3.0).
+- The program: :func:`training_walk` follows the rank's lowered program (:func:`fusedrl.train.plan_program`): a
+  micro-batch is held from its F to its B (W when split), a model's unsharded parameters exist from its first F and
+  its unsharded gradients from its first backward (charged at the backward's start or end, whichever is larger). The
+  in-flight counts are exact for the schedule in use; the largest moment is kept.
+- ``reduce_scatter``: the gradient reduction copies one FSDP2 unit's unsharded gradients into a reduce-scatter
+  buffer (the largest unit: a layer, or the root with the embedding / head).
+- ``experience``: the scored batch and its padded copy, ``2 x batch_size x s x 40`` bytes.
 - ``optimizer_step``: one float32 copy of the shards (foreach AdamW's ``sqrt(exp_avg_sq)``).
 
-The training peak is the largest of three moments: compute (persistent + unsharded params and grads + the
-activation peak + logits + experience), reduce (persistent + unsharded params and grads + sharded grads +
-experience) and optimizer step (persistent + sharded grads + optimizer temporaries + experience).
+The training peak is the largest of three moments: compute (the walk's largest moment), reduction (unsharded params
+and grads + ``reduce_scatter``) and optimizer step (sharded grads + ``optimizer_step``), each + ``experience``.
 
-Other phases (one transient at a time on a rank: decoding, scoring and weight sync never overlap on one rank):
+Other phases (a rank runs one of weight sync, decoding or scoring at a time, so their transients never add up):
 
-- ``weight_sync_buffers``: weight sync copies one unit (a decoder layer, or a tensor outside the layers) at a time;
-  for the unit of the real plan (:class:`fusedrl.distributed.ReshardPlan`) that costs this rank most:
-  receive buffers (transfers to it from other ranks) + send blocks (transfers from it, each a cast or
-  ``contiguous()`` copy of a slice of its source shard) + the largest cast copy of a block it keeps itself. Actor and
-  Critic syncs run one after the other: the larger counts.
-- ``prefill_activations`` (generation): the engine admits up to ``max_slots`` prompts at once and prefills them
-  without grad: ``T_p = max_slots x P`` tokens, peak inside a layer ``T_p x max(r (2 D + 3 F / g), r (2 D + 6 q / g),
-  (8 + 2 r) D)`` (MLP: residual, normed input, SiLU, w3 output, product; attention: q, expanded k, v, output;
-  norm: float32 temporaries), ``g = gen_tp``, plus ``n x V x (r + 4)`` logits at the last positions.
-- ``decode_logits`` (generation): ``max_slots x V x (r + 24)``: the head's output and its float32 copy, then the
-  sampler's log-softmax, scaled logits, probabilities, exponential noise and their ratio; ``+ 25`` bytes per entry
-  when top-k / top-p filtering is on (sort values and int64 indices, masks, cumulative sums, scatter).
-- ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch holds at most ``max_slots`` samples and at
-  most ``scoring_max_tokens`` padded tokens (``T_s``, a longer sample alone); its no-grad forward peaks like prefill
-  with ``T_s`` tokens; the Reference's chunked head then keeps its hidden states ``r T_s D`` and one float32 logits
-  chunk (``rows x positions x V x 4 <= DEFAULT_LOGITS_BUDGET_BYTES``) twice: the chunk and its log-softmax
-  (``SCORING_CHUNK_MULTIPLE = 2``; in bf16 the head's bf16 output is freed before the log-softmax). The phase holds
-  the larger of the two (the worst micro-batch shape is searched).
+- ``weight_sync_buffers``: :func:`sync_transients` replays :func:`fusedrl.distributed.reshard` over the real plan,
+  one unit (a decoder layer, or one tensor outside the layers) at a time: receive buffers and send blocks (a cast to
+  the rollout dtype, or the ``contiguous()`` copy of a strided slice; one per destination) live until the next unit,
+  a block the rank keeps until the next block, and the loop variables ``buf`` / ``block`` carry the last ones into
+  the next unit. The Actor's and the Critic's syncs run in turn: the larger counts.
+- ``prefill_activations`` (generation): up to ``max_slots`` prompts are admitted and prefilled at once without grad,
+  ``T_p = max_slots x P`` tokens; inside a layer the MLP phase holds ``r T_p (4 D + 3 F / g + (q + 2 k) / g)`` (layer
+  input, residual, attention output, normed input, SiLU, w3's output, product, and the layer's q, k, v), unless the
+  attention phase ``r T_p (2 D + 6 q / g)`` is larger; plus ``max_slots x V x (r + 4)`` last-position logits.
+- ``decode_logits`` (generation): ``max_slots x V x 24``: float32 logits, the sampler's log-softmax, scaled logits,
+  probabilities, noise and their ratio; ``+ 14`` bytes per entry with top-k / top-p filtering (measured 24.0 / 37.5).
+- ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch has at most ``max_slots`` samples and at most
+  ``scoring_max_tokens`` padded tokens ``T_s`` (a longer sample alone; the worst shape is searched); its no-grad
+  forward peaks at ``r T_s (4 D + 3 F / g)`` (or the attention phase), the Reference's chunked head at ``r T_s D``
+  hidden states + 2 float32 chunks (the chunk and its log-softmax; measured 2.0). The phase holds the larger.
 
-Not estimated: the CUDA context, NCCL and allocator fragmentation / caching; compiled-graph (CUDA graph) pools;
-the engine's int8 copy when ``generation.quantize`` is set; the KV states of migrated requests waiting in a kept
-instance's queue; a transient ``[b, s, V]`` float32 example tensor the executor allocates once when it builds a
-stage for a new shape; host-side copies (the CPU engine's prepacked weights). ``docs/memory.md`` tells how to read
-the figures.
+Not estimated: the CUDA context, NCCL buffers, allocator caching and fragmentation, CUDA-graph pools of the compiled
+decode; the int8 engine copy (``generation.quantize``); the KV states of migrated requests queued on a kept instance;
+the example tensors the executor allocates when it builds a stage for a new shape; host memory (the CPU engine's
+prepacked weights, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
 
-With ``--measure`` the same config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation,
-a small batch, 4 CPU ranks) runs through the real :class:`fusedrl.train.Trainer` for two iterations; every rank
-sums the bytes of the live tensors of each category and the estimate for the same layout and program is compared
-(ratio measured / estimated per category; a compared category off by more than 10% fails the run).
+``--measure`` runs a config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation, a small
+batch, 4 CPU ranks) through the real :class:`fusedrl.train.Trainer` for two iterations; each rank sums the bytes of
+the live tensors of every category (distinct storages), records the training step's saved tensors per micro-batch,
+the unsharded parameters and gradients before the gradient reduction and the weight sync's P2P buffers, and
+profiles (``torch.profiler`` CPU memory events: the net bytes allocated) a training step, a weight sync, the
+largest prefill and scoring micro-batch and a decode step. The estimate for the same layout, program and sequence
+length is compared per rank and category; a compared category off by more than 10% fails the run (exit status 1).
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ product; its checkpointed backward stays below)."""
 LOSS_BYTES_PER_TOKEN = 36
 """Small per-token tensors a PPO loss saves (masks, ratios, clipped values)."""
 SAMPLING_BYTES = 24
-"""Float32 ``[slots, V]`` tensors of one decode step's sampling, in bytes per entry (six of them)."""
-FILTER_BYTES = 25
-"""Extra bytes per ``[slots, V]`` entry when top-k / top-p filtering is on."""
+"""Bytes per ``[slots, V]`` entry of one decode step: the float32 logits, the sampler's log-softmax, scaled logits,
+probabilities, exponential noise and their ratio (measured: 24.0)."""
+FILTER_BYTES = 14
+"""Extra bytes per ``[slots, V]`` entry when top-k / top-p filtering is on (sorted values and int64 order, masks,
+cumulative sums, the scatter; measured: 13.5)."""
 EXPERIENCE_BYTES_PER_TOKEN = 40
 """int64 tokens + eight float32 per-token tensors of the scored batch."""
 TOLERANCE = 0.10
@@ -212,19 +214,23 @@ def actor_logits_bytes(f: ModelFlavor, rows: int, seq: int) -> int:
     return rows * seq * f.vocab_size * 4 + rows * (seq - 1) * (f.vocab_size * 4 + 8)
 
 
-def body_peak_bytes(f: ModelFlavor, tokens: int, r: int, g: int) -> int:
-    """Peak bytes of a no-grad decoder forward over ``tokens`` tokens (prefill, scoring), inside its largest layer."""
+def body_peak_bytes(f: ModelFlavor, tokens: int, r: int, g: int, engine: bool = False) -> int:
+    """Peak bytes of a no-grad decoder forward over ``tokens`` tokens inside its largest layer: the MLP phase
+    ``r T (4 D + 3 F / g)`` (the layer's input held by the caller, the residual, the normed input, SiLU, w3's
+    output, their product) unless the attention phase ``r T (2 D + 6 q / g)`` is larger. ``engine``: the
+    generation engine's prefill also still holds the layer's q, k and v during the MLP: ``+ r T (q + 2 kv) / g``."""
     d, h = f.embed_dim, f.num_heads
-    q = h * (d // h)
-    return tokens * max(r * (2 * d + 3 * f.intermediate_dim // g), r * (2 * d + 6 * q // g), (8 + 2 * r) * d)
+    q, kv = h * (d // h), f.num_kv_heads * (d // h)
+    mlp = r * (4 * d + 3 * f.intermediate_dim // g) + (r * (q + 2 * kv) // g if engine else 0)
+    return tokens * max(mlp, r * (2 * d + 6 * q // g))
 
 
-def decode_logits_bytes(f: ModelFlavor, slots: int, r: int, filtering: bool) -> int:
-    return slots * f.vocab_size * (r + SAMPLING_BYTES + (FILTER_BYTES if filtering else 0))
+def decode_logits_bytes(f: ModelFlavor, slots: int, filtering: bool) -> int:
+    return slots * f.vocab_size * (SAMPLING_BYTES + (FILTER_BYTES if filtering else 0))
 
 
 def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
-    return body_peak_bytes(f, rows * width, r, g) + rows * f.vocab_size * (r + 4)
+    return body_peak_bytes(f, rows * width, r, g, engine=True) + rows * f.vocab_size * (r + 4)
 
 
 def scoring_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int,
@@ -234,8 +240,10 @@ def scoring_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int,
     return body_peak_bytes(f, rows * width, r, g), r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * chunk
 
 
-def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int) -> tuple[int, int, tuple[int, int]]:
-    """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width))."""
+def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int,
+                        others: Sequence[ModelFlavor] = ()) -> tuple[int, int, tuple[int, int]]:
+    """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width)).
+    ``f``: the Reference (policy head); ``others``: the Critic's and Reward's flavors (their bodies run too)."""
     gen = cfg.generation
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
     best = (0, 0, (1, longest))
@@ -244,6 +252,7 @@ def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int) -> tuple
         if width < 2:
             break
         body, head = scoring_bytes(f, rows, width, r, g)
+        body = max([body, *(body_peak_bytes(o, rows * width, r, g) for o in others)])
         if max(body, head) > max(best[0], best[1]):
             best = (body, head, (rows, width))
     return best
@@ -416,7 +425,8 @@ def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], mod
         coords = rank_coords(cfg, rank)
         stage = by_pp[coords["pp"]].stages[model]
         src = {t.name: (t.shape, box) for t in stage.tensors if (box := _box_at(t, coords)) is not None}
-        dst = {t.name: (t.shape, box, dtype) for t in reference.rollout[model] if (box := _box_at(t, coords)) is not None}
+        dst = {t.name: (t.shape, box, dtype) for t in reference.rollout[model]
+               if (box := _box_at(t, coords)) is not None}
         everyone.append((src, dst))
     for b in builds.values():  # the arithmetic must agree with the DTensors the built ranks hold
         mine_src, mine_dst = everyone[b.rank]
@@ -425,7 +435,8 @@ def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], mod
                 raise RuntimeError(f"rank {b.rank} {t.name}: computed box {mine_src[t.name][1]} != built {t.box}")
         for t in b.rollout[model]:
             if t.local_numel and mine_dst[t.name][1] != t.box:
-                raise RuntimeError(f"rank {b.rank} rollout {t.name}: computed box {mine_dst[t.name][1]} != built {t.box}")
+                raise RuntimeError(f"rank {b.rank} rollout {t.name}: computed box {mine_dst[t.name][1]} != "
+                                   f"built {t.box}")
     return everyone
 
 
@@ -447,32 +458,48 @@ def _contiguous_within(box: Box, outer: Box) -> bool:
 
 def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_itemsize: int,
                     ranks: Iterable[int]) -> dict[int, dict[str, int]]:
-    """Per rank in ``ranks``: the bytes of its costliest unit of ``plan`` (recv + send copies + largest own cast
-    block) and that unit's parts."""
-    wanted = set(ranks)
-    best = {r: {"total": 0, "recv": 0, "send": 0, "self": 0} for r in wanted}
-    for unit in plan.units:
-        recv: dict[int, int] = {}
-        send: dict[int, int] = {}
-        own: dict[int, int] = {}
-        for t in unit:
-            if t.src not in wanted and t.dst not in wanted:
-                continue
-            wire = plan.wire_dtype[t.name].itemsize
-            nbytes = t.box.numel * wire
-            copies = wire != src_itemsize or not _contiguous_within(t.box, everyone[t.src][0][t.name][1])
-            if t.src == t.dst:
-                if wire != src_itemsize:
-                    own[t.src] = max(own.get(t.src, 0), nbytes)
-                continue
-            recv[t.dst] = recv.get(t.dst, 0) + nbytes
-            if copies:
-                send[t.src] = send.get(t.src, 0) + nbytes
-        for r in wanted:
-            parts = {"recv": recv.get(r, 0), "send": send.get(r, 0), "self": own.get(r, 0)}
-            total = sum(parts.values())
-            if total > best[r]["total"]:
-                best[r] = {"total": total, **parts}
+    """Per rank in ``ranks``: the largest bytes :func:`fusedrl.distributed.reshard` holds at once beyond the two
+    layouts' own tensors, replaying its loop over ``plan``: receive buffers and send blocks (a cast, or the
+    ``contiguous()`` copy of a strided slice) live until the next unit starts, a block the rank keeps itself until
+    the next block replaces it, and the loop variables ``buf`` / ``block`` keep the last receive buffer and block of
+    a unit alive into the next one. Returns ``{"total": peak, "recv": ..., "send": ...}`` (the unit's receive and
+    send bytes at the peak) and ``"unit"``: the largest receive + send bytes of one unit."""
+    best = {}
+    for r in ranks:
+        peak = {"total": 0, "recv": 0, "send": 0}
+        largest = 0
+        buf = block = 0  # bytes the loop variables hold (0: nothing, or a view of a source shard)
+        block_in_ops = buf_in_incoming = False
+        for unit in plan.units:
+            # ``ops = []`` / ``incoming = []``: the previous unit's tensors go, but for what buf / block still hold
+            live = buf + block
+            recv = send = 0
+            buf_in_incoming = block_in_ops = False
+            for t in unit:
+                if r not in (t.src, t.dst):
+                    continue
+                wire = plan.wire_dtype[t.name].itemsize
+                nbytes = t.box.numel * wire
+                if t.src == r:
+                    cast = wire != src_itemsize
+                    strided = not _contiguous_within(t.box, everyone[t.src][0][t.name][1])
+                    new = nbytes if cast else 0
+                    live += new + (nbytes if t.dst != r and strided and not cast else 0)
+                    if not block_in_ops:
+                        live -= block  # the previous block is dropped unless a send still holds it
+                    block, block_in_ops = new, t.dst != r
+                    if t.dst != r:
+                        send += nbytes if cast or strided else 0
+                else:
+                    live += nbytes
+                    recv += nbytes
+                    if not buf_in_incoming:
+                        live -= buf
+                    buf, buf_in_incoming = nbytes, True
+                if live > peak["total"]:
+                    peak = {"total": live, "recv": recv, "send": send}
+            largest = max(largest, recv + send)
+        best[r] = {**peak, "unit": largest}
     return best
 
 
@@ -480,42 +507,50 @@ def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_it
 
 
 def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int], logits_mb: int,
-                  params: dict[str, int], grads: dict[str, int], loss_transient: int) -> tuple[dict[str, int], dict[str, int]]:
+                  params: dict[str, int], grads: dict[str, int],
+                  loss_transient: int) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
     A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
     backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
-    gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B when this
-    rank holds its last stage (``logits_mb`` or ``loss_transient`` non-zero). Returns (per model the most
-    micro-batches held at once, the categories live at the largest moment)."""
+    gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B on the rank
+    holding its last stage. A backward is charged at its start (the micro-batch still held, the model's gradients
+    as they were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
+    micro-batches held at once, the categories live at the largest moment, the largest activations + logits
+    alone)."""
     count = {ACTOR: 0, CRITIC: 0}
     most = dict(count)
     gathered: set[str] = set()
     graded: set[str] = set()
     split = {m: any(a.kind == "W" for a in program.programs[pp_rank] if a.model == m) for m in count}
     best: dict[str, int] = {}
+    held = 0
+
+    def moment(transient: int) -> dict[str, int]:
+        return {"unsharded_params": sum(params[x] for x in gathered),
+                "unsharded_grads": sum(grads[x] for x in graded),
+                "activations": sum(count[x] * per_mb[x] for x in count),
+                "actor_logits": count[ACTOR] * logits_mb,
+                "logits_transient": transient}
+
     for a in program.programs[pp_rank]:
         if a.kind not in ("F", "B", "I", "W"):
             continue
         m = a.model
+        transient = loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0
         if a.kind == "F":
             gathered.add(m)
             count[m] += 1
             most[m] = max(most[m], count[m])
-        elif a.kind in ("B", "W"):
+        candidates = [moment(transient)]
+        held = max(held, candidates[0]["activations"] + candidates[0]["actor_logits"])
+        if a.kind in ("B", "W"):
             graded.add(m)
-        live = {
-            "unsharded_params": sum(params[x] for x in gathered),
-            "unsharded_grads": sum(grads[x] for x in graded),
-            "activations": sum(count[x] * per_mb[x] for x in count),
-            "actor_logits": count[ACTOR] * logits_mb,
-            "logits_transient": loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0,
-        }
-        if sum(live.values()) > sum(best.values()):
-            best = live
-        if a.kind == ("W" if split[m] else "B"):
-            count[m] -= 1
-    return most, best
+            if a.kind == ("W" if split[m] else "B"):
+                count[m] -= 1
+            candidates.append(moment(0))
+        best = max([best, *candidates], key=lambda d: sum(d.values()))
+    return most, best, held
 
 
 @dataclass
@@ -593,7 +628,7 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     stage_grads = {m: accum * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     loss_transient = (CHUNKED_HEAD_MULTIPLE * chunk if chunked else
                       LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if head.last else 0)
-    most, compute = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
+    most, compute, held = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
                                   loss_transient)
     groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
     for st in build.stages.values():
@@ -614,8 +649,9 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     g = par.gen_tp
     filtering = gen.top_k > 0 or gen.top_p < 1.0
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, cfg.data.max_prompt_len, r, g)
-    transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots, r, filtering)
-    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g)
+    transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots, filtering)
+    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g,
+                                            (flavors[CRITIC], FLAVORS[cfg.model.reward]))
     transients["scoring_activations"], transients["scoring_logits"] = body, head
     gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
 
@@ -636,7 +672,8 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
         "scoring": {**persistent, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **max(moments, key=lambda d: sum(d.values()))},
     }
-    details = {"in_flight_max": most, "training_compute_peak": compute, "activation_bytes_per_microbatch": per_mb,
+    details = {"in_flight_max": most, "training_compute_peak": compute, "activation_peak": held,
+               "activation_bytes_per_microbatch": per_mb,
                "actor_logits_bytes_per_microbatch": logits_mb, "microbatches": n_mb, "seq_len": seq,
                "gradients": gradients, "weight_sync_unit": sync, "scoring_microbatch": list(shape),
                "stage_layers": {m: st.layers for m, st in build.stages.items()}}
@@ -662,6 +699,9 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
     par = cfg.parallelism
     world = par.pp * par.dp_shard * par.tp if world is None else world
     validate_world_size(cfg, world)
+    if dist.is_initialized():
+        raise RuntimeError("the memory estimate plays every rank under its own fake process group; call it in a "
+                           "process without an initialised default process group")
     say = progress or (lambda _: None)
     wanted = list(ranks) if ranks is not None else distinct_ranks(cfg)
     to_build = sorted(set(wanted) | {(pp * par.dp_shard) * par.tp for pp in range(par.pp)})
@@ -672,7 +712,7 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
         say(f"[memory] building rank {rank} ({i}/{len(to_build)}: pp={c['pp']} dp_shard={c['dp_shard']} tp={c['tp']}) "
             f"of {world}, {time.perf_counter() - start:.1f}s")
         builds[rank] = build_rank(cfg, rank, world)
-    syncs: dict[int, dict[str, int]] = {r: {"total": 0} for r in wanted}
+    syncs: dict[int, dict[str, Any]] = {r: {"total": 0, "unit": 0} for r in wanted}
     fake_group(0, world)
     try:
         for model in (ACTOR, CRITIC):
@@ -680,8 +720,10 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
             everyone = all_rank_boxes(cfg, world, builds, model)
             per_rank = sync_transients(plan_for(everyone), everyone, 4, wanted)
             for rank, figures in per_rank.items():
+                unit = max(figures["unit"], syncs[rank]["unit"])  # the Actor's and the Critic's syncs run in turn
                 if figures["total"] > syncs[rank]["total"]:
                     syncs[rank] = {**figures, "model": model}
+                syncs[rank]["unit"] = unit
     finally:
         dist.destroy_process_group()
     if program is None:
@@ -693,8 +735,9 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
     results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs, seq_len) for r in wanted]
     say(f"[memory] done in {time.perf_counter() - start:.1f}s")
     notes = [] if ranks is not None else [
-        f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP rank "
-        "0; the other ranks of a stage differ only by uneven FSDP2 chunks, and every rank holds the same rollout shares)"]
+        (f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP "
+         "rank 0; the other ranks of a stage differ only by uneven FSDP2 chunks, and every rank holds the same rollout "
+         "shares)")]
     notes.append(f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (one stage pair is cached per "
                  "trained bucket)")
     return Estimate(config_name, world, results, notes)
@@ -717,7 +760,7 @@ def categories(est: Estimate) -> list[str]:
         for r in est.ranks:
             for name in r.phases[phase]:
                 seen.setdefault(name)
-    return list(seen)
+    return [n for n in seen if any(est.max_over_ranks(p, n)[0] for p in PHASES)]
 
 
 def format_table(est: Estimate, device_gib: float) -> str:
@@ -737,12 +780,14 @@ def format_table(est: Estimate, device_gib: float) -> str:
         peaks.append(f"{_gib(value):>8.3f} r{rank:<4}")
     lines.append(f"{'phase peak':<22}" + "".join(f"{c:>{width}}" for c in peaks))
     lines.append("")
-    lines.append(f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'persistent':>11} {'peak':>8}  {'phase':<12} in flight (actor, critic)")
+    lines.append(f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'persistent':>11} {'peak':>8}  {'phase':<12} "
+                 "in flight (actor, critic)")
     for r in est.ranks:
         value, phase = r.peak
         flight = r.details["in_flight_max"]
         lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {r.coords['dp_shard']:>3} {r.coords['tp']:>3} "
-                     f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} {flight[ACTOR]}, {flight[CRITIC]}")
+                     f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} "
+                     f"{flight[ACTOR]}, {flight[CRITIC]}")
     persistent = max(r.persistent_total for r in est.ranks)
     peak, worst = max((r.peak[0], r.rank) for r in est.ranks)
     lines.append("")
@@ -911,8 +956,13 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             got["sync"][model] = max(got["sync"].get(model, 0), fresh)
             return real_batch(ops)
 
+        calls = [0]
+
         def wrapped() -> Any:
+            calls[0] += 1
             with mock.patch.object(dist, "batch_isend_irecv", batch):
+                if calls[0] == 1:  # the first sync also allocates one-time state (communication, dispatch caches)
+                    return original()
                 result, peak = _profile_peak(original)
             got["profiled"][f"weight_sync_{model}"] = max(got["profiled"].get(f"weight_sync_{model}", 0), peak)
             return result
@@ -928,7 +978,9 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
 
     def reduce(self: PipelineStage, *args: Any, **kwargs: Any) -> Any:
         model = names[id(self.submod)]
-        params = [p for p in self.submod.parameters() if not isinstance(p, DTensor)]
+        # all-gathered: plain tensors, or DTensors left on the TP mesh only
+        params = [p for p in self.submod.parameters()
+                  if not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ())]
         figures = {"params": _storage_bytes(params), "grads": _storage_bytes(_fsdp_unsharded_grads(self.submod))}
         old = got["unsharded"].get(model, {"params": 0, "grads": 0})
         got["unsharded"][model] = {k: max(old[k], v) for k, v in figures.items()}
@@ -963,8 +1015,8 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
                 result = schedule_step(*args, **kwargs)
         peak, sizes = saved.peak()
         if peak > got["activations"].get("peak", 0):
-            got["activations"] = {"peak": peak, "per_microbatch": {m: max((v for (mm, _), v in sizes.items() if mm == m),
-                                                                          default=0) for m in (ACTOR, CRITIC)}}
+            largest = {m: max((v for (model, _), v in sizes.items() if model == m), default=0) for m in (ACTOR, CRITIC)}
+            got["activations"] = {"peak": peak, "per_microbatch": largest}
         return result
     layout.schedule.step = step
 
@@ -1003,7 +1055,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         decodes[0] += 1
         if decodes[0] % 8 != 3:
             return real_decode()
-        b = len(engine._active)
+        b = round_up(len(engine._active), engine.batch_buckets)  # the step pads its rows to a bucket
         result, peak = _profile_peak(real_decode)
         best = got["profiled"].get("decode")
         if best is None or peak > best["peak"]:
@@ -1023,8 +1075,8 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     for name in ROLLOUT_MODELS:
         persistent[f"rollout_{name}"] = _storage_bytes(getattr(rollout, name).parameters())
     persistent["kv_cache"] = _storage_bytes(b for n, b in engine._forward.named_buffers() if n[:2] in ("k_", "v_"))
-    persistent["rope_buffers"] = _storage_bytes(b for m in (*stage_modules.values(), *(getattr(rollout, n) for n in ROLLOUT_MODELS))
-                                                for b in m.buffers())
+    models = (*stage_modules.values(), *(getattr(rollout, n) for n in ROLLOUT_MODELS))
+    persistent["rope_buffers"] = _storage_bytes(b for m in models for b in m.buffers())
     stages = list(layout.schedule._stages.items())
     persistent["pipeline_buffers"] = _storage_bytes(b for _, st in stages for b in _stage_buffers(st))
     got["pipeline_seqs"] = sorted({key[2][1] for key, _ in stages})
@@ -1076,32 +1128,33 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
         unsharded = {k: sum(v[k] for v in m["unsharded"].values()) for k in ("params", "grads")}
         out.append(Comparison(e.rank, "unsharded_params", unsharded["params"], e.transients["unsharded_params"], True))
         out.append(Comparison(e.rank, "unsharded_grads", unsharded["grads"], e.transients["unsharded_grads"], True))
-        out.append(Comparison(e.rank, "activations+actor_logits", m["activations"]["peak"],
-                              e.transients["activations"] + e.transients["actor_logits"], True))
-        unit = e.details["weight_sync_unit"]
-        out.append(Comparison(e.rank, "weight_sync_buffers (send+recv)", max(m["sync"].values(), default=0),
-                              unit.get("recv", 0) + unit.get("send", 0), True))
+        out.append(Comparison(e.rank, "activations (+ logits), in-flight peak", m["activations"]["peak"],
+                              e.details["activation_peak"], True))
+        out.append(Comparison(e.rank, "weight sync: largest unit's send+recv", max(m["sync"].values(), default=0),
+                              e.details["weight_sync_unit"]["unit"], True))
         prof = m["profiled"]
         if "scoring" in prof:
             rows, width = prof["scoring"]["shape"]
             body, head = scoring_bytes(actor, rows, width, r, g)
             out.append(Comparison(e.rank, f"scoring micro-batch {rows}x{width} (profiled)", prof["scoring"]["peak"],
-                                  max(body, head), False))
+                                  max(body, head), True))
         if "prefill" in prof:
             rows, width = prof["prefill"]["shape"]
             out.append(Comparison(e.rank, f"prefill {rows}x{width} (profiled)", prof["prefill"]["peak"],
-                                  prefill_bytes(actor, rows, width, r, g), False))
+                                  prefill_bytes(actor, rows, width, r, g), True))
         if "decode" in prof:
-            out.append(Comparison(e.rank, f"decode step, {gen.max_slots} slots (profiled)", prof["decode"]["peak"],
-                                  decode_logits_bytes(actor, gen.max_slots, r, gen.top_k > 0 or gen.top_p < 1.0), False))
+            rows = prof["decode"]["rows"]
+            out.append(Comparison(e.rank, f"decode step, {rows} rows (profiled)", prof["decode"]["peak"],
+                                  decode_logits_bytes(actor, rows, gen.top_k > 0 or gen.top_p < 1.0), False))
         if "training_step" in prof:
             tr = e.transients
             step = max(sum(e.details["training_compute_peak"].values()),
                        tr["unsharded_params"] + tr["unsharded_grads"] + tr["reduce_scatter"])
-            out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"], step, False))
+            out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"], step, True))
         sync_peak = max((v for k, v in prof.items() if k.startswith("weight_sync")), default=None)
         if sync_peak is not None:
-            out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"], False))
+            out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"],
+                                  False))
     return out
 
 
@@ -1150,7 +1203,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     config = args.config or MEASURE_CONFIG
-    argv = ["--job.config_file", config, *(MEASURE_OVERRIDES if args.config is None else ()), *overrides, *_RUN_OVERRIDES]
+    defaults = MEASURE_OVERRIDES if args.config is None else ()
+    argv = ["--job.config_file", config, *defaults, *overrides, *_RUN_OVERRIDES]
     try:
         cfg = load_config(argv)
         world = args.world or cfg.parallelism.pp * cfg.parallelism.dp_shard * cfg.parallelism.tp

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fusedrl.distributed import group_devices
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight matrices with ``weight_decay``; norms, biases and other 1-D params without."""
@@ -67,7 +69,7 @@ def grad_norm(
             norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
         total = torch.nn.utils.get_total_norm(norms, norm_type, foreach=False)
     else:  # e.g. a pipeline rank whose stages are all frozen; NCCL needs the tensor on the GPU
-        on_gpu = pp_group is not None and dist.get_backend(pp_group) == "nccl"
+        on_gpu = pp_group is not None and "cpu" not in group_devices(pp_group)
         total = torch.zeros((), dtype=torch.float32, device="cuda" if on_gpu else "cpu")
     if pp_group is not None:
         if math.isinf(norm_type):

@@ -4,8 +4,8 @@ dicts from a training layout, float8; a heartbeat that names dead ranks after a 
 from fusedrl.distributed.float8 import convert_to_float8
 from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
-from fusedrl.distributed.parallel_dims import ParallelDims, init_distributed, select_device
-from fusedrl.distributed.pipeline import DecoderStage, split_decoder, stage_layer_ranges
+from fusedrl.distributed.parallel_dims import ParallelDims, default_backend, group_devices, init_distributed, select_device
+from fusedrl.distributed.pipeline import DecoderStage, TiedEmbeddings, split_decoder, stage_layer_ranges
 from fusedrl.distributed.reshard import ReshardPlan, plan_reshard, reshard
 from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import apply_tp
@@ -15,11 +15,14 @@ __all__ = [
     "Heartbeat",
     "ParallelDims",
     "ReshardPlan",
+    "TiedEmbeddings",
     "apply_fsdp",
     "apply_tp",
     "convert_to_float8",
+    "default_backend",
     "describe_failure",
     "gather_full_state_dict",
+    "group_devices",
     "init_distributed",
     "plan_reshard",
     "reshard",

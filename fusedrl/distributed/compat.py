@@ -13,12 +13,21 @@ from torch.distributed.pipelining import PipelineStage
 def prepare_static_stage(stage: PipelineStage, num_microbatches: int) -> None:
     """Set up a ``PipelineStage`` built with static example inputs/outputs for ``num_microbatches`` with
     backward, without the shape-inference P2P exchange. The stock schedules do this inside their ``step``;
-    fusedrl's executor drives two models' stages itself, so it calls the stages' own preparation."""
-    from torch.distributed.pipelining._utils import InferenceMode
+    fusedrl's executor drives two models' stages itself, so it calls the stages' own preparation.
+
+    torch 2.13 and 2.14: the stage has an inference mode (``_utils.InferenceMode.STATIC`` skips the exchange)
+    and ``_prepare_forward_infra`` takes ``has_backward``. torch 2.11 has neither: a stage given ``input_args``
+    at construction already holds its input metadata and skips the exchange, and ``has_backward`` is read from
+    the stage.
+    """
+    from torch.distributed.pipelining import _utils
 
     stage.has_backward = True
-    stage._inference_mode = InferenceMode.STATIC
-    stage._prepare_forward_infra(num_microbatches, None, {}, has_backward=True)
+    if hasattr(_utils, "InferenceMode"):
+        stage._inference_mode = _utils.InferenceMode.STATIC
+        stage._prepare_forward_infra(num_microbatches, None, {}, has_backward=True)
+    else:
+        stage._prepare_forward_infra(num_microbatches, (), {})
     stage._prepare_backward_infra(num_microbatches)
 
 

@@ -98,6 +98,25 @@ def select_device(setting: str | None = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def default_backend(device: torch.device) -> str:
+    """The default group's backend for a job on ``device``: on CUDA one group serving both devices (NCCL for CUDA
+    tensors, gloo for CPU tensors: object collectives, control messages and host-side figures go through gloo
+    without a group of their own); gloo on CPU."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+_SERVES = {"gloo": {"cpu"}, "nccl": {"cuda"}, "fake": {"cpu", "cuda", "meta"}}
+
+
+def group_devices(group: dist.ProcessGroup | None = None) -> set[str]:
+    """Device types whose tensors ``group``'s backend communicates: ``gloo`` CPU, ``nccl`` CUDA, a multi-device
+    backend (``"cuda:nccl,cpu:gloo"``) each device it names."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        return {part.split(":")[0] for part in backend.split(",")}
+    return set(_SERVES.get(backend, {"cpu"}))
+
+
 def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -> torch.device:
     """Initialise the default process group (nccl on CUDA, gloo on CPU) and return this rank's device
     (:func:`select_device` of ``device_type``).
@@ -111,7 +130,7 @@ def init_distributed(device_type: str | None = None, timeout_s: float = 600.0) -
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return device
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = default_backend(device)
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)

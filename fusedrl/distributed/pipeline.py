@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.tied_linear import TiedLinear
 
@@ -112,7 +115,8 @@ def split_decoder(
 
     The stages reference the model's own submodules (no copies): build the full model, keep your
     stage, drop the rest. For a tied-embedding model split over several ranks, the embedding weight
-    lives on the first and the last stage; its gradient is the sum of both stages' gradients.
+    lives on the first and the last stage; its gradient is the sum of both stages' gradients
+    (:class:`TiedEmbeddings` adds them).
     """
     if not isinstance(model, TransformerDecoder):
         raise TypeError(f"split_decoder needs a torchtune TransformerDecoder, got {type(model).__name__}")
@@ -134,3 +138,38 @@ def split_decoder(
         )
         for s, layer_range in enumerate(ranges)
     ]
+
+
+class TiedEmbeddings:
+    """A tied embedding / LM head split over pipeline stages: the first stage holds the embedding, the last its
+    copy as the head. Each rank's backward gives only its use's gradient; :meth:`sum_gradients` adds the two
+    (one all-reduce between the first and the last pipeline rank of each data-parallel / TP coordinate), so both
+    copies get the full gradient, as the unsplit model's one parameter does, and stay equal under the same
+    optimizer. Collective at construction: every rank of ``mesh`` builds it. Nothing to do unless the stage
+    model ties its embeddings and pp >= 2 (then ``param`` is None on every rank).
+    """
+
+    def __init__(self, mesh: DeviceMesh, stage: DecoderStage, tied: bool) -> None:
+        names = mesh.mesh_dim_names
+        pp_dim = names.index("pp")
+        pp = mesh.size(pp_dim)
+        self.param: nn.Parameter | None = None
+        self.group: dist.ProcessGroup | None = None
+        if not tied or pp < 2:
+            return
+        ranks = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp)
+        for row in ranks.tolist():  # every rank creates every pair's group, in the same order
+            group = dist.new_group([row[0], row[-1]])
+            if dist.get_rank() in (row[0], row[-1]):
+                self.group = group
+        if stage.tok_embeddings is not None:
+            self.param = stage.tok_embeddings.weight
+        elif stage.output is not None:
+            self.param = stage.output.weight
+
+    def sum_gradients(self) -> None:
+        """Add the first and the last stage's gradients of the shared weight (call after backward, before clipping)."""
+        if self.param is None or self.param.grad is None:
+            return
+        grad = self.param.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)

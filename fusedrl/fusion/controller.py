@@ -12,7 +12,7 @@ same all-gathered statistics, and move their own KV shards to the same TP index 
   (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
   simulating the rest of the rollout with the lengths observed so far, see :mod:`.simulator`), the plan
   keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first),
-  moves every other instance's unfinished requests to them (KV + tokens + RNG state over point-to-point,
+  moves every other instance's unfinished requests to them (KV + tokens over point-to-point,
   or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the freed ones.
   The plan is verified (:func:`.plan.verify_plan`) before it runs. Freed instances then score while the
   tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from fusedrl.components.metrics import ChromeTrace
 from fusedrl.config import FusionSection
+from fusedrl.distributed import group_devices
 from fusedrl.fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
 from fusedrl.fusion.simulator import DEFAULT_FRACTIONS, RolloutConfig, RolloutCosts, SimRequest, best_migration
 from fusedrl.generation import (
@@ -160,8 +161,9 @@ class MigrationController(Generic[T]):
         self.control_group = control_group if control_group is not None else group
         self.instance_group = instance_group if instance_group is not None and dist.get_world_size(instance_group) > 1 else None
         self.leader = self.instance_group is None or dist.get_rank(self.instance_group) == 0
-        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-        self.device = engine.device if nccl else torch.device("cpu")  # where request-state buffers live
+        served = group_devices(group) if dist.is_initialized() else {"cpu"}
+        # request-state buffers on the engine's device when the group carries it (NCCL), else through the host
+        self.device = engine.device if engine.device.type in served else torch.device("cpu")
         self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
 
     @classmethod

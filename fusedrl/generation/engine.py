@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -208,7 +209,7 @@ class _SlotForward(nn.Module):
 @dataclass(eq=False)
 class _Slot:
     request: Request
-    generator: torch.Generator
+    seed: int  # request_seed(seed, id): the key of the request's random stream
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -251,7 +252,8 @@ class GenerationEngine:
         model: the decoder (its weights are used in place unless ``quantize`` is set).
         max_slots: requests decoded at once; each slot owns ``max_len`` KV positions per layer.
         max_len: longest sequence (prompt + generated); defaults to the model's ``max_seq_len``.
-        seed: default seed; each request's generator is seeded from (request.seed or seed, request.id).
+        seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
+            number of tokens it has sampled (see :mod:`.sampling`).
         compile: compile the decode step (static shapes: batch padded to ``batch_buckets``, attended
             length padded to ``len_buckets``; one graph per pair that occurs).
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
@@ -356,7 +358,12 @@ class GenerationEngine:
 
     # ---------------------------------------------------------------- requests in
     def add_request(self, request: Request) -> None:
-        """Queue a request. A malformed request becomes an error result (returned by the next step())."""
+        """Queue a request. A malformed request becomes an error result (returned by the next step()).
+
+        A request without a seed takes the engine's, so that its random stream stays the same when it is exported
+        to another engine."""
+        if request.seed is None:
+            request = dataclasses.replace(request, seed=self.seed)
         if request.id in self._ids:
             raise ValueError(f"request id {request.id!r} is already in this engine; ids must be unique")
         error = self._validate(request)
@@ -408,7 +415,7 @@ class GenerationEngine:
         for i, slot in enumerate(self._active):
             if slot.request.id == request_id:
                 n = slot.cache_len
-                state = RequestState(slot.request, list(slot.generated), list(slot.logprobs), slot.generator.get_state())
+                state = RequestState(slot.request, list(slot.generated), list(slot.logprobs))
                 if mode == "kv":
                     state.k, state.v = self._forward.read_slot(i, n)
                 self._remove_slot(i)
@@ -489,13 +496,8 @@ class GenerationEngine:
         taken = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         to_prefill: list[_Slot] = []
         for state in taken:
-            gen = torch.Generator(device=self.device)
-            if state.rng_state is not None:
-                gen.set_state(state.rng_state)
-            else:
-                seed = self.seed if state.request.seed is None else state.request.seed
-                gen.manual_seed(request_seed(seed, state.id))
-            slot = _Slot(state.request, gen, list(state.generated), list(state.logprobs))
+            seed = self.seed if state.request.seed is None else state.request.seed  # imported without one
+            slot = _Slot(state.request, request_seed(seed, state.id), list(state.generated), list(state.logprobs))
             i = len(self._active)
             self._active.append(slot)
             if state.has_kv:
@@ -535,16 +537,23 @@ class GenerationEngine:
         self._sample_and_advance(list(self._active), logits)
 
     def _sample_and_advance(self, slots: list[_Slot], logits: torch.Tensor) -> None:
+        """Sample every slot's next token on the device; one device-to-host copy per step brings the tokens and
+        log-probs back for the stop checks."""
         params = [s.request.sampling for s in slots]
+        device = logits.device
         tokens, logprobs = sample_tokens(
             logits,
-            torch.tensor([p.temperature for p in params], device=logits.device),
-            torch.tensor([p.top_k for p in params], device=logits.device),
-            torch.tensor([p.top_p for p in params], device=logits.device),
-            [s.generator for s in slots],
+            torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([s.seed for s in slots], dtype=torch.int64, device=device),
+            torch.tensor([len(s.generated) for s in slots], dtype=torch.int64, device=device),
+            any_sampled=any(p.temperature > 0 for p in params),
+            any_filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
+        host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
         finished = []
-        for slot, tok, lp in zip(slots, tokens.tolist(), logprobs.tolist()):
+        for slot, tok, lp in zip(slots, map(int, host[0]), host[1]):
             slot.generated.append(tok)
             slot.logprobs.append(lp)
             reason = self._finish_reason(slot, tok)

@@ -1,8 +1,44 @@
-"""Batched temperature / top-k / top-p sampling with one torch.Generator per row."""
+"""Batched temperature / top-k / top-p sampling on the device, with a counter-based random stream per request.
+
+A request's random numbers are a pure function of its 63-bit seed, the number of tokens it has sampled so far
+and the vocabulary index (a 32-bit integer hash computed with tensor ops): no generator objects, no per-row
+loop and no host synchronization, the whole batch in one set of kernels. A request samples the same tokens
+whatever batch, slot, engine or rank it runs in, and resuming it elsewhere needs nothing but its seed and its
+tokens (migration sends no RNG state).
+"""
 
 from __future__ import annotations
 
 import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) without int64 overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer: an avalanching bijection of [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard exponential draws ``[B, vocab_size]`` (float32), row ``b`` a function of ``(seeds[b], counters[b])``."""
+    device = seeds.device
+    seeds, counters = seeds.to(torch.int64), counters.to(torch.int64)
+    key = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ _mul32(counters & _MASK32, 0x9E3779B1))
+    index = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    bits = _mix32(key[:, None] ^ _mul32(index, 0x632BE5AB)[None, :])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits in (0, 1)
+    return -torch.log(uniform)
 
 
 def sample_tokens(
@@ -10,34 +46,34 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    generators: list[torch.Generator | None],
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+    *,
+    any_sampled: bool = True,
+    any_filtered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V] (float32).
 
-    Rows with temperature 0 are greedy and draw no random numbers. Every sampled row draws exactly
-    V exponentials from its own generator per call, so a row's stream (and its result) does not depend
-    on the other rows. Returns (tokens [B] int64, log-probs [B] of those tokens under log_softmax(logits)).
+    Rows with temperature 0 are greedy. Sampled rows take the Gumbel-max form of the categorical draw:
+    ``argmax(p / E)`` with ``E`` the row's exponentials (:func:`exponential_noise`). ``any_sampled`` /
+    ``any_filtered`` are what the caller knows on the host (some row has temperature > 0 / top-k or top-p set);
+    False skips that work. Returns (tokens [B] int64, log-probs [B] of those tokens under log_softmax(logits)).
     """
     logprobs_all = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
-    sampled = temperature > 0
-    if bool(sampled.any()):
-        rows = sampled.nonzero().flatten().tolist()
-        scaled = logits[rows] / temperature[rows, None]
-        scaled = _filter_top_k_top_p(scaled, top_k[rows], top_p[rows])
+    if any_sampled:
+        sampled = temperature > 0
+        scaled = logits / torch.where(sampled, temperature, 1.0)[:, None]
+        if any_filtered:
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            noise[i].exponential_(1.0, generator=generators[row])
-        # Exponential race (Gumbel-max): argmax p_i / E_i is a draw from p.
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        draws = (probs / exponential_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
+        tokens = torch.where(sampled, draws, tokens)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
-    if bool((top_k <= 0).all()) and bool((top_p >= 1.0).all()):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)

@@ -1,6 +1,6 @@
 """RequestState, a request detached from its engine, and its one wire format.
 
-A state is in flight (``finish_reason`` None: the unit of migration, with its KV slice and RNG) or finished
+A state is in flight (``finish_reason`` None: the unit of migration, with its KV slice) or finished
 (a sample on its way to be scored). Both travel between ranks the same way: :func:`pack_states` turns a
 batch of states into a few flat tensors (one header of fixed size first), :func:`send_states` /
 :func:`isend_states` / :func:`recv_states` move them point to point; a batch of zero states is an
@@ -30,13 +30,13 @@ class RequestState:
     KV cache). ``k``/``v`` are the request's cache rows, shape [num_layers, cache_len, kv_heads, head_dim],
     where ``cache_len == len(prompt) + len(generated) - 1``; they are ``None`` for a re-prefill export (the
     importing engine recomputes them from the tokens), for a request that has not started, and for a
-    finished one. ``rng_state`` is the request's generator state (None until the request is admitted).
+    finished one. The request's random stream is a function of its seed, id and token count (see
+    :mod:`.sampling`): there is no RNG state to carry.
     """
 
     request: Request
     generated: list[int]
     logprobs: list[float]
-    rng_state: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     finish_reason: FinishReason | None = None
@@ -75,12 +75,12 @@ class RequestState:
 
 
 # ---------------------------------------------------------------------------------------------- wire format
-# Message 1, int64 [HEADER]: count, then the element counts of messages 3-6 (meta bytes, tokens, log-probs,
-# RNG bytes), KV rows, and the KV layout (layers, kv_heads, head_dim, dtype index; zeros/-1 without KV).
+# Message 1, int64 [HEADER]: count, then the element counts of messages 3-5 (meta bytes, tokens, log-probs),
+# KV rows, and the KV layout (layers, kv_heads, head_dim, dtype index; zeros/-1 without KV).
 # Message 2, int64 [count, len(_FIELDS)]: per state, _FIELDS. Then meta (uint8 JSON), tokens (prompt then
-# generated, int64), log-probs (float32), RNG states (uint8) and K, V (concatenated along the token axis).
-_HEADER = ("count", "meta", "tokens", "logprobs", "rng", "kv_rows", "layers", "kv_heads", "head_dim", "kv_dtype")
-_FIELDS = ("meta", "prompt", "generated", "rng", "kv_rows")
+# generated, int64), log-probs (float32) and K, V (concatenated along the token axis).
+_HEADER = ("count", "meta", "tokens", "logprobs", "kv_rows", "layers", "kv_heads", "head_dim", "kv_dtype")
+_FIELDS = ("meta", "prompt", "generated", "kv_rows")
 
 
 def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
@@ -91,8 +91,7 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
                          "finish_reason": s.finish_reason}).encode() for s in states]
     with_kv = [s for s in states if s.has_kv]
     layout = _kv_layout(with_kv)
-    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated),
-                           s.rng_state.numel() if s.rng_state is not None else 0, s.k.shape[1] if s.has_kv else 0]
+    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated), s.k.shape[1] if s.has_kv else 0]
                           for m, s in zip(metas, states)], dtype=torch.int64)
     for s in states:
         if len(s.logprobs) != len(s.generated):
@@ -102,11 +101,9 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
         torch.tensor([t for s in states for t in (*s.request.prompt, *s.generated)], dtype=torch.int64),
         torch.tensor([lp for s in states for lp in s.logprobs], dtype=torch.float32),
     ]
-    rngs = [s.rng_state.cpu() for s in states if s.rng_state is not None]
-    payload.append(torch.cat(rngs) if rngs else torch.empty(0, dtype=torch.uint8))
     if with_kv:
         payload += [torch.cat([s.k for s in with_kv], dim=1), torch.cat([s.v for s in with_kv], dim=1)]
-    header = [len(states), *(p.numel() for p in payload[:4]), int(sizes[:, 4].sum()), *layout]
+    header = [len(states), *(p.numel() for p in payload[:3]), int(sizes[:, 3].sum()), *layout]
     return [torch.tensor(header, dtype=torch.int64), sizes, *payload]
 
 
@@ -122,11 +119,11 @@ def _kv_layout(with_kv: list[RequestState]) -> list[int]:
 
 def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
     """The states of a batch from the tensors that followed its header (inverse of :func:`pack_states`)."""
-    sizes, meta, tokens, logprobs, rng, *kv = tensors
+    sizes, meta, tokens, logprobs, *kv = tensors
     k, v = kv if kv else (None, None)
     meta_bytes, tokens, logprobs = bytes(meta.cpu().tolist()), tokens.tolist(), logprobs.tolist()
-    out, pos = [], dict.fromkeys(("meta", "tokens", "logprobs", "rng", "kv"), 0)
-    for n_meta, n_prompt, n_gen, n_rng, n_kv in sizes.tolist():
+    out, pos = [], dict.fromkeys(("meta", "tokens", "logprobs", "kv"), 0)
+    for n_meta, n_prompt, n_gen, n_kv in sizes.tolist():
         info = json.loads(meta_bytes[pos["meta"] : pos["meta"] + n_meta])
         sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
         seq = tokens[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
@@ -134,13 +131,12 @@ def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
             Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"]),
             seq[n_prompt:],
             logprobs[pos["logprobs"] : pos["logprobs"] + n_gen],
-            rng[pos["rng"] : pos["rng"] + n_rng].cpu() if n_rng else None,
             finish_reason=info["finish_reason"],
         )
         if n_kv:
             state.k, state.v = k[:, pos["kv"] : pos["kv"] + n_kv], v[:, pos["kv"] : pos["kv"] + n_kv]
         out.append(state)
-        for key, n in (("meta", n_meta), ("tokens", n_prompt + n_gen), ("logprobs", n_gen), ("rng", n_rng), ("kv", n_kv)):
+        for key, n in (("meta", n_meta), ("tokens", n_prompt + n_gen), ("logprobs", n_gen), ("kv", n_kv)):
             pos[key] += n
     return out
 
@@ -202,7 +198,7 @@ def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag:
         return x
 
     tensors = [recv([h["count"], len(_FIELDS)], torch.int64), recv([h["meta"]], torch.uint8),
-               recv([h["tokens"]], torch.int64), recv([h["logprobs"]], torch.float32), recv([h["rng"]], torch.uint8)]
+               recv([h["tokens"]], torch.int64), recv([h["logprobs"]], torch.float32)]
     if h["kv_dtype"] >= 0:
         shape = [h["layers"], h["kv_rows"], h["kv_heads"], h["head_dim"]]
         tensors += [recv(shape, _DTYPES[h["kv_dtype"]]), recv(shape, _DTYPES[h["kv_dtype"]])]
@@ -210,7 +206,7 @@ def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag:
 
 
 def _nonempty(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Empty payloads (no log-probs or RNG states yet) are not sent: the header tells the receiver so."""
+    """Empty payloads (no log-probs yet) are not sent: the header tells the receiver so."""
     return [t for t in tensors if t.numel()]
 
 

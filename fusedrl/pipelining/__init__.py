@@ -10,7 +10,7 @@ verifier), :mod:`.executor` (runs a lowered program with torch ``PipelineStage``
 
 from fusedrl.pipelining.bounds import lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
-from fusedrl.pipelining.executor import FusedPipelineSchedule, ModelStepResult, StageModule, run_emulated
+from fusedrl.pipelining.executor import FusedPipelineSchedule, LocalSchedule, ModelStepResult, StageModule, run_emulated
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, ProgramError, lower, verify_program
 from fusedrl.pipelining.search import PlanResult, fused_schedule, greedy_order, sequential_1f1b
@@ -38,6 +38,7 @@ __all__ = [
     "simulate",
     # executor (lowering, fused runtime, measured timeline)
     "FusedPipelineSchedule",
+    "LocalSchedule",
     "LoweredProgram",
     "ModelStepResult",
     "ProgramError",

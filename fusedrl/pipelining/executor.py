@@ -45,6 +45,7 @@ from fusedrl.pipelining.lowering import (
     SEND_F,
     LoweredProgram,
     Message,
+    comm_batches,
     message_of,
     needed_message,
     peer_of,
@@ -188,7 +189,7 @@ class FusedPipelineSchedule:
             n_mb = self.program.microbatches[m]
             if a.kind == "F":
                 args = (split[m][0][a.microbatch].to(self.device),) if st.is_first else ()
-                out = st.forward_one_chunk(a.microbatch, args, save_forward_output=False)
+                out = st.forward_one_chunk(a.microbatch, args, {}, save_forward_output=False)
                 if st.is_last:
                     targets = {k: v.to(self.device) for k, v in split[m][1][a.microbatch].items()}
                     loss, mb_stats = self.models[m].loss_fn(out, targets)
@@ -216,6 +217,66 @@ class FusedPipelineSchedule:
         return {m: _summarize(losses[m], stats[m]) for m in MODELS}
 
 
+class LocalSchedule:
+    """pp = 1: each model is whole on every rank (FSDP2-sharded over dp_shard) and the two train one after the
+    other: each model's micro-batches run forward and backward in turn (each loss divided by the micro-batch
+    count, gradients accumulated), FSDP2's gradient reduction runs once per model, after its last micro-batch.
+    The same :meth:`step` as :class:`FusedPipelineSchedule`; there are no pipeline bubbles to fuse.
+    """
+
+    def __init__(self, actor: StageModule, critic: StageModule, microbatches: dict[str, int], *,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+        for m in MODELS:
+            if microbatches[m] < 1:
+                raise ValueError(f"{m}: micro-batch count must be >= 1, got {microbatches[m]}")
+        self.models = {ACTOR: actor, CRITIC: critic}
+        self.microbatches = dict(microbatches)
+        self.group = group
+        if device is None:
+            device = next(actor.module.parameters(), torch.empty(0)).device
+        self.device = torch.device(device)
+        self.timeline: Timeline | None = None  # of the last step, when it was recorded
+
+    def step(
+        self,
+        actor_inputs: torch.Tensor,
+        critic_inputs: torch.Tensor,
+        actor_targets: dict[str, torch.Tensor],
+        critic_targets: dict[str, torch.Tensor],
+        *,
+        record: bool = False,
+    ) -> dict[str, ModelStepResult]:
+        """Forward, backward and gradient reduction of one minibatch for both models (see the class doc)."""
+        clock = _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
+        results = {}
+        for m, inputs, targets in ((ACTOR, actor_inputs, actor_targets), (CRITIC, critic_inputs, critic_targets)):
+            spec, n_mb = self.models[m], self.microbatches[m]
+            if inputs.shape[0] % n_mb:
+                raise ValueError(f"{m} batch {inputs.shape[0]} is not divisible by its {n_mb} micro-batches")
+            size = inputs.shape[0] // n_mb
+            losses, stats = [], []
+            for i in range(n_mb):
+                sync = getattr(spec.module, "set_requires_gradient_sync", None)
+                if sync is not None:  # FSDP2 reduce-scatters after the last micro-batch only
+                    sync(i == n_mb - 1)
+                rows = slice(i * size, (i + 1) * size)
+                if clock:
+                    clock.start()
+                out = spec.module(inputs[rows].to(self.device))
+                loss, mb_stats = spec.loss_fn(out, {k: v[rows].to(self.device) for k, v in targets.items()})
+                if clock:
+                    clock.stop(Action(m, 0, i, "F"))
+                    clock.start()
+                (loss / n_mb).backward()
+                if clock:
+                    clock.stop(Action(m, 0, i, "B"))
+                losses.append(loss.detach())
+                stats.append(mb_stats)
+            results[m] = _summarize(losses, stats)
+        self.timeline = clock.timeline() if clock else None
+        return results
+
+
 def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None) -> None:
     """Every rank must run the same lowered program (e.g. plan once and broadcast, or use a fixed seed/budget)."""
     digest = hashlib.sha256(repr(sorted(program.programs.items())).encode()).hexdigest()
@@ -238,24 +299,25 @@ def _summarize(losses: list[torch.Tensor], stats: list[dict]) -> ModelStepResult
 
 @dataclass(frozen=True)
 class _Step:
-    """One entry of a rank's program, decoded once: an action, whether it only posts a message, and the
-    message a compute action must wait for (None: its inputs are local)."""
+    """One entry of a rank's decoded program: a compute action with the message it must wait for (None: its
+    inputs are local), or a batch of communication actions posted together (see :func:`comm_batches`)."""
 
-    action: Action
+    actions: tuple[Action, ...]
     is_comm: bool
-    is_send: bool
-    message: Message | None
+    message: Message | None = None
 
 
 def compile_rank_program(program: LoweredProgram, rank: int) -> list[_Step]:
     """Decode one rank's program once so that running it does no per-action lookups."""
     placement = program.placement
+    prog = program.programs[rank]
+    first_of = {batch[0]: batch for batch in comm_batches(prog, placement)}
     steps = []
-    for a in program.programs[rank]:
-        if a.kind in COMM_KINDS:
-            steps.append(_Step(a, True, a.kind in (SEND_F, SEND_B), None if a.kind in (SEND_F, SEND_B) else message_of(a)))
-        else:
-            steps.append(_Step(a, False, False, needed_message(a, placement)))
+    for i, a in enumerate(prog):
+        if i in first_of:
+            steps.append(_Step(tuple(prog[j] for j in first_of[i]), True))
+        elif a.kind not in COMM_KINDS:
+            steps.append(_Step((a,), False, needed_message(a, placement)))
     return steps
 
 
@@ -269,24 +331,25 @@ def run_rank_program(
     record: bool = False,
     device: torch.device | None = None,
 ) -> Timeline | None:
-    """Interpret one rank's program (:func:`compile_rank_program`): post each message as its own P2P batch,
-    wait for a compute action's input right before it runs, and wait for all sends at the end. With ``record``
-    returns the measured timeline (compute intervals only; time spent waiting for a message is idle)."""
+    """Interpret one rank's program (:func:`compile_rank_program`): post each communication batch as one P2P
+    batch, wait for a compute action's input right before it runs, and wait for all sends at the end. With
+    ``record`` returns the measured timeline (compute intervals only; time spent waiting for a message is idle)."""
     received: dict[Message, list[dist.Work]] = {}
     sends: list[dist.Work] = []
     clock = _ActionClock(rank, group, device) if record else None
     for step in steps:
-        a = step.action
         if step.is_comm:
-            ops = comm_ops(a)
-            if len(ops) == 0:
-                raise RuntimeError(f"rank {rank}: {a} has no tensors to send or receive")
+            ops = [op for a in step.actions for op in comm_ops(a)]
+            if len(ops) < len(step.actions):
+                raise RuntimeError(f"rank {rank}: {[str(a) for a in step.actions]} have no tensors to send or receive")
             works = dist.batch_isend_irecv(ops)
-            if step.is_send:
+            if any(a.kind in (SEND_F, SEND_B) for a in step.actions):
                 sends.extend(works)
-            else:
-                received[step.message] = works
+            for a in step.actions:
+                if a.kind in (RECV_F, RECV_B):
+                    received[message_of(a)] = works  # the batch's works: waiting for one waits for the batch
             continue
+        (a,) = step.actions
         if step.message is not None:
             for w in received.pop(step.message):
                 w.wait()
@@ -306,7 +369,8 @@ class _ActionClock:
     after the step (one synchronization per recorded step instead of two per action)."""
 
     def __init__(self, rank: int, group: dist.ProcessGroup | None, device: torch.device | None) -> None:
-        dist.barrier(group=group)
+        if dist.is_initialized():
+            dist.barrier(group=group)
         self.rank = rank
         self.cuda = device is not None and device.type == "cuda"
         self.spans: list[tuple[Action, Any, Any]] = []

@@ -10,9 +10,15 @@ every program before it runs:
 
 1. each compute action runs exactly once, on the rank that holds its stage, after its inputs;
 2. the two ends of every rank pair post the same messages in the same order (both directions
-   interleaved), each message as its own P2P batch at both ends;
-3. a simulation in which every P2P operation blocks until the peer posts its match (the strictest
-   NCCL behaviour, first-in-first-out per pair) runs every program to the end: no deadlock.
+   interleaved);
+3. a simulation of NCCL's behaviour runs every program to the end: no deadlock. The executor posts each
+   maximal run of consecutive communication actions towards one peer as one batch
+   (:func:`comm_batches`: a pair's opposite-direction messages in one NCCL group, progressing together).
+   In the simulation each rank has one stream for all its P2P batches, run in posting order (a batch
+   starts when the previous one has completed and every compute action posted before it has run);
+   an operation matches its peer's only while both batches run, in the pair's first-in-first-out
+   order; a batch completes when all its operations matched; a compute action waits for the batch
+   that receives its input.
 """
 
 from __future__ import annotations
@@ -172,7 +178,22 @@ def verify_program(programs: Program, placement: Placement, microbatches: dict[s
     """Raise :class:`ProgramError` naming the first offending action unless the program is safe to run."""
     _check_actions(programs, placement, microbatches)
     _check_pair_order(programs, placement)
-    _simulate_blocking(programs, placement)
+    _simulate_streams(programs, placement)
+
+
+def comm_batches(program: list[Action], placement: Placement) -> list[list[int]]:
+    """Positions of one rank's communication actions grouped as the executor posts them: each maximal run of
+    consecutive communication actions with the same peer is one P2P batch."""
+    batches: list[list[int]] = []
+    for i, act in enumerate(program):
+        if act.kind not in COMM_KINDS:
+            continue
+        prev = batches[-1][-1] if batches else None
+        if prev == i - 1 and peer_of(program[prev], placement) == peer_of(act, placement):
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 def _check_actions(programs: Program, placement: Placement, microbatches: dict[str, int]) -> None:
@@ -265,32 +286,50 @@ def _check_pair_order(programs: Program, placement: Placement) -> None:
                                    f"rank {b} posts {act_b} ({mb}); both ends must post one message order")
 
 
-def _simulate_blocking(programs: Program, placement: Placement) -> None:
-    """Run the programs with every P2P operation blocking until its peer posts the match."""
-    pc = {r: 0 for r in programs}
-    queues: dict[tuple[int, int], deque[Action]] = defaultdict(deque)  # (rank, peer) -> posted, unmatched
+def _simulate_streams(programs: Program, placement: Placement) -> None:
+    """Run the programs under the NCCL model of the module doc (one P2P stream per rank, batches as posted)."""
+    batches = {r: comm_batches(prog, placement) for r, prog in programs.items()}
+    computes = {r: [i for i, a in enumerate(prog) if a.kind not in COMM_KINDS] for r, prog in programs.items()}
+    cpos = {r: 0 for r in programs}  # next compute action (index into computes[r])
+    bpos = {r: 0 for r in programs}  # next (or running) batch
+    running: dict[int, int] = {}  # rank -> batch index
+    matched: set[tuple[int, int]] = set()  # (rank, action position)
     received: dict[int, set[Message]] = defaultdict(set)
     while True:
         progress = False
         for r, prog in programs.items():
-            while pc[r] < len(prog):
-                act = prog[pc[r]]
-                if act.kind in COMM_KINDS:
-                    queues[(r, peer_of(act, placement))].append(act)
-                elif (need := needed_message(act, placement)) is not None and need not in received[r]:
+            while cpos[r] < len(computes[r]):
+                need = needed_message(prog[computes[r][cpos[r]]], placement)
+                if need is not None and need not in received[r]:
                     break
-                pc[r] += 1
+                cpos[r] += 1
                 progress = True
-        for (r, p), q in list(queues.items()):
-            peer_q = queues[(p, r)]
-            while q and peer_q and message_of(q[0]) == message_of(peer_q[0]):
-                for side, act in ((r, q.popleft()), (p, peer_q.popleft())):
-                    if act.kind in (RECV_F, RECV_B):
-                        received[side].add(message_of(act))
+            done_up_to = computes[r][cpos[r]] if cpos[r] < len(computes[r]) else len(prog)
+            if r not in running and bpos[r] < len(batches[r]) and batches[r][bpos[r]][0] < done_up_to:
+                running[r] = bpos[r]  # every compute action posted before the batch has run
                 progress = True
-        if all(pc[r] == len(prog) for r, prog in programs.items()) and not any(queues.values()):
+        for r, b in list(running.items()):
+            for i in batches[r][b]:
+                act = programs[r][i]
+                peer = peer_of(act, placement)
+                if (r, i) in matched or peer not in running:
+                    continue
+                for j in batches[peer][running[peer]]:
+                    if (peer, j) not in matched and message_of(programs[peer][j]) == message_of(act):
+                        matched.update({(r, i), (peer, j)})
+                        progress = True
+        for r, b in list(running.items()):
+            if all((r, i) in matched for i in batches[r][b]):
+                for i in batches[r][b]:
+                    if programs[r][i].kind in (RECV_F, RECV_B):
+                        received[r].add(message_of(programs[r][i]))
+                del running[r]
+                bpos[r] += 1
+                progress = True
+        if all(cpos[r] == len(computes[r]) and bpos[r] == len(batches[r]) for r in programs):
             return
         if not progress:
-            blocked = [f"rank {r} at {programs[r][pc[r]]}" for r in sorted(programs) if pc[r] < len(programs[r])]
-            pending = [f"rank {r}->{p} head {q[0]}" for (r, p), q in sorted(queues.items()) if q]
-            raise ProgramError("program deadlocks: " + "; ".join(blocked + pending))
+            blocked = [f"rank {r} at {programs[r][computes[r][cpos[r]]]}" for r in sorted(programs)
+                       if cpos[r] < len(computes[r])]
+            waiting = [f"rank {r} batch {[str(programs[r][i]) for i in batches[r][b]]}" for r, b in sorted(running.items())]
+            raise ProgramError("program deadlocks: " + "; ".join(blocked + waiting))

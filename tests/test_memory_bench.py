@@ -1,0 +1,145 @@
+"""``python -m fusedrl.bench.memory``: per-rank estimates from the layouts built on meta, checked by hand, against
+autograd's saved tensors, against gen_tp = 1, and against the real trainer on 4 CPU ranks (``--measure``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedrl.bench import memory
+from fusedrl.config import load_config
+from fusedrl.models import FLAVORS, build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
+FAST = ["--fusion.schedule_search_budget_s=0"]  # the greedy fused schedule, no search
+
+
+def _estimate(*overrides: str) -> memory.Estimate:
+    cfg = load_config(["--job.config_file", CONFIG, *FAST, *overrides])
+    return memory.estimate(cfg, config_name="debug", progress=None)
+
+
+@pytest.fixture(scope="module")
+def debug() -> memory.Estimate:
+    return _estimate()
+
+
+def _layer_numel(f) -> int:
+    hd = f.embed_dim // f.num_heads
+    attn = 2 * f.embed_dim * f.num_heads * hd + 2 * f.embed_dim * f.num_kv_heads * hd
+    return attn + 3 * f.embed_dim * f.intermediate_dim + 2 * f.embed_dim  # + the two norms
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """torch.chunk semantics (FSDP2's dim-0 shards): ceil-sized chunks, the last ones short or empty."""
+    size = -(-n // parts)
+    return max(0, min(n, (index + 1) * size) - index * size)
+
+
+def test_debug_persistent_categories_match_hand_computed_values(debug):
+    """Rank 0 of debug_ppo.toml (pp=2 x dp_shard=2, gen_tp=1, float32): Actor stage 0 (embedding + layer 0) and
+    Critic stage 1 (layer 1 + final norm + value head), each FSDP2-sharded over 2 dp ranks along dim 0."""
+    f = FLAVORS["debug"]
+    d, v = f.embed_dim, f.vocab_size
+    r0 = next(r for r in debug.ranks if r.rank == 0)
+    r1 = next(r for r in debug.ranks if r.rank == 1)
+    assert [r.rank for r in debug.ranks] == [0, 1, 2, 3]
+    # even shards: the stage's parameter count / dp_shard x 4 bytes
+    actor_stage0 = v * d + _layer_numel(f)
+    assert r0.persistent["train_params_actor"] == actor_stage0 // 2 * 4
+    # the value head [1, D] cannot be split over 2 ranks: dp rank 0 holds it whole, dp rank 1 nothing
+    critic_rows = _layer_numel(f) + d  # layer 1 + final norm, all evenly divisible
+    for rank, dp in ((r0, 0), (r1, 1)):
+        assert rank.persistent["train_params_critic"] == (critic_rows // 2 + _chunk(1, 2, dp) * d) * 4
+        assert rank.persistent["optimizer_critic"] == 2 * rank.persistent["train_params_critic"]
+        assert rank.details["gradients"]["gradients_critic"] == rank.persistent["train_params_critic"]
+    # rollout copies: whole models (gen_tp = 1), float32
+    policy = 2 * v * d + f.num_layers * _layer_numel(f) + d
+    value = v * d + f.num_layers * _layer_numel(f) + d + d
+    assert r0.persistent["rollout_actor"] == r0.persistent["rollout_reference"] == policy * 4
+    assert r0.persistent["rollout_critic"] == r0.persistent["rollout_reward"] == value * 4
+    # KV cache: layers x (K, V) x max_slots x (64 + 96) positions x KV heads x head dim x 4 bytes
+    assert r0.persistent["kv_cache"] == f.num_layers * 2 * 16 * 160 * f.num_kv_heads * (d // f.num_heads) * 4
+    # pipeline buffers: M = 32 / 2 / 4 = 4 micro-batches of [4, 160, D] float32; rank 0 has the Actor's first
+    # stage (gradient receive buffers) and the Critic's last stage (activation receive buffers)
+    assert r0.details["microbatches"] == 4
+    assert r0.persistent["pipeline_buffers"] == 2 * 4 * 4 * 160 * d * 4
+    # the training phase holds the sharded gradients or the unsharded stages, never less than the persistent state
+    for r in debug.ranks:
+        assert r.phase_peak("training") > r.persistent_total
+        assert r.peak[0] == max(r.phase_peak(p) for p in memory.PHASES)
+
+
+def test_gen_tp_2_halves_the_tensor_parallel_rollout_weights(debug):
+    """gen_tp = 2 shards every attention and MLP weight of the four rollout copies and the KV cache over 2 ranks;
+    the embedding, norms and heads stay whole on every rank."""
+    f = FLAVORS["debug"]
+    d, v = f.embed_dim, f.vocab_size
+    tp2 = _estimate("--parallelism.gen_tp=2")
+    one, two = debug.ranks[0].persistent, tp2.ranks[0].persistent
+    layers = f.num_layers * (_layer_numel(f) - 2 * d) * 4  # the sharded part (norms are whole)
+    whole = {"actor": 2 * v * d, "reference": 2 * v * d, "critic": v * d + d, "reward": v * d + d}
+    for name, rest in whole.items():
+        norms = (2 * f.num_layers + 1) * d
+        assert one[f"rollout_{name}"] == layers + (rest + norms) * 4
+        assert two[f"rollout_{name}"] == layers // 2 + (rest + norms) * 4, name
+    assert two["kv_cache"] * 2 == one["kv_cache"]
+    # the training layout does not change
+    for key in ("train_params_actor", "train_params_critic", "optimizer_actor", "optimizer_critic"):
+        assert two[key] == one[key]
+
+
+def test_one_layer_activation_formula_matches_autograds_saved_tensors():
+    """layer_activation_bytes against the bytes autograd saves for one torchtune layer (parameters and buffers left
+    out), in float32 and bfloat16: what the training estimate multiplies by layers and micro-batches in flight."""
+    f = FLAVORS["debug_large"]
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model("debug_large", "policy").to(dtype)
+        layer = model.layers[0]
+        skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        x = torch.randn(2, 48, f.embed_dim, dtype=dtype, requires_grad=True)
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, skip: set[int] = skip, saved: dict[int, int] = saved) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in skip:
+                saved[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        assert sum(saved.values()) == memory.layer_activation_bytes(f, 2 * 48, dtype.itemsize, 1), dtype
+
+
+def test_cli_json_and_training_walk(capsys):
+    """The table, the verdict line and the last-line JSON; in-flight counts follow the lowered program."""
+    assert memory.main(["--config", CONFIG, "--json", "--device-gib", "1", *FAST]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["world"] == 4 and result["device_gib"] == 1.0 and result["fits"] is True
+    assert set(result["phases"]) == set(memory.PHASES)
+    assert result["per_rank_peak_gib"] >= result["per_rank_persistent_gib"] > 0
+    assert set(result["ranks"]) == {"0", "1", "2", "3"}
+    assert any(line.startswith("per-rank persistent") and "fits in 1 GiB" in line for line in out)
+    # 4 micro-batches per model on pp=2: at most 4 in flight, and at least one on each stage
+    for rank in result["ranks"].values():
+        assert 1 <= rank["in_flight_max"]["actor"] <= 4 and 1 <= rank["in_flight_max"]["critic"] <= 4
+
+
+def test_measured_trainer_memory_matches_the_estimate(capsys):
+    """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent
+    state, gradients, unsharded stages, in-flight activations, weight-sync units, profiled training step, prefill
+    and scoring micro-batch) within 10% on every rank."""
+    code = memory.main(["--measure", "--json", "--model.actor=debug", "--model.critic=debug", "--model.reward=debug"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    off = [c for c in result["comparison"] if c["gated"] and abs(c["ratio"] - 1) > memory.TOLERANCE]
+    assert code == 0 and result["comparison_ok"] and not off, off
+    categories = {c["category"].split(" (")[0].split(",")[0] for c in result["comparison"] if c["gated"]}
+    for name in ("train_params_actor", "optimizer_critic", "rollout_reference", "kv_cache", "pipeline_buffers",
+                 "gradients_actor", "unsharded_grads", "activations"):
+        assert name in categories, categories
