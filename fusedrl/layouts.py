@@ -32,7 +32,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fusedrl.config import JobConfig
-from fusedrl.distributed import ParallelDims, TiedEmbeddings, apply_fsdp, apply_tp, group_devices, split_decoder
+from fusedrl.distributed import (
+    ParallelDims,
+    TiedEmbeddings,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_tp,
+    group_devices,
+    mesh_lines,
+    split_decoder,
+)
 from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
 from fusedrl.pipelining import FusedPipelineSchedule, LocalSchedule
 
@@ -103,6 +112,8 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
         module = split_decoder(build_model(flavor, role, device="meta"), dims.pp, apply_head=role == "value")[index]
         if dims.tp > 1:
             apply_tp(module, mesh["tp"])
+        if t.activation_checkpointing == "full":
+            apply_activation_checkpointing(module)
         # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
         apply_fsdp(module, mesh["dp_shard"], mp_policy=policy, reshard_after_forward=False)
         if materialize:
@@ -148,9 +159,8 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
 def _gloo_copy(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
     """A gloo group of the ranks that share this rank's coordinate on every mesh dim but ``dim`` (collective:
     every rank creates every such group, in the same order)."""
-    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(dim), -1).reshape(-1, mesh.size(mesh.mesh_dim_names.index(dim)))
     mine = None
-    for row in ranks.tolist():
+    for row in mesh_lines(mesh, dim):
         g = dist.new_group(row, backend="gloo")
         if dist.get_rank() in row:
             mine = g

@@ -7,7 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fusedrl.distributed import ParallelDims, TiedEmbeddings, apply_fsdp, apply_tp, split_decoder
+from fusedrl.distributed import (
+    ParallelDims,
+    TiedEmbeddings,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_tp,
+    split_decoder,
+    transformer_layers,
+)
 from fusedrl.models import FLAVORS, build_model
 from fusedrl.pipelining import FusedPipelineSchedule, LoweredProgram, ProgramError, StageModule, lower
 from fusedrl.pipelining.cost import CostModel
@@ -63,7 +71,7 @@ def _program(kind, pp, ma, mc):
 
 
 def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundaries=None, device="cpu", tp=1,
-                     flavor="debug"):
+                     flavor="debug", recompute=False):
     rank = dist.get_rank()
     if device == "cpu":
         mesh = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=pp * dp * tp).build_mesh("cpu")
@@ -84,8 +92,15 @@ def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundarie
     for mod in stages.values():
         if tp > 1:  # tensor parallel first, then FSDP2 over the TP-sharded parameters (torchtitan's order)
             apply_tp(mod, mesh["tp"])
+        if recompute:
+            apply_activation_checkpointing(mod)
         if dp > 1:
             apply_fsdp(mod, mesh["dp_shard"])
+    forwards = []  # a recomputed layer runs its forward twice per micro-batch
+    for mod in stages.values():
+        for layer in transformer_layers(mod)[:1]:
+            layer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    layered = sum(n for m, n in ((ACTOR, ma), (CRITIC, mc)) if transformer_layers(stages[m]))
     tied = TiedEmbeddings(mesh, stages[ACTOR], FLAVORS[flavor].tie_word_embeddings) if device == "cpu" else None
     dim = models[ACTOR].tok_embeddings.embedding_dim
     specs = {ACTOR: StageModule(stages[ACTOR], actor_loss, dim, 512), CRITIC: StageModule(stages[CRITIC], critic_loss, dim, 1)}
@@ -116,6 +131,8 @@ def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundarie
                     assert set(result[m].stats) == ({"ratio"} if m == ACTOR else {"value"})
                 else:
                     assert result[m].loss is None
+        assert len(forwards) == (2 if recompute else 1) * layered * len(seq_lens), kind
+        forwards.clear()
         for m in models:  # stage parameter names are the full model's names (a tied head is the embedding)
             got = dict(stages[m].named_parameters())
             want = dict(refs[m].named_parameters())
@@ -155,6 +172,14 @@ def test_tensor_parallel_training_gradients_match_the_reference():
     all-reduces sum the heads' partial products in another order than one matmul does: float reassociation)."""
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
     run_multirank(_check_gradients, 4, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2, timeout_s=240.0)
+
+
+def test_activation_checkpointing_gives_the_reference_gradients():
+    """training.activation_checkpointing = "full" on pp=2 x dp_shard=2 with FSDP2: layers recomputed in the
+    backward give the single-process gradients, and parameter names are unchanged (checked in _check_gradients)."""
+    programs = {"fused": _program("fused", 2, 2, 2)}
+    run_multirank(_check_gradients, 4, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True,
+                  timeout_s=240.0)
 
 
 def test_misordered_program_is_rejected_before_running():

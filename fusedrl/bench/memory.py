@@ -54,6 +54,9 @@ Training phase:
   D`` plus ``actor_logits``, ``4 T V + 4 b (s-1) (V + 2)`` (float32 logits and log-softmax). With a float32
   compute dtype a non-first stage's first norm input is its receive buffer: ``- 4 T D``. Measured exactly by
   ``--measure`` (``saved_tensors_hooks`` plus the held stage outputs).
+- ``recompute`` (``training.activation_checkpointing = "full"``): a layer then keeps only its input, ``c T D``,
+  per in-flight micro-batch instead of the activations above, and its backward rebuilds one layer's activations
+  (the per-layer figure above) at a time.
 - ``logits_transient`` (Actor's last stage, during its forward and backward): ``4 x`` one float32 logits chunk
   (``b x positions x V x 4 <= DEFAULT_LOGITS_BUDGET_BYTES``) for the chunked LM head (logits, log-softmax, exp,
   product; measured 4.0 in forward, 3.5 in backward), or ``3 x 4 b (s-1) V`` with full logits (the entropy's
@@ -78,11 +81,14 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
   a block the rank keeps until the next block, and the loop variables ``buf`` / ``block`` carry the last ones into
   the next unit. The Actor's and the Critic's syncs run in turn: the larger counts.
 - ``prefill_activations`` (generation): up to ``max_slots`` prompts are admitted and prefilled at once without grad,
-  ``T_p = max_slots x P`` tokens; inside a layer the MLP phase holds ``r T_p (4 D + 3 F / g + (q + 2 k) / g)`` (layer
-  input, residual, attention output, normed input, SiLU, w3's output, product, and the layer's q, k, v), unless the
-  attention phase ``r T_p (2 D + 6 q / g)`` is larger; plus ``max_slots x V x (r + 4)`` last-position logits.
-- ``decode_logits`` (generation): ``max_slots x V x 24``: float32 logits, the sampler's log-softmax, scaled logits,
-  probabilities, noise and their ratio; ``+ 14`` bytes per entry with top-k / top-p filtering (measured 24.0 / 37.5).
+  ``T_p = max_slots x P`` tokens (``max_slots x (P + N - 1)`` when migrated requests are re-prefilled,
+  ``fusion.migration_mode = "reprefill"``); inside a layer the MLP phase holds
+  ``r T_p (4 D + 3 F / g + (q + 2 k) / g)`` (layer input, residual, attention output, normed input, SiLU, w3's
+  output, product, and the layer's q, k, v), unless the attention phase ``r T_p (2 D + 6 q / g)`` is larger; plus
+  ``max_slots x V x (r + 4)`` last-position logits.
+- ``decode_logits`` (generation): ``max_slots x V x 65``: float32 logits, log-softmax, scaled logits and
+  probabilities, and the counter-based exponential noise, whose hash runs in int64 ``[slots, V]`` temporaries
+  (measured 64.5 bytes per entry, with or without top-k / top-p filtering).
 - ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch has at most ``max_slots`` samples and at most
   ``scoring_max_tokens`` padded tokens ``T_s`` (a longer sample alone; the worst shape is searched); its no-grad
   forward peaks at ``r T_s (4 D + 3 F / g)`` (or the attention phase), the Reference's chunked head at ``r T_s D``
@@ -142,12 +148,10 @@ CHUNKED_HEAD_MULTIPLE = 4
 product; its checkpointed backward stays below)."""
 LOSS_BYTES_PER_TOKEN = 36
 """Small per-token tensors a PPO loss saves (masks, ratios, clipped values)."""
-SAMPLING_BYTES = 24
-"""Bytes per ``[slots, V]`` entry of one decode step: the float32 logits, the sampler's log-softmax, scaled logits,
-probabilities, exponential noise and their ratio (measured: 24.0)."""
-FILTER_BYTES = 14
-"""Extra bytes per ``[slots, V]`` entry when top-k / top-p filtering is on (sorted values and int64 order, masks,
-cumulative sums, the scatter; measured: 13.5)."""
+SAMPLING_BYTES = 65
+"""Peak bytes per ``[slots, V]`` entry of one decode step: the float32 logits, log-softmax, scaled logits and
+probabilities, and the counter-based exponential noise, whose 32-bit hash runs in int64 temporaries (measured 64.5,
+with or without top-k / top-p filtering, whose own temporaries are gone before the noise is drawn)."""
 EXPERIENCE_BYTES_PER_TOKEN = 40
 """int64 tokens + eight float32 per-token tensors of the scored batch."""
 TOLERANCE = 0.10
@@ -188,13 +192,14 @@ def layer_activation_bytes(f: ModelFlavor, tokens: int, c: int, tp: int) -> int:
 
 
 def stage_activation_bytes(f: ModelFlavor, layers: int, first: bool, last: bool, role: str, rows: int, seq: int,
-                           c: int, tp: int, head_in_loss: bool = False) -> int:
+                           c: int, tp: int, head_in_loss: bool = False, recompute: bool = False) -> int:
     """Bytes one in-flight micro-batch holds on a training stage, the Actor's full logits excluded.
 
     ``head_in_loss``: the stage returns its final hidden states (float32) and the policy loss applies the LM head
-    in checkpointed chunks (``split_decoder(..., apply_head=False)``, ``PolicyLoss(head=...)``)."""
+    in checkpointed chunks (``split_decoder(..., apply_head=False)``, ``PolicyLoss(head=...)``). ``recompute``
+    (``training.activation_checkpointing = "full"``): a layer keeps only its input, ``c T D``."""
     tokens, d = rows * seq, f.embed_dim
-    total = layers * layer_activation_bytes(f, tokens, c, tp)
+    total = layers * (c * tokens * d if recompute else layer_activation_bytes(f, tokens, c, tp))
     if first:
         total += 8 * tokens  # token ids saved by the embedding
     elif c == 4 and layers:
@@ -225,8 +230,9 @@ def body_peak_bytes(f: ModelFlavor, tokens: int, r: int, g: int, engine: bool = 
     return tokens * max(mlp, r * (2 * d + 6 * q // g))
 
 
-def decode_logits_bytes(f: ModelFlavor, slots: int, filtering: bool) -> int:
-    return slots * f.vocab_size * (SAMPLING_BYTES + (FILTER_BYTES if filtering else 0))
+def decode_logits_bytes(f: ModelFlavor, slots: int) -> int:
+    """Peak bytes of one decode step's logits and sampling over ``slots`` rows (``SAMPLING_BYTES`` per entry)."""
+    return slots * f.vocab_size * SAMPLING_BYTES
 
 
 def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
@@ -507,14 +513,15 @@ def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_it
 
 
 def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int], logits_mb: int,
-                  params: dict[str, int], grads: dict[str, int],
-                  loss_transient: int) -> tuple[dict[str, int], dict[str, int], int]:
+                  params: dict[str, int], grads: dict[str, int], loss_transient: int,
+                  recompute: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
     A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
     backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
     gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B on the rank
-    holding its last stage. A backward is charged at its start (the micro-batch still held, the model's gradients
+    holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing)
+    joins during the model's B and I. A backward is charged at its start (the micro-batch still held, the model's gradients
     as they were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
     micro-batches held at once, the categories live at the largest moment, the largest activations + logits
     alone)."""
@@ -526,29 +533,31 @@ def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int],
     best: dict[str, int] = {}
     held = 0
 
-    def moment(transient: int) -> dict[str, int]:
+    def moment(transient: int, rebuilt: int) -> dict[str, int]:
         return {"unsharded_params": sum(params[x] for x in gathered),
                 "unsharded_grads": sum(grads[x] for x in graded),
                 "activations": sum(count[x] * per_mb[x] for x in count),
                 "actor_logits": count[ACTOR] * logits_mb,
-                "logits_transient": transient}
+                "logits_transient": transient,
+                "recompute": rebuilt}
 
     for a in program.programs[pp_rank]:
         if a.kind not in ("F", "B", "I", "W"):
             continue
         m = a.model
         transient = loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0
+        rebuilt = (recompute or {}).get(m, 0) if a.kind in ("B", "I") else 0
         if a.kind == "F":
             gathered.add(m)
             count[m] += 1
             most[m] = max(most[m], count[m])
-        candidates = [moment(transient)]
+        candidates = [moment(transient, rebuilt)]
         held = max(held, candidates[0]["activations"] + candidates[0]["actor_logits"])
         if a.kind in ("B", "W"):
             graded.add(m)
             if a.kind == ("W" if split[m] else "B"):
                 count[m] -= 1
-            candidates.append(moment(0))
+            candidates.append(moment(0, 0))
         best = max([best, *candidates], key=lambda d: sum(d.values()))
     return most, best, held
 
@@ -615,21 +624,24 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     pipe = 0
     for m, st in build.stages.items():
         kinds = (not st.first) + (not st.last)
-        pipe += sum(kinds * n_mb * rows * s * flavors[m].embed_dim * c for s in pipeline_seqs)
+        pipe += sum(kinds * program.microbatches[m] * rows * s * flavors[m].embed_dim * c for s in pipeline_seqs)
     persistent["pipeline_buffers"] = pipe
 
+    ac = t.activation_checkpointing == "full"
     per_mb = {m: stage_activation_bytes(flavors[m], st.layers, st.first, st.last, "policy" if m == ACTOR else "value",
-                                        rows, seq, c, par.tp, st.head_in_loss) for m, st in build.stages.items()}
-    head = build.stages[ACTOR]
-    chunked = head.last and head.head_in_loss
-    logits_mb = actor_logits_bytes(actor, rows, seq) if head.last and not chunked else 0
+                                        rows, seq, c, par.tp, st.head_in_loss, ac) for m, st in build.stages.items()}
+    recompute = {m: layer_activation_bytes(flavors[m], rows * seq, c, par.tp) if ac and st.layers else 0
+                 for m, st in build.stages.items()}
+    actor_stage = build.stages[ACTOR]
+    chunked = actor_stage.last and actor_stage.head_in_loss
+    logits_mb = actor_logits_bytes(actor, rows, seq) if actor_stage.last and not chunked else 0
     chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), seq - 1) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     stage_grads = {m: accum * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     loss_transient = (CHUNKED_HEAD_MULTIPLE * chunk if chunked else
-                      LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if head.last else 0)
+                      LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if actor_stage.last else 0)
     most, compute, held = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
-                                  loss_transient)
+                                        loss_transient, recompute)
     groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
     for st in build.stages.values():
         for x in st.tensors:
@@ -642,14 +654,17 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
         "activations": compute["activations"],
         "actor_logits": compute["actor_logits"],
         "logits_transient": loss_transient,
+        "recompute": compute["recompute"],
         "reduce_scatter": max(groups.values()),
         "experience": 2 * cfg.ppo.batch_size * seq * EXPERIENCE_BYTES_PER_TOKEN,
         "optimizer_step": sum(4 * x.local_numel for st in build.stages.values() for x in st.tensors),
     }
     g = par.gen_tp
-    filtering = gen.top_k > 0 or gen.top_p < 1.0
-    transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, cfg.data.max_prompt_len, r, g)
-    transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots, filtering)
+    # migrated requests re-prefill their prompt and generated tokens in "reprefill" mode
+    reprefill = cfg.fusion.inter_stage and cfg.fusion.migration_mode == "reprefill"
+    width = longest - 1 if reprefill else cfg.data.max_prompt_len
+    transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
+    transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots)
     body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g,
                                             (flavors[CRITIC], FLAVORS[cfg.model.reward]))
     transients["scoring_activations"], transients["scoring_logits"] = body, head
@@ -1116,7 +1131,7 @@ class Comparison:
 def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> list[Comparison]:
     """Measured vs estimated per rank and category (gated: must agree within 10%; else informational)."""
     out: list[Comparison] = []
-    t, gen = cfg.training, cfg.generation
+    t = cfg.training
     r, g = _itemsize(t.rollout_dtype), cfg.parallelism.gen_tp
     actor = FLAVORS[cfg.model.actor]
     for m, e in zip(measured, est.ranks):
@@ -1145,7 +1160,7 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
         if "decode" in prof:
             rows = prof["decode"]["rows"]
             out.append(Comparison(e.rank, f"decode step, {rows} rows (profiled)", prof["decode"]["peak"],
-                                  decode_logits_bytes(actor, rows, gen.top_k > 0 or gen.top_p < 1.0), False))
+                                  decode_logits_bytes(actor, rows), True))
         if "training_step" in prof:
             tr = e.transients
             step = max(sum(e.details["training_compute_peak"].values()),

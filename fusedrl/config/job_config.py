@@ -238,6 +238,11 @@ class TrainingSection:
     kv_cache_dtype: Literal["bfloat16", "float32"] = _key(
         "bfloat16", "Dtype of the generation engine's KV cache (attention runs in this dtype)."
     )
+    activation_checkpointing: Literal["none", "full"] = _key(
+        "none",
+        "full: each transformer layer of Actor and Critic keeps only its input per micro-batch in flight and recomputes "
+        "its activations in the backward (about a third more training compute); none: autograd keeps them all.",
+    )
     nan_policy: Literal["skip", "stop"] = _key(
         "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
     )

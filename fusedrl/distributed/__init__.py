@@ -2,9 +2,16 @@
 dicts from a training layout, float8; a heartbeat that names dead ranks after a failed collective."""
 
 from fusedrl.distributed.float8 import convert_to_float8
-from fusedrl.distributed.fsdp import apply_fsdp, transformer_layers
+from fusedrl.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
-from fusedrl.distributed.parallel_dims import ParallelDims, default_backend, group_devices, init_distributed, select_device
+from fusedrl.distributed.parallel_dims import (
+    ParallelDims,
+    default_backend,
+    group_devices,
+    init_distributed,
+    mesh_lines,
+    select_device,
+)
 from fusedrl.distributed.pipeline import DecoderStage, TiedEmbeddings, split_decoder, stage_layer_ranges
 from fusedrl.distributed.reshard import ReshardPlan, plan_reshard, reshard
 from fusedrl.distributed.state_dict import gather_full_state_dict
@@ -16,6 +23,7 @@ __all__ = [
     "ParallelDims",
     "ReshardPlan",
     "TiedEmbeddings",
+    "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_tp",
     "convert_to_float8",
@@ -24,6 +32,7 @@ __all__ = [
     "gather_full_state_dict",
     "group_devices",
     "init_distributed",
+    "mesh_lines",
     "plan_reshard",
     "reshard",
     "select_device",

@@ -7,6 +7,7 @@ changes.
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -29,6 +30,16 @@ def prepare_static_stage(stage: PipelineStage, num_microbatches: int) -> None:
     else:
         stage._prepare_forward_infra(num_microbatches, (), {})
     stage._prepare_backward_infra(num_microbatches)
+
+
+def recompute_in_backward(module: nn.Module) -> None:
+    """Activation checkpointing of ``module`` in place: its forward keeps only its inputs for autograd and runs
+    again in the backward. torch's composable ``checkpoint`` (``torch.distributed._composable``, the form that
+    composes with ``fully_shard``) leaves parameter names unchanged, unlike ``checkpoint_wrapper``, so weight
+    loading, resharding and checkpoints see the same names with it on or off."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

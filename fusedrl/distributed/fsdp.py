@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) per transformer layer plus the root."""
+"""Per transformer layer: FSDP2 (``fully_shard``, plus the root) and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtune.modules import TransformerSelfAttentionLayer
+
+from fusedrl.distributed.compat import recompute_in_backward
 
 
 def transformer_layers(module: nn.Module) -> list[TransformerSelfAttentionLayer]:
@@ -40,3 +42,11 @@ def apply_fsdp(
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
     return module  # type: ignore[return-value]  # fully_shard turned it into an FSDPModule
+
+
+def apply_activation_checkpointing(module: nn.Module) -> None:
+    """Recompute each transformer layer of ``module`` in the backward: a micro-batch in flight then holds one
+    hidden state per layer instead of the layer's activations (28x less for Llama-3.1-8B in bf16) for one
+    more forward. Apply after tensor parallelism and before FSDP2, as torchtitan does."""
+    for layer in transformer_layers(module):
+        recompute_in_backward(layer)

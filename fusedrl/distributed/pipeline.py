@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.tied_linear import TiedLinear
 
+from fusedrl.distributed.parallel_dims import mesh_lines
+
 
 def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:
     """The decoder layers each stage runs.
@@ -150,15 +152,11 @@ class TiedEmbeddings:
     """
 
     def __init__(self, mesh: DeviceMesh, stage: DecoderStage, tied: bool) -> None:
-        names = mesh.mesh_dim_names
-        pp_dim = names.index("pp")
-        pp = mesh.size(pp_dim)
         self.param: nn.Parameter | None = None
         self.group: dist.ProcessGroup | None = None
-        if not tied or pp < 2:
+        if not tied or mesh["pp"].size() < 2:
             return
-        ranks = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp)
-        for row in ranks.tolist():  # every rank creates every pair's group, in the same order
+        for row in mesh_lines(mesh, "pp"):  # every rank creates every pair's group, in the same order
             group = dist.new_group([row[0], row[-1]])
             if dist.get_rank() in (row[0], row[-1]):
                 self.group = group

@@ -339,15 +339,20 @@ def run_rank_program(
     clock = _ActionClock(rank, group, device) if record else None
     for step in steps:
         if step.is_comm:
-            ops = [op for a in step.actions for op in comm_ops(a)]
-            if len(ops) < len(step.actions):
+            per_action = [comm_ops(a) for a in step.actions]
+            if not all(per_action):
                 raise RuntimeError(f"rank {rank}: {[str(a) for a in step.actions]} have no tensors to send or receive")
-            works = dist.batch_isend_irecv(ops)
-            if any(a.kind in (SEND_F, SEND_B) for a in step.actions):
-                sends.extend(works)
-            for a in step.actions:
-                if a.kind in (RECV_F, RECV_B):
-                    received[message_of(a)] = works  # the batch's works: waiting for one waits for the batch
+            works = dist.batch_isend_irecv([op for ops in per_action for op in ops])
+            # gloo returns one handle per operation; a coalescing backend (NCCL) one for the whole batch
+            own = len(works) == sum(map(len, per_action))
+            start = 0
+            for a, ops in zip(step.actions, per_action):
+                mine = works[start:start + len(ops)] if own else works
+                start += len(ops)
+                if a.kind in (SEND_F, SEND_B):
+                    sends.extend(mine)
+                else:
+                    received[message_of(a)] = mine
             continue
         (a,) = step.actions
         if step.message is not None:
