@@ -6,8 +6,9 @@
   reduction).
 - **Rollout**: ``gen_tp`` consecutive ranks form one generation instance (``world / gen_tp`` instances). Each
   instance holds the engine's Actor, the Reference, the Reward and the scoring Critic, tensor-parallel over its
-  ranks (DTensors: attention and MLP sharded, embedding, norms and heads replicated), in
-  ``training.rollout_dtype`` / ``training.frozen_dtype``.
+  ranks (DTensors: attention, MLP, token embedding and LM head sharded, norms and value heads replicated), in
+  ``training.rollout_dtype`` / ``training.frozen_dtype``. With ``training.offload_frozen`` the Reference and the
+  Reward wait in host memory outside the rollout (:class:`HostCopies`).
 
 Nothing is replicated across ranks that a layout shards: every model is built on the meta device, parallelized
 there, then ``to_empty``-ed on the device and filled with only this rank's shards, read as slices from the HF
@@ -15,14 +16,14 @@ checkpoint (``fusedrl.models.load_hf_weights``). Without a checkpoint (random in
 debug runs) the whole model is built once in host memory from a seed and sliced the same way. The rollout copies
 of the trained models get their weights from the weight sync, not from here.
 
-:func:`build_layouts` with ``materialize=False`` stops before allocating anything: ``python -m fusedrl.bench.memory``
-measures the real module trees and shardings that way.
+:func:`build_training_layout` and :func:`build_rollout_layout` with ``materialize=False`` stop before allocating
+anything: ``python -m fusedrl.bench.memory`` measures the real module trees and shardings that way.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +31,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from fusedrl.config import JobConfig
 from fusedrl.distributed import (
     ParallelDims,
+    VOCAB_MODULES,
     TiedEmbeddings,
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tp,
+    convert_to_float8,
     group_devices,
     mesh_lines,
     split_decoder,
@@ -110,8 +114,10 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     def stage(flavor: str, role: str, index: int) -> nn.Module:
         # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
         module = split_decoder(build_model(flavor, role, device="meta"), dims.pp, apply_head=role == "value")[index]
+        if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
+            convert_to_float8(module)
         if dims.tp > 1:
-            apply_tp(module, mesh["tp"])
+            apply_tp(module, mesh["tp"], vocab_parallel=() if FLAVORS[flavor].tie_word_embeddings else VOCAB_MODULES)
         if t.activation_checkpointing == "full":
             apply_activation_checkpointing(module)
         # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
@@ -207,6 +213,43 @@ def _source(cfg: JobConfig, flavor: str, role: str, path: str | None, offset: in
             state.update(build_model(flavor, role).state_dict())
         load_state_slices(module, state)
     return from_seed
+
+
+class HostCopies:
+    """Frozen modules whose weights live in host memory between the phases that use them
+    (``training.offload_frozen``): :meth:`release` frees the device storage of every parameter (the tensors, and
+    their DTensor wrappers, stay), :meth:`restore` copies the host copy back into a fresh one. The host copy is
+    taken once, from the loaded weights; pinned on CUDA so the copies run at full PCIe / C2C bandwidth."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for module in modules:
+            for p in module.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
+                    raise ValueError("offload_frozen needs every frozen parameter to own its storage; a view or a "
+                                     "shared storage cannot be freed alone")
+                host = local.detach().to("cpu", copy=True)
+                self._pairs.append((local, host.pin_memory() if local.is_cuda else host))
+        self.resident = True
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(h.numel() * h.element_size() for _, h in self._pairs)
+
+    def release(self) -> None:
+        for local, _ in self._pairs:
+            local.untyped_storage().resize_(0)
+        self.resident = False
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for local, host in self._pairs:
+                local.untyped_storage().resize_(host.numel() * host.element_size())
+                local.copy_(host, non_blocking=True)
+        if self._pairs and self._pairs[0][0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the pinned host copies are reused: finish reading them
+        self.resident = True
 
 
 def random_init_params(flavor: str) -> int:

@@ -66,6 +66,7 @@ from fusedrl.generation import GenerationEngine, Request, SamplingParams, Weight
 from fusedrl.layouts import (
     DTYPES,
     RANDOM_INIT_MAX_PARAMS,
+    HostCopies,
     RolloutLayout,
     TrainingLayout,
     build_rollout_layout,
@@ -163,8 +164,9 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError("training.device = \"cuda\": no CUDA device is available; use --training.device=cpu (or auto)") from None
     if cfg.training.float8 and device.type != "cuda":
         raise ConfigError("training.float8 = true: float8 training needs CUDA; set --training.float8=false on CPU")
-    if cfg.training.float8:
-        raise ConfigError("training.float8 = true: float8 training is not wired into the trainer yet; set --training.float8=false")
+    if cfg.training.float8 and cfg.parallelism.tp > 1:
+        raise ConfigError("training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
+                          "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false")
 
 
 # ---------------------------------------------------------------------------------------------- training layout
@@ -460,6 +462,10 @@ class Trainer:
         self.layout = build_training_layout(cfg, self.device)
         self.rollout = build_rollout_layout(cfg, self.device)
         load_initial_weights(cfg, self.layout, self.rollout)
+        self.frozen = None
+        if cfg.training.offload_frozen:  # in host memory until the first rollout
+            self.frozen = HostCopies((self.rollout.reference, self.rollout.reward))
+            self.frozen.release()
         build_executor(cfg, self.layout, self.device)
         synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
@@ -537,10 +543,14 @@ class Trainer:
         with timers("weight_sync"):
             for sync in self.syncs:
                 sync.sync()
+            if self.frozen is not None:
+                self.frozen.restore()
         batch = self.loader.next_batch()
         requests = build_requests(cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
         rollout_start = time.perf_counter()
         result, scored = rollout(self.controller, requests, self.tokenizer.pad_id)
+        if self.frozen is not None:
+            self.frozen.release()
         timers.add("generation", result.decode_end_s)
         timers.add("scoring", result.scoring_s)
         timers.add("scoring_exposed", result.scoring_exposed_s)

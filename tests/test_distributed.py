@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder, stage_layer_ranges
+from fusedrl.layouts import HostCopies
 from fusedrl.models import build_model
 from fusedrl.testing import MultiRankPool, run_multirank
 
@@ -243,6 +244,11 @@ def _tp_forward_backward(flavor: str) -> None:
     ref_attn = ref.layers[0].attn
     assert (attn.num_heads, attn.num_kv_heads) == (ref_attn.num_heads // 2, ref_attn.num_kv_heads // 2)
     assert attn.q_proj.weight.to_local().shape[0] == ref.layers[0].attn.q_proj.weight.shape[0] // 2
+    # vocabulary-parallel embedding and LM head, unless tied (debug_qwen): then both stay replicated
+    embedding = model.tok_embeddings.weight
+    assert isinstance(embedding, DTensor) == (flavor == "debug")
+    if flavor == "debug":
+        assert embedding.to_local().shape[0] * 2 == embedding.shape[0] == model.output.weight.to_local().shape[0] * 2
 
     logits = model(tokens)
     expected = ref(tokens)
@@ -255,6 +261,28 @@ def _tp_forward_backward(flavor: str) -> None:
 @pytest.mark.parametrize("flavor", ["debug", "debug_qwen"])
 def test_tp_forward_and_gradients_equal_single_process(two_ranks, flavor):
     two_ranks.run(_tp_forward_backward, flavor)
+
+
+def _host_copies_round_trip() -> None:
+    torch.manual_seed(0)
+    model = build_model("debug")
+    ref = copy.deepcopy(model)
+    apply_tp(model, ParallelDims(tp=2).build_mesh("cpu")["tp"])
+    copies = HostCopies([model])
+    copies.release()
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    assert any(isinstance(p, DTensor) for p in model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    copies.restore()
+    _assert_params_match(model, ref, grads=False)
+    tokens, _ = _batch()
+    torch.testing.assert_close(model(tokens), ref(tokens), atol=1e-5, rtol=1e-4)
+
+
+def test_offloaded_frozen_weights_are_freed_and_restored_exactly(two_ranks):
+    """training.offload_frozen: HostCopies frees the device storage of tensor-parallel parameters (DTensors stay)
+    and restores the same values."""
+    two_ranks.run(_host_copies_round_trip)
 
 
 def _pipeline_gpipe() -> None:

@@ -94,7 +94,7 @@ def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundarie
             apply_tp(mod, mesh["tp"])
         if recompute:
             apply_activation_checkpointing(mod)
-        if dp > 1:
+        if dp > 1 or tp > 1:  # FSDP2 over TP shards even at dp_shard = 1, as the trainer's layout does
             apply_fsdp(mod, mesh["dp_shard"])
     forwards = []  # a recomputed layer runs its forward twice per micro-batch
     for mod in stages.values():
@@ -168,8 +168,9 @@ def test_tied_embedding_gradients_match_the_reference_at_pp2():
 
 
 def test_tensor_parallel_training_gradients_match_the_reference():
-    """pp=2 x tp=2 (4 ranks), fp32: gradients equal the single-process ones to rtol 1e-4 / atol 1e-6 (the TP
-    all-reduces sum the heads' partial products in another order than one matmul does: float reassociation)."""
+    """pp=2 x tp=2 (4 ranks, FSDP2 over the TP shards as in the trainer; vocabulary-parallel embedding and LM head),
+    fp32: gradients equal the single-process ones to rtol 1e-4 / atol 1e-6 (the TP all-reduces sum the heads'
+    partial products in another order than one matmul does: float reassociation)."""
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
     run_multirank(_check_gradients, 4, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2, timeout_s=240.0)
 

@@ -75,22 +75,44 @@ def test_debug_persistent_categories_match_hand_computed_values(debug):
 
 
 def test_gen_tp_2_halves_the_tensor_parallel_rollout_weights(debug):
-    """gen_tp = 2 shards every attention and MLP weight of the four rollout copies and the KV cache over 2 ranks;
-    the embedding, norms and heads stay whole on every rank."""
+    """gen_tp = 2 shards every attention and MLP weight of the four rollout copies, their embeddings and LM heads
+    (by vocabulary rows) and the KV cache over 2 ranks; norms and value heads stay whole on every rank."""
     f = FLAVORS["debug"]
     d, v = f.embed_dim, f.vocab_size
     tp2 = _estimate("--parallelism.gen_tp=2")
     one, two = debug.ranks[0].persistent, tp2.ranks[0].persistent
-    layers = f.num_layers * (_layer_numel(f) - 2 * d) * 4  # the sharded part (norms are whole)
-    whole = {"actor": 2 * v * d, "reference": 2 * v * d, "critic": v * d + d, "reward": v * d + d}
-    for name, rest in whole.items():
-        norms = (2 * f.num_layers + 1) * d
-        assert one[f"rollout_{name}"] == layers + (rest + norms) * 4
-        assert two[f"rollout_{name}"] == layers // 2 + (rest + norms) * 4, name
+    layers = f.num_layers * (_layer_numel(f) - 2 * d) * 4  # the sharded part of the layers (norms are whole)
+    norms = (2 * f.num_layers + 1) * d
+    vocab_rows = {"actor": 2 * v * d, "reference": 2 * v * d, "critic": v * d, "reward": v * d}
+    for name, rows in vocab_rows.items():
+        whole = norms + (d if name in ("critic", "reward") else 0)  # + the value head [1, D]
+        assert one[f"rollout_{name}"] == layers + (rows + whole) * 4
+        assert two[f"rollout_{name}"] == (layers + rows * 4) // 2 + whole * 4, name
     assert two["kv_cache"] * 2 == one["kv_cache"]
     # the training layout does not change
     for key in ("train_params_actor", "train_params_critic", "optimizer_actor", "optimizer_critic"):
         assert two[key] == one[key]
+
+
+def test_memory_savers_move_bytes_out_of_the_training_phase(debug):
+    """offload_frozen: Reference and Reward bytes leave the weight-sync and training phases and become host bytes;
+    activation_checkpointing = full: each in-flight micro-batch keeps one hidden state per layer, and the backward
+    rebuilds one layer at a time."""
+    saver = _estimate("--training.offload_frozen=true", "--training.activation_checkpointing=full")
+    base, r = debug.ranks[0], saver.ranks[0]
+    frozen = base.persistent["rollout_reference"] + base.persistent["rollout_reward"]
+    assert r.host_total == frozen > 0
+    for phase in ("weight_sync", "training"):
+        assert "rollout_reference" not in r.phases[phase] and "rollout_reward" not in r.phases[phase]
+    for phase in ("generation", "scoring"):
+        assert r.phase_peak(phase) == base.phase_peak(phase)
+    assert r.persistent_total == base.persistent_total - frozen
+    f = FLAVORS["debug"]
+    tokens = 4 * 160  # microbatch_size rows x the longest bucket
+    layers = base.details["stage_layers"]["actor"]
+    saved = base.details["activation_bytes_per_microbatch"]["actor"] - r.details["activation_bytes_per_microbatch"]["actor"]
+    assert saved == layers * (memory.layer_activation_bytes(f, tokens, 4, 1) - 4 * tokens * f.embed_dim) > 0
+    assert r.transients["recompute"] == memory.layer_activation_bytes(f, tokens, 4, 1)
 
 
 def test_one_layer_activation_formula_matches_autograds_saved_tensors():

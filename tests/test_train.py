@@ -34,7 +34,8 @@ COMPARED = ("policy_loss", "value_loss", "kl", "reward_mean", "reward_std", "cli
 
 
 def _runs(out: str) -> dict[str, list[dict]]:
-    """Fusions on (checkpoint every step), fusions off, and a resume of the first run from its step 1."""
+    """Fusions on (checkpoint every step), fusions off (with activation checkpointing and frozen-model offload),
+    and a resume of the first run from its step 1."""
     from fusedrl.config import load_config
     from fusedrl.train import run
 
@@ -43,7 +44,10 @@ def _runs(out: str) -> dict[str, list[dict]]:
 
     histories = {
         "on": run(cfg("on", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.interval=1")),
-        "off": run(cfg("off", "--fusion.inter_stage=false", "--fusion.intra_stage=false")),
+        # the memory savers change no result either: the unfused run also recomputes layers in the backward and
+        # keeps the Reference and Reward in host memory outside the rollout
+        "off": run(cfg("off", "--fusion.inter_stage=false", "--fusion.intra_stage=false",
+                       "--training.activation_checkpointing=full", "--training.offload_frozen=true")),
     }
     if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint of "on" exists in its folder
         src = Path(out, "on", "checkpoints")

@@ -379,13 +379,14 @@ def _bytes_read(folders: dict, layout: str) -> tuple[dict[str, int], dict[str, i
 
 
 def test_sharded_ranks_read_only_their_slices(two_ranks, folders):
-    """TP rank: each Colwise (q/k/v, w1/w3) or Rowwise (o, w2) weight costs exactly half its bytes (Llama q/k rows
-    are read per whole head, and 2-way TP cuts between heads), replicated tensors all of theirs. FSDP rank: exactly
+    """TP rank: each Colwise (q/k/v, w1/w3, the LM head's vocabulary rows) or Rowwise (o, w2, the embedding's
+    vocabulary rows) weight costs exactly half its bytes (Llama q/k rows are read per whole head, and 2-way TP cuts
+    between heads), replicated tensors (norms) all of theirs. FSDP rank: exactly
     its shard's bytes for every tensor (shards of q/k cover whole heads here). No whole-tensor reads at all."""
     for counts, sizes, _ in two_ranks.run(_bytes_read, folders, "tp"):
         assert counts.keys() == sizes.keys()
         for name, n in sizes.items():
-            split = any(k in name for k in ("_proj.weight", "mlp."))
+            split = any(k in name for k in ("_proj.weight", "mlp.", "embed_tokens", "lm_head"))
             assert counts[name] == (n // 2 if split else n), name
         assert sum(counts.values()) < 0.75 * sum(sizes.values())
     for counts, sizes, local in two_ranks.run(_bytes_read, folders, "fsdp"):

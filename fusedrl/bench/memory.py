@@ -41,7 +41,8 @@ Training phase:
   first forward to the minibatch's gradient reduction: ``c x`` its TP-local numel.
 - ``unsharded_grads``: the executor runs every backward without gradient sync, so FSDP2 accumulates the *unsharded*
   gradient of the whole stage over the micro-batches, in the reduce dtype when it differs from the compute dtype
-  (``training.mixed_precision_reduce``), else in the compute dtype: ``4 x`` TP-local numel for bf16 / fp32.
+  (``training.mixed_precision_reduce``), else in the compute dtype: ``4 x`` TP-local numel for bf16 / fp32; a
+  vocabulary-parallel embedding's gradient comes out of DTensor's embedding backward at full size (measured).
 - ``activations``, per in-flight micro-batch of a stage of ``l`` layers (autograd's saved tensors; SDPA saves no
   ``[H, s, s]`` scores): per layer ``T x [2 (8 D + c D) + c (4 q + 4 F) / tp + 8 + 4 H / tp]``. Each RMSNorm saves its
   float32 input copy, the normalized float32 value and its compute-dtype output; attention saves q, k and v (k, v
@@ -73,6 +74,10 @@ Training phase:
 The training peak is the largest of three moments: compute (the walk's largest moment), reduction (unsharded params
 and grads + ``reduce_scatter``) and optimizer step (sharded grads + ``optimizer_step``), each + ``experience``.
 
+With ``training.offload_frozen`` ``rollout_reference`` and ``rollout_reward`` count in the generation and scoring
+phases only; the rank keeps them in host memory (``host_gib``) and copying them in before each rollout adds host
+bytes / ``H2D_GB_PER_S`` seconds per iteration (an assumed bandwidth, printed with the figure).
+
 Other phases (a rank runs one of weight sync, decoding or scoring at a time, so their transients never add up):
 
 - ``weight_sync_buffers``: :func:`sync_transients` replays :func:`fusedrl.distributed.reshard` over the real plan,
@@ -92,7 +97,9 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
 - ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch has at most ``max_slots`` samples and at most
   ``scoring_max_tokens`` padded tokens ``T_s`` (a longer sample alone; the worst shape is searched); its no-grad
   forward peaks at ``r T_s (4 D + 3 F / g)`` (or the attention phase), the Reference's chunked head at ``r T_s D``
-  hidden states + 2 float32 chunks (the chunk and its log-softmax; measured 2.0). The phase holds the larger.
+  hidden states + 2 float32 chunks (the chunk and its log-softmax; measured 2.0), + the head's compute-dtype
+  output when it is not float32, + with ``g > 1`` the rank's vocabulary slice of the chunk (``r / g`` per entry)
+  before it is gathered. The phase holds the larger.
 
 Not estimated: the CUDA context, NCCL buffers, allocator caching and fragmentation, CUDA-graph pools of the compiled
 decode; the int8 engine copy (``generation.quantize``); the KV states of migrated requests queued on a kept instance;
@@ -139,6 +146,11 @@ from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positi
 GIB = 2**30
 PHASES: tuple[str, ...] = ("weight_sync", "generation", "scoring", "training")
 ROLLOUT_MODELS: tuple[str, ...] = ("actor", "critic", "reference", "reward")
+OFFLOADED: tuple[str, ...] = ("rollout_reference", "rollout_reward")
+"""Categories ``training.offload_frozen`` keeps in host memory outside the rollout (generation and scoring)."""
+H2D_GB_PER_S = 25.0
+"""Assumed host-to-device copy bandwidth per GPU from pinned memory (PCIe Gen5 x16 peaks at 64 GB/s; two GPUs
+often share a switch): the time ``training.offload_frozen`` adds per iteration is host bytes / this."""
 LOGITS_TRANSIENT_MULTIPLE = 3
 """Extra float32 ``[b, s-1, V]`` tensors alive during the Actor's policy loss (entropy) and its backward."""
 SCORING_CHUNK_MULTIPLE = 2
@@ -242,8 +254,12 @@ def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
 def scoring_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int,
                   budget: int = DEFAULT_LOGITS_BUDGET_BYTES) -> tuple[int, int]:
     """(body peak, Reference hidden states + chunked-head logits) of one scoring micro-batch of ``rows x width``."""
-    chunk = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), max(1, width - 1)) * f.vocab_size * 4
-    return body_peak_bytes(f, rows * width, r, g), r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * chunk
+    entries = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), max(1, width - 1)) * f.vocab_size
+    # the head's own output before the float32 copy (none in float32), and with vocabulary-parallel heads
+    # (g > 1) this rank's slice of it, which lives until the gathered logits are made
+    head_out = (r * entries if r != 4 else 0) + (r * entries // g if g > 1 else 0)
+    return (body_peak_bytes(f, rows * width, r, g),
+            r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out)
 
 
 def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int,
@@ -307,6 +323,14 @@ class TensorInfo:
             if dim != "dp_shard" and not p.is_replicate():
                 n //= size
         return n
+
+
+def _grad_numel(x: TensorInfo) -> int:
+    """Numel of the unsharded gradient FSDP2 accumulates for ``x``: its TP share, except for a vocabulary-parallel
+    embedding, whose gradient DTensor's backward produces at full size (measured by ``--measure`` at tp = 2)."""
+    if x.name.endswith("tok_embeddings.weight"):
+        return x.shape[0] * x.shape[1]
+    return x.unsharded_numel()
 
 
 def describe(module: nn.Module) -> list[TensorInfo]:
@@ -521,7 +545,7 @@ def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int],
     backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
     gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B on the rank
     holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing)
-    joins during the model's B and I. A backward is charged at its start (the micro-batch still held, the model's gradients
+    joins during the model's B and I (the larger of the two when both apply: the loss's backward ends first). A backward is charged at its start (the micro-batch still held, the model's gradients
     as they were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
     micro-batches held at once, the categories live at the largest moment, the largest activations + logits
     alone)."""
@@ -547,6 +571,8 @@ def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int],
         m = a.model
         transient = loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0
         rebuilt = (recompute or {}).get(m, 0) if a.kind in ("B", "I") else 0
+        if transient and rebuilt:  # the loss's backward ends before the layers' recomputation starts
+            transient, rebuilt = (transient, 0) if transient >= rebuilt else (0, rebuilt)
         if a.kind == "F":
             gathered.add(m)
             count[m] += 1
@@ -575,6 +601,11 @@ class RankEstimate:
 
     def phase_peak(self, phase: str) -> int:
         return sum(self.phases[phase].values())
+
+    @property
+    def host_total(self) -> int:
+        """Bytes this rank keeps in host memory between rollouts (``training.offload_frozen``)."""
+        return sum(self.details["host"].values())
 
     @property
     def persistent_total(self) -> int:
@@ -637,7 +668,7 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     logits_mb = actor_logits_bytes(actor, rows, seq) if actor_stage.last and not chunked else 0
     chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), seq - 1) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
-    stage_grads = {m: accum * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
+    stage_grads = {m: accum * sum(_grad_numel(x) for x in st.tensors) for m, st in build.stages.items()}
     loss_transient = (CHUNKED_HEAD_MULTIPLE * chunk if chunked else
                       LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if actor_stage.last else 0)
     most, compute, held = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
@@ -681,17 +712,19 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
         pick("unsharded_params", "unsharded_grads", "reduce_scatter", "experience"),
         {**gradients, **pick("optimizer_step", "experience")},
     ]
+    # training.offload_frozen: the Reference and the Reward are on the device during the rollout only
+    offloaded = {k: persistent.pop(k) for k in OFFLOADED if t.offload_frozen}
     phases = {
         "weight_sync": {**persistent, **pick("weight_sync_buffers")},
-        "generation": {**persistent, **larger("prefill_activations", "decode_logits")},
-        "scoring": {**persistent, **larger("scoring_activations", "scoring_logits")},
+        "generation": {**persistent, **offloaded, **larger("prefill_activations", "decode_logits")},
+        "scoring": {**persistent, **offloaded, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **max(moments, key=lambda d: sum(d.values()))},
     }
     details = {"in_flight_max": most, "training_compute_peak": compute, "activation_peak": held,
                "activation_bytes_per_microbatch": per_mb,
                "actor_logits_bytes_per_microbatch": logits_mb, "microbatches": n_mb, "seq_len": seq,
                "gradients": gradients, "weight_sync_unit": sync, "scoring_microbatch": list(shape),
-               "stage_layers": {m: st.layers for m, st in build.stages.items()}}
+               "stage_layers": {m: st.layers for m, st in build.stages.items()}, "host": offloaded}
     return RankEstimate(build.rank, build.coords, persistent, transients, phases, details)
 
 
@@ -808,6 +841,11 @@ def format_table(est: Estimate, device_gib: float) -> str:
     lines.append("")
     lines.extend(f"note: {n}" for n in est.notes)
     verdict = "fits" if _gib(peak) <= device_gib else "does NOT fit"
+    host = max(r.host_total for r in est.ranks)
+    if host:
+        lines.append(f"host memory per rank {_gib(host):.2f} GiB (Reference and Reward, training.offload_frozen): "
+                     f"copying them in adds {host / (H2D_GB_PER_S * 1e9):.2f} s per iteration at an assumed "
+                     f"{H2D_GB_PER_S:g} GB/s")
     lines.append(f"per-rank persistent {_gib(persistent):.2f} GiB, per-rank peak {_gib(peak):.2f} GiB (rank {worst}, "
                  f"{est.ranks[[r.rank for r in est.ranks].index(worst)].peak[1]}): {verdict} in {device_gib:g} GiB")
     return "\n".join(lines)
@@ -826,14 +864,26 @@ def to_json(est: Estimate, device_gib: float) -> dict:
                            "peak_gib": round(_gib(r.peak[0]), 3), "peak_phase": r.peak[1],
                            "persistent": r.persistent, "transients": r.transients,
                            "phase_peaks_gib": {p: round(_gib(r.phase_peak(p)), 3) for p in PHASES},
-                           "in_flight_max": r.details["in_flight_max"]} for r in est.ranks}
+                           "in_flight_max": r.details["in_flight_max"],
+                           "host_gib": round(_gib(r.host_total), 3)} for r in est.ranks}
+    host = max(r.host_total for r in est.ranks)
     return {"config": est.config, "world": est.world, "device_gib": device_gib,
             "per_rank_persistent_gib": round(_gib(max(r.persistent_total for r in est.ranks)), 3),
             "per_rank_peak_gib": round(_gib(peak), 3), "fits": _gib(peak) <= device_gib, "phases": phases,
+            "per_rank_host_gib": round(_gib(host), 3), "offload_s_per_iteration": round(host / (H2D_GB_PER_S * 1e9), 3),
             "ranks": ranks}
 
 
 # ---------------------------------------------------------------------------------------------- --measure
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``t``'s data: a DTensor's local shard; the inner tensor of an async collective's result
+    (a wrapper subclass without storage of its own, which TP's functional collectives return until waited on)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if type(local) is not torch.Tensor and not isinstance(local, nn.Parameter) and hasattr(local, "wait"):
+        local = local.wait()
+    return local.untyped_storage()
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None = None) -> int:
@@ -843,8 +893,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int] | None
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
+        storage = _storage(t)
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())
@@ -856,8 +905,7 @@ def _ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
     out = set()
     for t in tensors:
         if t is not None:
-            local = t.to_local() if isinstance(t, DTensor) else t
-            out.add(local.untyped_storage().data_ptr())
+            out.add(_storage(t).data_ptr())
     return out
 
 
@@ -917,8 +965,7 @@ class _SavedTensors:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.current is not None and not t.is_meta:
-            local = t.to_local() if isinstance(t, DTensor) else t
-            s = local.untyped_storage()
+            s = _storage(t)
             self.per_key.setdefault(self.current, {})[s.data_ptr()] = s.nbytes()
         return t
 
@@ -928,8 +975,8 @@ class _SavedTensors:
         held = self.per_key.setdefault(key, {})
         for o in outputs:
             if isinstance(o, torch.Tensor):
-                local = o.to_local() if isinstance(o, DTensor) else o
-                held[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                storage = _storage(o)
+                held[storage.data_ptr()] = storage.nbytes()
         self.events.append(("F", key, held))
         self.excluded |= _ptrs(stage.submod.parameters()) | _ptrs(stage.submod.buffers()) | _ptrs(_stage_buffers(stage))
 
@@ -967,7 +1014,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         sources = _ptrs(sync._src.values())  # a send of a slice that needs no copy is a view of its source shard
 
         def batch(ops: list) -> Any:
-            fresh = _storage_bytes(o.tensor for o in ops if o.tensor.untyped_storage().data_ptr() not in sources)
+            fresh = _storage_bytes(o.tensor for o in ops if _storage(o.tensor).data_ptr() not in sources)
             got["sync"][model] = max(got["sync"].get(model, 0), fresh)
             return real_batch(ops)
 
@@ -1095,7 +1142,8 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     stages = list(layout.schedule._stages.items())
     persistent["pipeline_buffers"] = _storage_bytes(b for _, st in stages for b in _stage_buffers(st))
     got["pipeline_seqs"] = sorted({key[2][1] for key, _ in stages})
-    got["persistent"] = persistent
+    got["persistent"] = persistent  # after the second iteration: offloaded frozen models are in host memory
+    got["host"] = trainer.frozen.host_bytes if trainer.frozen is not None else 0
     got["program"] = layout.schedule.program
     got["rank"] = dist.get_rank()
     return got
@@ -1136,7 +1184,11 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
     actor = FLAVORS[cfg.model.actor]
     for m, e in zip(measured, est.ranks):
         for name, value in m["persistent"].items():
-            out.append(Comparison(e.rank, name, value, e.persistent[name], True))
+            offloaded = name in e.details["host"]  # freed on the device outside the rollout: 0 expected
+            out.append(Comparison(e.rank, f"{name} (device, after training)" if offloaded else name, value,
+                                  e.persistent.get(name, 0), True))
+        if e.details["host"]:
+            out.append(Comparison(e.rank, "host copies (training.offload_frozen)", m["host"], e.host_total, True))
         for model in (ACTOR, CRITIC):
             out.append(Comparison(e.rank, f"gradients_{model}", m.get(f"gradients_{model}", 0),
                                   e.details["gradients"][f"gradients_{model}"], True))

@@ -243,6 +243,11 @@ class TrainingSection:
         "full: each transformer layer of Actor and Critic keeps only its input per micro-batch in flight and recomputes "
         "its activations in the backward (about a third more training compute); none: autograd keeps them all.",
     )
+    offload_frozen: bool = _key(
+        False,
+        "Keep the Reference and Reward weights in host memory outside the rollout: copied to the device before "
+        "each rollout (timed with weight_sync) and freed after it, so training and weight sync have their memory.",
+    )
     nan_policy: Literal["skip", "stop"] = _key(
         "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
     )

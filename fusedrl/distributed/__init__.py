@@ -15,7 +15,7 @@ from fusedrl.distributed.parallel_dims import (
 from fusedrl.distributed.pipeline import DecoderStage, TiedEmbeddings, split_decoder, stage_layer_ranges
 from fusedrl.distributed.reshard import ReshardPlan, plan_reshard, reshard
 from fusedrl.distributed.state_dict import gather_full_state_dict
-from fusedrl.distributed.tp import apply_tp
+from fusedrl.distributed.tp import VOCAB_MODULES, apply_tp
 
 __all__ = [
     "DecoderStage",
@@ -23,6 +23,7 @@ __all__ = [
     "ParallelDims",
     "ReshardPlan",
     "TiedEmbeddings",
+    "VOCAB_MODULES",
     "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_tp",
