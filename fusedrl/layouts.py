@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from fusedrl.config import JobConfig
 from fusedrl.distributed import (
-    ParallelDims,
     VOCAB_MODULES,
+    ParallelDims,
     TiedEmbeddings,
     apply_activation_checkpointing,
     apply_fsdp,
@@ -231,7 +231,6 @@ class HostCopies:
                                      "shared storage cannot be freed alone")
                 host = local.detach().to("cpu", copy=True)
                 self._pairs.append((local, host.pin_memory() if local.is_cuda else host))
-        self.resident = True
 
     @property
     def host_bytes(self) -> int:
@@ -240,16 +239,13 @@ class HostCopies:
     def release(self) -> None:
         for local, _ in self._pairs:
             local.untyped_storage().resize_(0)
-        self.resident = False
 
     def restore(self) -> None:
+        """Copies on the current stream: work queued after this call sees the weights."""
         with torch.no_grad():
             for local, host in self._pairs:
                 local.untyped_storage().resize_(host.numel() * host.element_size())
                 local.copy_(host, non_blocking=True)
-        if self._pairs and self._pairs[0][0].is_cuda:
-            torch.cuda.current_stream().synchronize()  # the pinned host copies are reused: finish reading them
-        self.resident = True
 
 
 def random_init_params(flavor: str) -> int:

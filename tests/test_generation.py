@@ -136,13 +136,13 @@ def test_invalid_engine_and_sampling_arguments(model):
     with pytest.raises(ValueError, match="max_len"):
         GenerationEngine(model, max_len=10_000)
     with pytest.raises(ValueError, match="batch_buckets"):
-        GenerationEngine(model, max_slots=4, batch_buckets=[2, 8])
+        GenerationEngine(model, max_slots=4, max_len=64, batch_buckets=[2, 8])
     with pytest.raises(ValueError, match="quantize"):
-        GenerationEngine(model, quantize="int4")
+        GenerationEngine(model, max_len=64, quantize="int4")
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ImportError, match=r"pip install fusedrl\[tensorrt\]"):
-        GenerationEngine(model, compile=True, backend="tensorrt")
+        GenerationEngine(model, max_len=64, compile=True, backend="tensorrt")
     engine = GenerationEngine(model, max_len=32)
     engine.add_request(Request(1, [1, 2]))
     with pytest.raises(ValueError, match="already in this engine"):
@@ -222,7 +222,9 @@ def test_int8_weight_only_engine_matches_its_quantized_model(model):
         torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
-def test_compiled_decode_equals_eager(model):
+def test_compiled_decode_and_prefill_equal_eager(model):
+    """Both compiled: the prefill of 3 prompts of 2-12 tokens runs as one [4, 32] graph (a repeated row and padding
+    columns), decode at batch bucket 4."""
     requests = [Request(i, _prompt(2 + 5 * i, 30 + i), SAMPLED) for i in range(3)]
     eager = GenerationEngine(model, max_slots=4, max_len=32).generate(requests)
     compiled_engine = GenerationEngine(model, max_slots=4, max_len=32, compile=True, batch_buckets=[4], len_buckets=[32])

@@ -251,11 +251,14 @@ class GenerationEngine:
     Args:
         model: the decoder (its weights are used in place unless ``quantize`` is set).
         max_slots: requests decoded at once; each slot owns ``max_len`` KV positions per layer.
-        max_len: longest sequence (prompt + generated); defaults to the model's ``max_seq_len``.
+        max_len: longest sequence (prompt + generated) the job needs, at most the model's ``max_seq_len``; it
+            sizes the KV cache (required: a 128k-context model's whole context would be ~137 GB of bf16 cache
+            for an 8B model with 64 slots).
         seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
             number of tokens it has sampled (see :mod:`.sampling`).
-        compile: compile the decode step (static shapes: batch padded to ``batch_buckets``, attended
-            length padded to ``len_buckets``; one graph per pair that occurs).
+        compile: compile the decode step and the prefill (static shapes: batch padded to ``batch_buckets``,
+            attended / prompt length padded to ``len_buckets``; one graph per pair that occurs; CUDA graphs
+            for decode only).
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
@@ -271,7 +274,7 @@ class GenerationEngine:
         model: TransformerDecoder,
         *,
         max_slots: int = 8,
-        max_len: int | None = None,
+        max_len: int,
         seed: int = 0,
         compile: bool = False,
         backend: str = "inductor",
@@ -293,7 +296,6 @@ class GenerationEngine:
             except ImportError as e:
                 raise ImportError("backend='tensorrt' needs torch-tensorrt: pip install fusedrl[tensorrt]") from e
         model_max = model.max_seq_len
-        max_len = model_max if max_len is None else max_len
         if not 2 <= max_len <= model_max:
             raise ValueError(f"max_len must be in [2, {model_max}] (the model's max_seq_len), got {max_len}")
         self.source_model = model
@@ -334,11 +336,14 @@ class GenerationEngine:
         self.model = model.eval()
         prepack = self.quantize is None and _can_prepack(self.model)
         self._forward = _SlotForward(self.model, self.max_slots, self.max_len, prepack, self.kv_dtype)
-        self._decode = self._forward
+        self._decode, self._prefill_fn = self._forward, self._forward.prefill
         if self.compile:
             needed = len(self.batch_buckets) * len(self.len_buckets)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
             self._decode = torch.compile(self._forward, backend=self.backend, mode=self.mode, dynamic=False)
+            # prefill shapes are bucketed like decode's (see _prefill); no CUDA graphs: one prefill runs long
+            # enough that launch overhead does not matter, and graph pools would hold its large activations
+            self._prefill_fn = torch.compile(self._forward.prefill, backend=self.backend, dynamic=False)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -509,17 +514,22 @@ class GenerationEngine:
 
     def _prefill(self, slots: list[_Slot]) -> None:
         seqs = [s.request.prompt + s.generated[:-1] for s in slots]
+        index = [self._active.index(s) for s in slots]
+        width = max(len(x) for x in seqs)
+        if self.compile:  # bucketed shapes: rows repeat the last one (the same values written to the same cache
+            # positions again), columns are padding beyond every row's length (overwritten before attended to)
+            seqs += [seqs[-1]] * (round_up(len(seqs), self.batch_buckets) - len(seqs))
+            index += [index[-1]] * (len(seqs) - len(index))
+            width = round_up(width, self.len_buckets)
         lengths = [len(x) for x in seqs]
-        width = max(lengths)
         tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
         for row, seq in enumerate(seqs):
             tokens[row, : len(seq)] = torch.tensor(seq)
-        index = [self._active.index(s) for s in slots]
-        logits = self._forward.prefill(
+        logits = self._prefill_fn(
             tokens.to(self.device),
             torch.tensor(index, device=self.device),
             torch.tensor(lengths, device=self.device),
-        )
+        )[: len(slots)]
         # Requests resumed from tokens already have their pending token; only fresh ones sample here.
         fresh = [row for row, s in enumerate(slots) if not s.generated]
         if fresh:
