@@ -24,8 +24,8 @@ Persistent (every phase; steady state after the first iteration):
 - ``train_params_{actor,critic}``: the local FSDP2 (x TP) shards in float32: ``4 x local numel``.
 - ``optimizer_{actor,critic}``: AdamW ``exp_avg`` and ``exp_avg_sq`` on the shards, ``8 x local numel`` (the 0-dim
   ``step`` tensors stay on the host).
-- ``rollout_{actor,critic,reference,reward}``: each rollout copy's local numel (attention / MLP weights sharded over
-  g; embedding, norms and heads whole) x its dtype.
+- ``rollout_{actor,critic,reference,reward}``: each rollout copy's local numel (attention / MLP weights, the
+  embedding and the LM head sharded over g; norms, value heads and tied embeddings whole) x its dtype.
 - ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
 - ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes unless the
   copy was cast (67 MB for Llama 3.1's 131072 positions).
