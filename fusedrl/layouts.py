@@ -229,8 +229,9 @@ class HostCopies:
                 if local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
                     raise ValueError("offload_frozen needs every frozen parameter to own its storage; a view or a "
                                      "shared storage cannot be freed alone")
-                host = local.detach().to("cpu", copy=True)
-                self._pairs.append((local, host.pin_memory() if local.is_cuda else host))
+                # pinned from the start: one host copy, never a pageable one pinned afterwards
+                host = torch.empty_like(local, device="cpu", pin_memory=local.is_cuda)
+                self._pairs.append((local, host.copy_(local.detach())))
 
     @property
     def host_bytes(self) -> int:

@@ -325,6 +325,11 @@ class TensorInfo:
         return n
 
 
+def offload_seconds(host_bytes: int) -> float:
+    """Seconds per iteration that copying ``host_bytes`` of offloaded weights in adds, at ``H2D_GB_PER_S``."""
+    return host_bytes / (H2D_GB_PER_S * 1e9)
+
+
 def _grad_numel(x: TensorInfo) -> int:
     """Numel of the unsharded gradient FSDP2 accumulates for ``x``: its TP share, except for a vocabulary-parallel
     embedding, whose gradient DTensor's backward produces at full size (measured by ``--measure`` at tp = 2)."""
@@ -538,15 +543,16 @@ def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_it
 
 def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int], logits_mb: int,
                   params: dict[str, int], grads: dict[str, int], loss_transient: int,
-                  recompute: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, int], int]:
+                  recompute: dict[str, int]) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
     A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
     backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
     gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B on the rank
-    holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing)
-    joins during the model's B and I (the larger of the two when both apply: the loss's backward ends first). A backward is charged at its start (the micro-batch still held, the model's gradients
-    as they were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
+    holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing,
+    0 without it) joins during the model's B and I (the larger of the two when both apply: the loss's backward
+    ends first). A backward is charged at its start (the micro-batch still held, the model's gradients as they
+    were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
     micro-batches held at once, the categories live at the largest moment, the largest activations + logits
     alone)."""
     count = {ACTOR: 0, CRITIC: 0}
@@ -570,7 +576,7 @@ def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int],
             continue
         m = a.model
         transient = loss_transient if m == ACTOR and a.kind in ("F", "B", "I") else 0
-        rebuilt = (recompute or {}).get(m, 0) if a.kind in ("B", "I") else 0
+        rebuilt = recompute[m] if a.kind in ("B", "I") else 0
         if transient and rebuilt:  # the loss's backward ends before the layers' recomputation starts
             transient, rebuilt = (transient, 0) if transient >= rebuilt else (0, rebuilt)
         if a.kind == "F":
@@ -844,7 +850,7 @@ def format_table(est: Estimate, device_gib: float) -> str:
     host = max(r.host_total for r in est.ranks)
     if host:
         lines.append(f"host memory per rank {_gib(host):.2f} GiB (Reference and Reward, training.offload_frozen): "
-                     f"copying them in adds {host / (H2D_GB_PER_S * 1e9):.2f} s per iteration at an assumed "
+                     f"copying them in adds {offload_seconds(host):.2f} s per iteration at an assumed "
                      f"{H2D_GB_PER_S:g} GB/s")
     lines.append(f"per-rank persistent {_gib(persistent):.2f} GiB, per-rank peak {_gib(peak):.2f} GiB (rank {worst}, "
                  f"{est.ranks[[r.rank for r in est.ranks].index(worst)].peak[1]}): {verdict} in {device_gib:g} GiB")
@@ -870,7 +876,7 @@ def to_json(est: Estimate, device_gib: float) -> dict:
     return {"config": est.config, "world": est.world, "device_gib": device_gib,
             "per_rank_persistent_gib": round(_gib(max(r.persistent_total for r in est.ranks)), 3),
             "per_rank_peak_gib": round(_gib(peak), 3), "fits": _gib(peak) <= device_gib, "phases": phases,
-            "per_rank_host_gib": round(_gib(host), 3), "offload_s_per_iteration": round(host / (H2D_GB_PER_S * 1e9), 3),
+            "per_rank_host_gib": round(_gib(host), 3), "offload_s_per_iteration": round(offload_seconds(host), 3),
             "ranks": ranks}
 
 

@@ -24,8 +24,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
     head: 2 x 1 GB of a 70B model's 17 GB per rank at tp = 8) are split by vocabulary rows when ``tp``
     divides the vocabulary and the two are not tied (pass ``()`` for a pipeline stage of a tied model,
     whose head is a copy): the embedding's lookups are summed over the TP ranks, the head's logits
-    gathered whole, so callers see plain tensors. Norms and a value head (one output) stay replicated. One plan serves
-    every torchtune decoder family fusedrl builds (Llama and Qwen share the layer structure).
+    gathered whole, so callers see plain tensors. Norms and a value head (one output) stay replicated.
+    One plan serves every torchtune decoder family fusedrl builds (Llama and Qwen share the layer
+    structure).
     Call before ``apply_fsdp``.
     """
     if tp_mesh.ndim != 1:
