@@ -8,7 +8,8 @@
   instance holds the engine's Actor, the Reference, the Reward and the scoring Critic, tensor-parallel over its
   ranks (DTensors: attention, MLP, token embedding and LM head sharded, norms and value heads replicated), in
   ``training.rollout_dtype`` / ``training.frozen_dtype``. With ``training.offload_frozen`` the Reference and the
-  Reward wait in host memory outside the rollout (:class:`HostCopies`).
+  Reward wait in host memory outside the rollout (:class:`HostCopies`). With ``model.reward = "none"`` (a
+  rule-based reward alone) no Reward model is built or loaded.
 
 Nothing is replicated across ranks that a layout shards: every model is built on the meta device, parallelized
 there, then ``to_empty``-ed on the device and filled with only this rank's shards, read as slices from the HF
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from fusedrl.config import JobConfig
 from fusedrl.distributed import (
     VOCAB_MODULES,
+    DecoderStage,
     ParallelDims,
     TiedEmbeddings,
     apply_activation_checkpointing,
@@ -47,6 +49,7 @@ from fusedrl.distributed import (
     split_decoder,
 )
 from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
+from fusedrl.models.registry import Role
 from fusedrl.pipelining import FusedPipelineSchedule, LocalSchedule
 
 log = logging.getLogger(__name__)
@@ -67,8 +70,8 @@ class TrainingLayout:
     pp: int
     dp: int
     tp: int
-    actor_stage: nn.Module
-    critic_stage: nn.Module
+    actor_stage: DecoderStage
+    critic_stage: DecoderStage
     tied: TiedEmbeddings  # sums the Actor's embedding and LM-head gradients when pipeline stages split them
     schedule: FusedPipelineSchedule | LocalSchedule | None = None
     plan_method: str = ""
@@ -91,7 +94,7 @@ class RolloutLayout:
     actor: nn.Module  # the engine's Actor, refreshed by weight sync
     critic: nn.Module  # the scoring Critic, refreshed by weight sync
     reference: nn.Module
-    reward: nn.Module
+    reward: nn.Module | None  # None with model.reward = "none"
     group: dist.ProcessGroup
     control_group: dist.ProcessGroup
     instance_group: dist.ProcessGroup | None
@@ -111,7 +114,7 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     t = cfg.training
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
-    def stage(flavor: str, role: str, index: int) -> nn.Module:
+    def stage(flavor: str, role: Role, index: int) -> DecoderStage:
         # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
         module = split_decoder(build_model(flavor, role, device="meta"), dims.pp, apply_head=role == "value")[index]
         if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
@@ -139,7 +142,7 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     mesh = dims.build_gen_mesh(device.type)
     t, m = cfg.training, cfg.model
 
-    def model(flavor: str, role: str, dtype: str) -> nn.Module:
+    def model(flavor: str, role: Role, dtype: str) -> nn.Module:
         module = build_model(flavor, role, device="meta").to(DTYPES[dtype])
         if dims.gen_tp > 1:
             apply_tp(module, mesh["gen_tp"])
@@ -157,7 +160,8 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     return RolloutLayout(
         mesh, mesh["gen_dp"].get_local_rank(), dims.num_gen_instances, dims.gen_tp,
         actor=model(m.actor, "policy", t.rollout_dtype), critic=model(m.critic, "value", t.rollout_dtype),
-        reference=model(m.actor, "policy", t.frozen_dtype), reward=model(m.reward, "value", t.frozen_dtype),
+        reference=model(m.actor, "policy", t.frozen_dtype),
+        reward=model(m.reward, "value", t.frozen_dtype) if m.uses_reward_model else None,
         group=group, control_group=control, instance_group=instance,
     )
 
@@ -186,10 +190,11 @@ def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: Roll
     actor(training.actor_stage)
     _source(cfg, m.critic, "value", m.critic_path, offset=1)(training.critic_stage)
     (_source(cfg, m.actor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
-    _source(cfg, m.reward, "value", m.reward_path, offset=2)(rollout.reward)
+    if rollout.reward is not None:
+        _source(cfg, m.reward, "value", m.reward_path, offset=2)(rollout.reward)
 
 
-def _source(cfg: JobConfig, flavor: str, role: str, path: str | None, offset: int) -> Callable[[nn.Module], None]:
+def _source(cfg: JobConfig, flavor: str, role: Role, path: str | None, offset: int) -> Callable[[nn.Module], None]:
     """A function filling a module of (flavor, role) from ``path`` or from the seeded random initialisation."""
     if path:
         def from_checkpoint(module: nn.Module) -> None:

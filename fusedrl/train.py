@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,12 +40,13 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.components import (
-    ChromeTrace,
     CheckpointManager,
+    ChromeTrace,
     MetricsLogger,
     PhaseTimers,
     PromptBatch,
     PromptLoader,
+    Tokenizer,
     build_lr_scheduler,
     build_optimizer,
     check_vocab,
@@ -59,7 +60,9 @@ from fusedrl.components import (
     load_tokenizer,
     peak_memory_gib,
 )
-from fusedrl.config import ConfigError, JobConfig, load_config, validate_paths, validate_world_size
+from fusedrl.components.tokenizer import CHAT_TEMPLATE_FIX
+from fusedrl.config import ConfigError, InputError, JobConfig, load_config, validate_paths, validate_world_size
+from fusedrl.config.loader import source_of
 from fusedrl.distributed import Heartbeat, describe_failure, init_distributed, select_device
 from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.generation import GenerationEngine, Request, SamplingParams, WeightSync
@@ -92,12 +95,15 @@ from fusedrl.pipelining import (
 from fusedrl.rlhf import (
     Experience,
     PolicyLoss,
+    RuleReward,
     Scorer,
     ScoringModels,
     ValueLoss,
     gae,
     kl_shaped_rewards,
+    load_reward_fn,
     masked_mean_var,
+    reward_fn_metrics,
     whiten,
 )
 from fusedrl.tasks import EvalHook, debug
@@ -106,27 +112,35 @@ log = logging.getLogger("fusedrl.train")
 
 POLICY_STATS = ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy")
 VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean", "explained_variance")
-PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step")
-"""The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration)."""
+PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step", "outside")
+"""The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration;
+``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save)."""
 STDOUT_KEYS = (
-    "true_score", "reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_len_mean",
-    "samples_per_s", "bubble_ratio", "time_generation", "time_scoring_exposed", "time_training", "time_step",
+    "true_score", "reward_mean", "reward_fn_mean", "reward_fn_failures", "kl", "policy_loss", "value_loss", "clip_frac",
+    "entropy", "response_len_mean", "samples_per_s", "bubble_ratio", "time_generation", "time_scoring_exposed",
+    "time_training", "time_step",
 )
 
 
 # ---------------------------------------------------------------------------------------------- config checks
 
 
-def check_config(cfg: JobConfig, world_size: int) -> None:
-    """Everything about the config that can be refused before a process group exists (raises ConfigError)."""
+def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> None:
+    """Everything about the config that can be refused before a process group exists (raises ConfigError).
+    ``local_world_size``: ranks per node (torchrun's LOCAL_WORLD_SIZE); None skips the node checks."""
     validate_world_size(cfg, world_size)
+    if local_world_size is not None:
+        check_nodes(cfg, world_size, local_world_size)
+    if cfg.checkpoint.resume is True:
+        resume_step(cfg, CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {}))
+    check_reward(cfg)
     par, gen = cfg.parallelism, cfg.generation
     instances = world_size // par.gen_tp
     if cfg.ppo.batch_size % instances:
         raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
                           f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
                           "equal share of the prompts)")
-    for key in ("actor", "critic", "reward"):
+    for key in neural_models(cfg):
         flavor = getattr(cfg.model, key)
         if flavor not in FLAVORS:
             raise ConfigError(f"model.{key} = {flavor!r}: unknown flavor; valid flavors: {', '.join(sorted(FLAVORS))}")
@@ -135,6 +149,8 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
             raise ConfigError(f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.pp = {par.pp} stages; "
                               "lower pp or pick a deeper flavor")
     for key, sharded in (("actor", "tp and gen_tp"), ("critic", "tp and gen_tp"), ("reward", "gen_tp")):
+        if key not in neural_models(cfg):
+            continue
         f = FLAVORS[getattr(cfg.model, key)]
         for name, degree in (("parallelism.tp", par.tp), ("parallelism.gen_tp", par.gen_tp)):
             if name.endswith(".tp") and key == "reward":
@@ -150,11 +166,11 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
                               f"{getattr(cfg.model, key)!r} model in host memory (allowed up to "
                               f"{RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder")
     actor = FLAVORS[cfg.model.actor]
-    if FLAVORS[cfg.model.critic].vocab_size != actor.vocab_size or FLAVORS[cfg.model.reward].vocab_size != actor.vocab_size:
+    if any(FLAVORS[getattr(cfg.model, k)].vocab_size != actor.vocab_size for k in neural_models(cfg)):
         raise ConfigError(f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({actor.vocab_size}); "
                           "all four models must share the tokenizer")
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
-    limit = min(FLAVORS[getattr(cfg.model, k)].max_seq_len for k in ("actor", "critic", "reward"))
+    limit = min(FLAVORS[getattr(cfg.model, k)].max_seq_len for k in neural_models(cfg))
     if longest > limit:
         raise ConfigError(f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
                           f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them")
@@ -167,6 +183,78 @@ def check_config(cfg: JobConfig, world_size: int) -> None:
     if cfg.training.float8 and cfg.parallelism.tp > 1:
         raise ConfigError("training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
                           "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false")
+    pending = debug.missing_assets(cfg)  # the debug task's assets, built by prepare() after these checks
+    validate_paths(cfg, pending)
+    if pending is None or cfg.model.tokenizer_path == "byte" or not Path(cfg.model.tokenizer_path).is_relative_to(pending):
+        check_tokenizer(cfg)
+
+
+def check_nodes(cfg: JobConfig, world_size: int, local_world_size: int) -> None:
+    """Node boundaries: torchrun gives node n the global ranks n * local_world_size onwards, and a generation
+    instance (gen_tp consecutive ranks) or a training TP group (tp consecutive ranks: the innermost mesh dim) must
+    not span two nodes (raises ConfigError). Pipeline stages and FSDP shards may."""
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ConfigError(f"LOCAL_WORLD_SIZE = {local_world_size} (ranks per node): must divide the world size {world_size}; "
+                          "launch the same number of processes on every node")
+    for key, what in (("gen_tp", "a generation instance (gen_tp consecutive ranks)"),
+                      ("tp", "a tensor-parallel group (tp consecutive ranks)")):
+        degree = getattr(cfg.parallelism, key)
+        if local_world_size % degree:
+            raise ConfigError(f"parallelism.{key} = {degree} ({source_of(cfg, f'parallelism.{key}')}): {what} would span "
+                              f"nodes (LOCAL_WORLD_SIZE = {local_world_size}: ranks per node); choose a {key} dividing "
+                              f"{local_world_size}, or launch a multiple of {degree} processes per node")
+
+
+def resume_step(cfg: JobConfig, ckpt: CheckpointManager) -> int | None:
+    """The step a run continues from: the latest complete checkpoint when checkpoint.resume is true or "auto", None
+    for a fresh start (false, or "auto" without one). Raises ConfigError for true without one."""
+    if cfg.checkpoint.resume is False:
+        return None
+    step = ckpt.latest_step()
+    if step is None and cfg.checkpoint.resume is True:
+        raise ConfigError(f"checkpoint.resume = true ({source_of(cfg, 'checkpoint.resume')}): no complete checkpoint in "
+                          f"{ckpt.folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
+                          "to start fresh when there is none")
+    return step
+
+
+def check_tokenizer(cfg: JobConfig) -> None:
+    """The tokenizer loads, its ids fit the Actor's vocabulary, and it has a chat template where the config
+    asks for one (raises ConfigError)."""
+    where = f"model.tokenizer_path = {cfg.model.tokenizer_path!r}"
+    try:
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        check_vocab(tokenizer, FLAVORS[cfg.model.actor].vocab_size)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cfg.data.chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"data.chat_template = true, but the tokenizer ({where}) has no chat template; {CHAT_TEMPLATE_FIX}, "
+                          "or set --data.chat_template=false")
+
+
+def neural_models(cfg: JobConfig) -> tuple[str, ...]:
+    """The [model] flavor keys whose models are built: actor, critic and reward (unless ``model.reward = "none"``)."""
+    return ("actor", "critic", "reward") if cfg.model.uses_reward_model else ("actor", "critic")
+
+
+def check_reward(cfg: JobConfig) -> None:
+    """The rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable; ``model.reward =
+    "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
+    m = cfg.model
+    if m.reward_fn is not None:
+        try:
+            load_reward_fn(m.reward_fn)
+        except ValueError as e:
+            raise ConfigError(f"model.reward_fn = {m.reward_fn!r}: {e}") from None
+    elif not m.uses_reward_model:
+        raise ConfigError('model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
+                          "--model.reward_fn=package.module:function or name a Reward model flavor")
+    elif m.reward_fn_weight != 1.0:
+        raise ConfigError(f"model.reward_fn_weight = {m.reward_fn_weight} weighs no function: model.reward_fn is unset; set "
+                          "--model.reward_fn=package.module:function or drop the weight")
+    if not m.uses_reward_model and m.reward_path is not None:
+        raise ConfigError(f'model.reward_path = {m.reward_path!r} is set but model.reward = "none" builds no Reward model; '
+                          "unset it (--model.reward_path=) or name the Reward model's flavor")
 
 
 # ---------------------------------------------------------------------------------------------- training layout
@@ -197,8 +285,10 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     actor, critic = FLAVORS[cfg.model.actor], FLAVORS[cfg.model.critic]
     compute = DTYPES[cfg.training.mixed_precision_param]
     # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
-    actor_spec = StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=layout.actor_stage.output),
-                             actor.embed_dim, actor.embed_dim, compute)
+    # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
+    head = cast("torch.nn.Linear | None", layout.actor_stage.output)
+    actor_spec = StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=head), actor.embed_dim, actor.embed_dim,
+                             compute)
     critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
     if layout.pp == 1:
         layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
@@ -230,14 +320,21 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
     return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
 
 
-def build_scorer(cfg: JobConfig, rollout: RolloutLayout, pad_id: int) -> Scorer:
+def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -> Scorer:
     """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
 
     Log-probs are those of the model distribution (temperature 1), as the engine reports the sampled
-    tokens' log-probs; the policy loss uses the same convention.
+    tokens' log-probs; the policy loss uses the same convention. ``model.reward_fn`` adds its weighted value to
+    each score (or scores alone without a Reward model); it runs on each instance's first rank, texts decoded
+    with ``tokenizer``, and its failures follow ``training.nan_policy``.
     """
-    return Scorer(ScoringModels(rollout.reference, rollout.reward, rollout.critic), pad_id=pad_id, temperature=1.0,
-                  max_tokens=cfg.generation.scoring_max_tokens)
+    m = cfg.model
+    rule = None
+    if m.reward_fn is not None:
+        rule = RuleReward(load_reward_fn(m.reward_fn), tokenizer, weight=m.reward_fn_weight,
+                          on_failure=cfg.training.nan_policy, name=m.reward_fn, group=rollout.instance_group)
+    return Scorer(ScoringModels(rollout.reference, rollout.reward, rollout.critic), pad_id=tokenizer.pad_id, temperature=1.0,
+                  max_tokens=cfg.generation.scoring_max_tokens, reward_fn=rule)
 
 
 def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer,
@@ -257,6 +354,7 @@ def rollout(controller: MigrationController[Experience], requests: list[Request]
     in sample-id order."""
     result = controller.run(requests, gather=True)
     exp = Experience.concat(result.scored, pad_token_id=pad_id)
+    assert exp.sample_ids is not None  # Scorer.score sets sample_ids on every scored batch
     return result, exp.select(exp.sample_ids.argsort())
 
 
@@ -278,6 +376,8 @@ def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dic
     """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it)."""
     ppo = cfg.ppo
     mask = exp.response_mask
+    assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, \
+        "compute_advantages needs a scored batch (Scorer.score sets scores, logprobs, ref_logprobs and values)"
     exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, ppo.kl_coef, ppo.kl_estimator)
     exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
@@ -336,6 +436,7 @@ def train_minibatch(layout: TrainingLayout, mb: Experience, *, record: bool = Fa
     denom = (tokens_total / (layout.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
     actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
     critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
+    assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
     result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
     for model, keys in (("actor", POLICY_STATS), ("critic", VALUE_STATS)):
@@ -383,6 +484,7 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
             for k, v in stats.items():
                 sums[k] = sums[k] + v if k in sums else v
             if record:
+                assert layout.schedule is not None and layout.schedule.timeline is not None  # the step above recorded it
                 timeline = layout.schedule.timeline.gather(layout.pp_group)
                 bubbles.append(timeline.bubble_ratio())
             for name, stage in (("actor", layout.actor_stage), ("critic", layout.critic_stage)):
@@ -409,8 +511,8 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
         "grad_norm_actor": float(torch.stack(norms["actor"]).mean()),
         "grad_norm_critic": float(torch.stack(norms["critic"]).mean()),
         "skipped_updates": skipped,
-        "lr_actor": opt.actor_lr.get_last_lr()[0],
-        "lr_critic": opt.critic_lr.get_last_lr()[0],
+        "lr_actor": float(opt.actor_lr.get_last_lr()[0]),
+        "lr_critic": float(opt.critic_lr.get_last_lr()[0]),
     }
     if bubbles:
         figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
@@ -464,7 +566,7 @@ class Trainer:
         load_initial_weights(cfg, self.layout, self.rollout)
         self.frozen = None
         if cfg.training.offload_frozen:  # in host memory until the first rollout
-            self.frozen = HostCopies((self.rollout.reference, self.rollout.reward))
+            self.frozen = HostCopies([m for m in (self.rollout.reference, self.rollout.reward) if m is not None])
             self.frozen.release()
         build_executor(cfg, self.layout, self.device)
         synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
@@ -476,7 +578,7 @@ class Trainer:
         self.engine = GenerationEngine.from_config(self.rollout.actor, cfg.generation, max_len=self.max_len,
                                                    seed=cfg.job.seed, kv_dtype=DTYPES[cfg.training.kv_cache_dtype])
         self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
-        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer.pad_id),
+        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer),
                                            self.rollout)
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
@@ -491,27 +593,35 @@ class Trainer:
             {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
             {"data": self.loader},
         )
-        resume_step = self.ckpt.latest_step() if cfg.checkpoint.resume else None
+        decided = [resume_step(cfg, self.ckpt)]
+        dist.broadcast_object_list(decided, src=0)  # rank 0's view of the folder decides: every rank loads one step
+        self.resume_from: int | None = decided[0]
+        if cfg.checkpoint.resume == "auto" and self.resume_from is None:
+            log.info('checkpoint.resume = "auto": no complete checkpoint in %s; starting fresh', self.ckpt.folder)
+        elif cfg.checkpoint.resume is False and self.rank == 0 and (earlier := self.ckpt.latest_step()) is not None:
+            log.warning("fresh run (checkpoint.resume = false), but %s holds checkpoints of an earlier run (latest: step %d): "
+                        "a later resume would take the newest of either run; use another job.output_dir or remove them",
+                        self.ckpt.folder, earlier)
         old = self.out / "metrics.jsonl"
         if self.rank == 0 and cfg.metrics.jsonl and old.exists():
-            if resume_step is None:  # a fresh run starts a fresh file
+            if self.resume_from is None:  # a fresh run starts a fresh file
                 kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
                 old.rename(kept)
                 log.info("fresh run: the previous metrics were moved to %s", kept)
-            elif dropped := drop_steps_after(old, resume_step):  # steps after the checkpoint run again
+            elif dropped := drop_steps_after(old, self.resume_from):  # steps after the checkpoint run again
                 log.info("resuming from step %d: dropped %d metrics records of later steps from metrics.jsonl "
-                         "(those steps run again)", resume_step, dropped)
+                         "(those steps run again)", self.resume_from, dropped)
         self.metrics = MetricsLogger.from_config(cfg.metrics, self.out, rank=self.rank, stdout_keys=STDOUT_KEYS)
         self.step = 0
+        self.outside_s = 0.0  # the last iteration's logging and checkpointing, reported by the next one
 
     def train(self) -> list[dict[str, float]]:
         """Run (or resume) training to ``training.steps``; returns the metrics of the steps run here (identical on every rank)."""
         cfg = self.cfg
-        if cfg.checkpoint.resume:
-            loaded = self.ckpt.load()
-            if loaded is not None:
-                self.step = loaded
-                log.info("resumed from %s (step %d)", self.ckpt.path(loaded), loaded)
+        if self.resume_from is not None:
+            self.ckpt.load(self.resume_from)
+            self.step = self.resume_from
+            log.info("resumed from %s (step %d)", self.ckpt.path(self.step), self.step)
         log.info("%s: %d ranks (training pp=%d x dp_shard=%d x tp=%d; %d generation instances of gen_tp=%d), "
                  "inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d", cfg.job.name, self.world, self.layout.pp,
                  self.layout.dp, self.layout.tp, self.rollout.instances, self.rollout.gen_tp, cfg.fusion.inter_stage,
@@ -521,8 +631,10 @@ class Trainer:
             self.step += 1
             record = self.train_step(self.step)
             history.append(record)
+            start = time.perf_counter()
             self.metrics.log(self.step, record)
             self.ckpt.save(self.step)
+            self.outside_s = time.perf_counter() - start
         if cfg.checkpoint.export_hf:
             self.export()
         self.metrics.close()
@@ -560,6 +672,7 @@ class Trainer:
         with timers("training"):
             update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
         timers.add("step", time.perf_counter() - step_start)
+        timers.add("outside", self.outside_s)
 
         # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
         record = reduce_iteration(update.stat_sums, timers.pop(), peak_memory_gib(self.device),
@@ -571,6 +684,7 @@ class Trainer:
         record.update(adv_stats)
         record.update(update.figures)
         record.update(migration_metrics(result))
+        record.update(reward_fn_metrics(scored))
         eval_start = time.perf_counter()
         for evaluate in self.evaluators:
             record.update(evaluate(scored, self.tokenizer))
@@ -597,20 +711,19 @@ class Trainer:
         for e in rollout_trace.events:
             shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
             merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
-        for e in timeline.events if timeline is not None else ():
-            merged.complete(f"{e.action.model} {e.action.kind}{e.action.microbatch}", e.start - t0 / 1e6,
-                            e.end - e.start, pid="training (last minibatch)", tid=f"pp rank {e.rank}")
+        for a in timeline.events if timeline is not None else ():
+            merged.complete(f"{a.action.model} {a.action.kind}{a.action.microbatch}", a.start - t0 / 1e6,
+                            a.end - a.start, pid="training (last minibatch)", tid=f"pp rank {a.rank}")
         path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
         log.info("trace of step %d written to %s", step, path)
 
     def export(self) -> Path | None:
         """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
         folder = self.out / "actor_hf"
-        path = export_hf(self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group)
+        path = export_hf(self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group,
+                         tokenizer=self.tokenizer)
         if path is None:
             return None
-        if hasattr(self.tokenizer, "save"):
-            self.tokenizer.save(folder)
         log.info("Actor exported to %s", path)
         return path
 
@@ -618,27 +731,33 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------- entry point
 
 
-def run(cfg: JobConfig) -> list[dict[str, float]]:
-    """Train with an already initialised default process group (what torchrun and tests call)."""
+def use_device(cfg: JobConfig) -> None:
+    """Bind this rank to its device (CUDA) or its share of the host's cores (CPU)."""
     device = select_device(cfg.training.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // dist.get_world_size())))
     else:
         torch.cuda.set_device(device)
+
+
+def run(cfg: JobConfig) -> list[dict[str, float]]:
+    """Train with an already initialised default process group (what torchrun and tests call)."""
+    use_device(cfg)
     return Trainer(cfg).train()
 
 
 def prepare(argv: list[str], world_size: int | None = None) -> JobConfig:
-    """Load and check the config for ``world_size`` ranks (default: $WORLD_SIZE, else 1) and build missing
-    debug assets; raises ConfigError. Needs no process group."""
+    """Load and check the config for ``world_size`` ranks (default: $WORLD_SIZE, else 1; then the node checks use
+    $LOCAL_WORLD_SIZE when set) and build missing debug assets; raises ConfigError. Needs no process group."""
     cfg = load_config(argv)
-    check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size)
-    debug.ensure_assets(cfg)
-    validate_paths(cfg)
-    if cfg.data.chat_template:
-        if getattr(load_tokenizer(cfg.model.tokenizer_path), "chat_template", None) is None:
-            raise ConfigError(f"data.chat_template = true: the tokenizer {cfg.model.tokenizer_path!r} has no chat template; "
-                              "set --data.chat_template=false or use a tokenizer folder that defines one")
+    local_world_size = None
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+    check_config(cfg, world_size, local_world_size)  # before building anything
+    if debug.missing_assets(cfg) is not None:
+        debug.ensure_assets(cfg)
+        check_config(cfg, world_size, local_world_size)  # now the built assets' paths and tokenizer too
     return cfg
 
 
@@ -651,6 +770,8 @@ explains how the trainer uses them.
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: 0 when training finished, 2 on bad input (config, checkpoint, dataset: one line from one
+    rank, no traceback); any other failure prints one line per rank and raises."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         from fusedrl.config.__main__ import USAGE as CONFIG_USAGE
@@ -661,17 +782,29 @@ def main(argv: list[str] | None = None) -> int:
     init_logging()
     try:
         cfg = prepare(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except InputError as e:  # every rank finds the same problem: rank 0 says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     init_distributed(cfg.training.device, timeout_s=cfg.training.collective_timeout_s)
     heartbeat = Heartbeat.from_env()
+    trainer = None
     try:
-        run(cfg)
+        use_device(cfg)
+        trainer = Trainer(cfg)
+        trainer.train()
         dist.barrier()
+    except InputError as e:  # found while loading checkpoints or data, maybe by some ranks only: the first says it
+        if heartbeat is None or heartbeat.claim("input_error"):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception as e:
-        print(f"error: {describe_failure(e, dist.get_rank(), heartbeat)}; restart with --checkpoint.resume=true to "
-              "continue from the last complete checkpoint", file=sys.stderr, flush=True)
+        advice = ""
+        if trainer is not None and trainer.step > 0 and trainer.ckpt.latest_step() is not None:
+            advice = ('; rerunning the same command (checkpoint.resume = "auto") continues from the last complete checkpoint'
+                      if cfg.checkpoint.resume == "auto" else
+                      "; restart with --checkpoint.resume=true to continue from the last complete checkpoint")
+        print(f"error: {describe_failure(e, dist.get_rank(), heartbeat)}{advice}", file=sys.stderr, flush=True)
         raise
     finally:
         if heartbeat is not None:

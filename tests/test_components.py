@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -123,11 +124,13 @@ def test_lr_schedule():
 
 
 def test_metrics_logger_jsonl_and_stdout(tmp_path, capsys):
-    with MetricsLogger(tmp_path, log_freq=2, tensorboard=True) as logger:  # tensorboard missing: warns, continues
+    # With tensorboard installed this also writes events (tests/test_metrics_tensorboard.py); without it, warns and goes on.
+    with MetricsLogger(tmp_path, log_freq=2, tensorboard=True) as logger:
         for step in range(1, 6):
             logger.log(step, {"loss": torch.tensor(1.0 / step), "samples": step * 4, "skipped": False})
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4]
+    assert time.time() - 60 < records[1].pop("wall_time") <= time.time()
     assert records[1] == {"step": 4, "loss": 0.25, "samples": 16, "skipped": 0}
     out = capsys.readouterr().out
     assert "step 2: loss=0.5 samples=8" in out and "step 3" not in out

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-
-import tomllib
 
 from fusedrl.config import (
     ConfigError,

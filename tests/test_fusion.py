@@ -335,7 +335,7 @@ SCENARIOS_4 = {
 
 def test_four_ranks_fusion_changes_no_output():
     results = run_multirank(_run_scenarios, 4, SCENARIOS_4, timeout_s=240)[0]
-    for name, sc in SCENARIOS_4.items():
+    for name in SCENARIOS_4:
         off, on = results[name][False], results[name][True]
         _check_same_outputs(off, on)
         assert on["exp"]["sample_ids"].tolist() == list(range(24))

@@ -11,7 +11,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fusedrl"
 
 # The layers of docs/architecture.md, in import order: a package may import only packages of earlier layers
-# (or its own). Top-level modules (buckets.py, layouts.py, train.py) count as packages of their own.
+# (or its own). Top-level modules (buckets.py, layouts.py, train.py) count as packages of their own; a package's
+# ``__main__.py`` is a command-line entry point that no module imports, so it counts as an entry point too.
 LAYERS = [
     {"buckets"},
     {"config"},
@@ -24,13 +25,15 @@ LAYERS = [
     {"tasks"},
     {"layouts"},
     {"train"},
-    {"bench", "testing"},
+    {"bench", "testing", "__main__"},
 ]
 LIBRARY = set().union(*LAYERS[:-1])  # library code: never imports bench or testing
 
 
 def _unit(path: Path) -> str:
     rel = path.relative_to(PACKAGE)
+    if path.name == "__main__.py":
+        return "__main__"
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fusedrl.models import build_model
 from fusedrl.generation import Request, RequestResult
+from fusedrl.models import build_model
 from fusedrl.rlhf import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
 from fusedrl.testing import run_multirank
 

@@ -15,7 +15,7 @@ def test_prompt_file_reports_every_injected_row_at_its_line(tmp_path):
     injected = write_prompt_file(tmp_path / "p.jsonl", prompts, max_prompt_len=16, seed=3, bad_fraction=0.5)
     lines = (tmp_path / "p.jsonl").read_bytes().splitlines()
     assert len(lines) == 60 and len(injected) == 20
-    good = [json.loads(l)["prompt"] for i, l in enumerate(lines, 1) if i not in injected]
+    good = [json.loads(line)["prompt"] for i, line in enumerate(lines, 1) if i not in injected]
     assert good == prompts  # the good rows keep their order
     report = load_prompts(tmp_path / "p.jsonl", load_tokenizer("byte"), max_prompt_len=16).report
     overlong = {i for i, k in injected.items() if k == "over-long prompt"}

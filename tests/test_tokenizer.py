@@ -9,10 +9,10 @@ from fusedrl.components.tokenizer import (
     HFTokenizer,
     Tokenizer,
     TorchtuneTokenizer,
+    _byte_level_alphabet,
     check_vocab,
     load_tokenizer,
 )
-from fusedrl.components.tokenizer import _byte_level_alphabet
 from fusedrl.models import FLAVORS
 
 TEXTS = ["hello world", "héllo 日本語 🎉", "  leading and trailing  \n\t", ""]
@@ -150,3 +150,105 @@ def test_check_vocab():
     check_vocab(ByteTokenizer(), FLAVORS["debug"].vocab_size)
     with pytest.raises(ValueError, match=r"tokenizer ids reach 258 but the model's vocab_size is 200"):
         check_vocab(ByteTokenizer(), 200)
+
+
+# ---------------------------------------------------------------------------- chat templates
+
+# Llama-3 style: the template writes the BOS itself; unknown roles are refused through raise_exception.
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Indented block tags on their own lines: the output is this compact only with trim_blocks + lstrip_blocks (as HF).
+# No BOS, plus HF's extras: tojson without HTML escaping, loop controls, {% generation %} blocks.
+LAYOUT_STYLE = """\
+{% for m in messages %}
+    {% if loop.index0 == 3 %}{% break %}{% endif %}
+    {% if m.role == 'system' %}
+[SYS]{{ m.content | tojson }}
+    {% else %}
+{% generation %}[{{ m.role | upper }}]{{ m.content }}{% endgeneration %}
+
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+[ASSISTANT]
+{% endif %}
+"""
+CHAT = [{"role": "system", "content": "be <brief> é"}, {"role": "user", "content": " hi "},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "cut by break"}]
+
+
+def _with_template(folder, template, *, jinja_file=False):
+    if jinja_file:
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    else:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def test_hf_chat_template_renders_like_hand_written_text(byte_folder):
+    tok = HFTokenizer(_with_template(byte_folder, LLAMA3_STYLE))
+    assert tok.chat_template == LLAMA3_STYLE
+    expected = ("<|bos|><|start_header_id|>system<|end_header_id|>\n\nbe <brief> é<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tok.render_chat(CHAT[:2]) == expected
+    with pytest.raises(ValueError, match="the chat template rejected the messages: unknown role tool"):
+        tok.render_chat([{"role": "tool", "content": "x"}])
+
+    tok = HFTokenizer(_with_template(byte_folder, LAYOUT_STYLE, jinja_file=True))  # the .jinja file wins over the config
+    assert tok.chat_template == LAYOUT_STYLE
+    assert tok.render_chat(CHAT) == '[SYS]"be <brief> é"\n[USER] hi \n[ASSISTANT]ok\n[ASSISTANT]\n'
+
+
+def test_hf_chat_template_matches_transformers(byte_folder):
+    transformers = pytest.importorskip("transformers")
+    for template, jinja_file in ((LLAMA3_STYLE, False), (LAYOUT_STYLE, True)):
+        folder = _with_template(byte_folder, template, jinja_file=jinja_file)
+        ours, theirs = HFTokenizer(folder), transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+        for chat in (CHAT[:1], CHAT[:2], CHAT):
+            text = ours.render_chat(chat)
+            assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            ids = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+            assert ours.encode(text, add_bos=False) == list(ids)
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def test_hf_chat_template_sources_and_errors(byte_folder):
+    tok = HFTokenizer(byte_folder)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match=rf"tokenizer {re.escape(str(byte_folder / 'tokenizer.json'))} has no chat template; use"):
+        tok.render_chat(CHAT[:1])
+    _with_template(byte_folder, [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}])
+    assert HFTokenizer(byte_folder).render_chat(CHAT[:1]) == "D<|eos|>"
+    _with_template(byte_folder, [{"name": "tool_use", "template": "T"}])
+    with pytest.raises(ValueError, match=r"chat templates \['tool_use'\] but none named 'default'"):
+        HFTokenizer(byte_folder)
+    _with_template(byte_folder, 42)
+    with pytest.raises(ValueError, match="chat_template in .*tokenizer_config.json is a int, not a Jinja string"):
+        HFTokenizer(byte_folder)
+    _with_template(byte_folder, "{% for m in messages %}", jinja_file=True)
+    with pytest.raises(ValueError, match=r"chat template in .*chat_template.jinja does not parse \(line 1: "):
+        HFTokenizer(byte_folder)
+    # No clock in the sandbox: a prompt must not depend on the day it is rendered.
+    _with_template(byte_folder, "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}26 Jul 2024{% endif %}",
+                   jinja_file=True)
+    assert HFTokenizer(byte_folder).render_chat(CHAT[:1]) == "26 Jul 2024"
+    # The sandbox refuses to mutate the caller's messages.
+    _with_template(byte_folder, "{{ messages.append(1) }}", jinja_file=True)
+    with pytest.raises(ValueError, match="rejected the messages.*unsafe"):
+        HFTokenizer(byte_folder).render_chat(CHAT[:1])
+
+
+def test_hf_tokenizer_save_carries_its_files(byte_folder, tmp_path):
+    (byte_folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    tok = HFTokenizer(_with_template(byte_folder, LAYOUT_STYLE, jinja_file=True))
+    saved = HFTokenizer(tok.save(tmp_path / "export"))
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert saved.encode("héllo <|eos|>") == tok.encode("héllo <|eos|>")
+    assert (saved.bos_id, saved.eos_id, saved.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert saved.render_chat(CHAT) == tok.render_chat(CHAT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -88,6 +89,8 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
         assert "bubble_ratio" not in h
     for h in (on[1], off[1]):
         assert 0.0 <= h["bubble_ratio"] < 1.0
+    # time between iterations: nothing before a run's first step; the fused run then logged and checkpointed step 1
+    assert on[0]["time_outside"] == 0.0 and on[1]["time_outside"] > 0.0
 
 
 def test_resume_continues_exactly(histories):
@@ -129,12 +132,13 @@ BAD_CONFIGS = [
     ([f"--model.{k}=llama3_1_8b" for k in ("actor", "critic", "reward")] + ["--model.actor_path=", "--model.critic_path=",
                                                                            "--model.reward_path="],
      "model.actor_path is unset: a random initialisation builds the whole 'llama3_1_8b' model in host memory"),
+    (["--data.chat_template=true"], "data.chat_template = true, but the tokenizer (model.tokenizer_path = "),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
                          ids=["world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights",
-                              "kv-heads-gen-tp", "gen-tp-world", "random-init-8b"])
+                              "kv-heads-gen-tp", "gen-tp-world", "random-init-8b", "no-chat-template"])
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError
     from fusedrl.train import prepare
@@ -145,6 +149,35 @@ def test_bad_configs_are_refused_before_any_process_group(overrides, message, mo
         prepare(["--job.config_file", "train_configs/debug_ppo.toml", *overrides])
     assert message in str(err.value) and "\n" not in str(err.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS[:1] + BAD_CONFIGS[3:])
+def test_config_cli_with_world_size_runs_the_trainers_checks(overrides, message, monkeypatch, capsys):
+    from fusedrl.config.__main__ import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--job.config_file", "train_configs/debug_ppo.toml", *overrides, "--world_size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank_without_traceback(tmp_path):
+    bad = tmp_path / "actor"
+    shutil.copytree(ROOT / "assets" / "debug" / "actor", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "fusedrl.train", "--job.config_file", CONFIG, *TINY, "--parallelism.dp_shard=1",
+         f"--model.actor_path={bad}", f"--job.output_dir={tmp_path / 'out'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hidden_size" in errors[0], proc.stderr[-4000:]
+    assert f'File "{ROOT / "fusedrl"}' not in proc.stderr, proc.stderr[-4000:]  # no rank's traceback (torchrun has its own)
+    assert "[rank" not in proc.stderr and "--checkpoint.resume" not in proc.stderr, proc.stderr[-4000:]
+    # torchrun exits 1 for any failed worker; its summary shows the worker's own status
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
 
 
 def test_cli_refuses_a_bad_config_with_one_line_and_exit_status_2():

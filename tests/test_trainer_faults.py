@@ -5,6 +5,10 @@ torchrun must name rank 1 as the root cause, and the last complete checkpoint mu
 ``--checkpoint.resume=true`` must continue from step 2 and re-run step 3 with the same figures as the killed run.
 Without torchrun's agent (as on another node, where the agent sees only its own workers), the surviving rank
 names the dead one itself, from the heartbeat in the rendezvous store.
+
+Issue 19, automatic resume: the same kill in a ``torchrun --max-restarts=1`` job with ``--checkpoint.resume=auto``
+restarts the workers, which continue from step 2 by themselves. Both resumed runs must end with every step's figures
+equal to those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -62,9 +66,12 @@ class Job:
     ended_after_kill_s: float | None  # seconds from the SIGKILL to torchrun's exit (reported, not asserted)
 
 
-def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0",
+def _command(out: Path, *extra: str, max_restarts: int = 0) -> list[str]:
+    # A job that may restart uses the c10d rendezvous without a shared store (see _launch): the static one keeps its
+    # store across restarts, so the restarted workers' gloo group reads the previous attempt's addresses and fails.
+    rendezvous = (["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--max_restarts={max_restarts}"]
+                  if max_restarts else ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0"])
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", *rendezvous,
             f"--log-dir={out / 'torchrun_logs'}", "--tee=3",
             "-m", "fusedrl.train", "--job.config_file", str(ROOT / "train_configs" / "debug_ppo.toml"),
             *OVERRIDES, f"--job.output_dir={out}", *extra]
@@ -86,10 +93,14 @@ def _rank0_log(out: Path, runs_before: set[Path]) -> str:
     return "".join(parts)
 
 
-def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None) -> Job:
+def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None, max_restarts: int = 0,
+            timeout_s: float = JOB_TIMEOUT_S) -> Job:
     """Run the trainer under torchrun; optionally SIGKILL rank 1 as soon as ``kill_rank1_after_step`` is logged."""
     logs_before = set((out / "torchrun_logs").glob("*"))
-    proc = subprocess.Popen(_command(out, *extra), cwd=out, env=_env(), stdout=subprocess.PIPE,
+    # torch shares the rendezvous store with the workers by default and their process group does not prefix its keys
+    # per attempt; unshared, every rendezvous round (every restart) gets a fresh store (docs/multinode.md)
+    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else _env()
+    proc = subprocess.Popen(_command(out, *extra, max_restarts=max_restarts), cwd=out, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     logged = threading.Event()
@@ -105,7 +116,7 @@ def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None) ->
     reader.start()
     workers: dict[int, int] = {}
     killed_at = None
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
             workers = torchrun_workers(proc.pid)
@@ -121,7 +132,7 @@ def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None) ->
     except subprocess.TimeoutExpired:
         kill_job(proc)
         reader.join(10)
-        pytest.fail(f"the job did not end within {JOB_TIMEOUT_S:.0f}s:\n{''.join(lines)[-4000:]}")
+        pytest.fail(f"the job did not end within {timeout_s:.0f}s:\n{''.join(lines)[-4000:]}")
     except BaseException:
         kill_job(proc)
         raise
@@ -132,6 +143,27 @@ def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None) ->
 
 def _by_step(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records}
+
+
+def _assert_same_figures(records: list[dict], reference: list[dict], what: str) -> None:
+    ref = _by_step(reference)
+    for r in records:
+        for key in DETERMINISTIC:
+            x, y = r[key], ref[r["step"]][key]
+            if math.isnan(x) and math.isnan(y):
+                continue
+            assert x == pytest.approx(y, rel=1e-6, abs=1e-9), f"{what}, step {r['step']}: {key} = {x}, expected {y}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """The metrics of the same job run to the end without a fault."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    job = _launch(out)
+    assert job.returncode == 0, job.output[-4000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +197,7 @@ def test_killed_rank_ends_the_job_naming_it_and_leaves_the_last_complete_checkpo
     print(f"--- rank 0's log after rank 1 was killed (tail) ---\n{job.rank0_log[-3000:]}")
 
 
-def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed):
+def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed, uninterrupted):
     out, _, killed_metrics = killed
     job = _launch(out, "--checkpoint.resume=true")
     tail = job.output[-4000:]
@@ -186,9 +218,34 @@ def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed):
             continue
         assert x == pytest.approx(y, rel=1e-6, abs=1e-9), f"resumed step 3: {key} = {x}, killed run had {y}"
     assert after["grad_norm_actor"] > 0 and after["lr_actor"] > 0  # the re-run step trained
+    _assert_same_figures(records, uninterrupted, "resumed by hand vs uninterrupted")
 
     # The resumed run checkpointed every second step again, step 4 included.
     assert CheckpointManager(out / "checkpoints", {}).complete_steps() == [2, 4, 6, 8]
+
+
+def test_torchrun_restart_resumes_by_itself_with_resume_auto(tmp_path, uninterrupted):
+    """The kill of the first test in a job that torchrun may restart once: the restarted workers find the step-2
+    checkpoint (checkpoint.resume = "auto") and finish the run as the uninterrupted one did."""
+    job = _launch(tmp_path, "--checkpoint.resume=auto", kill_rank1_after_step=KILLED_IN_STEP - 1, max_restarts=1,
+                  timeout_s=2 * JOB_TIMEOUT_S)
+    tail = job.output[-6000:]
+    assert job.returncode == 0, tail
+    # rank 0's log, attempt by attempt: a fresh start, then the restart's resume
+    attempts = sorted((tmp_path / "torchrun_logs").glob("*/attempt_*/0/stdout.log"))
+    assert [p.parent.parent.name for p in attempts] == ["attempt_0", "attempt_1"], attempts
+    first, second = (p.read_text(errors="replace") for p in attempts)
+    fresh = f'fusedrl: checkpoint.resume = "auto": no complete checkpoint in {tmp_path / "checkpoints"}; starting fresh'
+    assert fresh in first, tail
+    assert re.search(rf"\bstep {KILLED_IN_STEP - 1}: ", first) and not re.search(rf"\bstep {KILLED_IN_STEP}: ", first), tail
+    assert f"fusedrl: resumed from {tmp_path / 'checkpoints' / 'step-00000002'} (step 2)" in second, tail
+    assert "dropped 1 metrics records of later steps" in second and f"steps 3..{STEPS}" in second, tail
+    assert "starting fresh" not in second, tail
+
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), [r["step"] for r in records]
+    _assert_same_figures(records, uninterrupted, "restarted by torchrun vs uninterrupted")
+    assert CheckpointManager(tmp_path / "checkpoints", {}).complete_steps() == [2, 4, 6, 8]
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

@@ -23,15 +23,16 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.fusion.simulator import (
-    SimRequest,
     RolloutConfig,
     RolloutCosts,
+    SimRequest,
     best_migration,
     fit_transfers,
     simulate_rollout,
@@ -84,8 +85,9 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
         return [x for part in out for x in part]
 
     def fitted(runs: list[RolloutResult], engine: GenerationEngine, check_s: float = 0.0) -> RolloutCosts:
-        return RolloutCosts.fit(*(sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill")),
-                              check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets)
+        decode, score, prefill = (sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill"))
+        return RolloutCosts.fit(decode, score, prefill,
+                                check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets)
 
     def check_cost(res: RolloutResult) -> float:
         per_rank: list = [None] * world
@@ -142,7 +144,7 @@ def _kv_bytes_per_token(model) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- (b) paper
-def paper_scale(batch: int = PAPER_BATCH, baseline: str = "balanced") -> list[dict]:
+def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] = "balanced") -> list[dict]:
     lengths = lmsys_lengths(batch, seed=0, max_len=PAPER_MAX_LEN)
     rows = []
     for hw, hbm_bw, flops, hbm, link in HARDWARE:
@@ -173,7 +175,7 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
     return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
 
 
-def _print_paper_scale(batch: int, baseline: str) -> float:
+def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> float:
     """Print (b) and return sim_speedup."""
     rows = paper_scale(batch, baseline)
     print(f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "

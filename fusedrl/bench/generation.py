@@ -24,6 +24,7 @@ import time
 
 import torch
 from torchtune.generation import generate as torchtune_generate
+from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
@@ -71,7 +72,7 @@ def _seconds(run) -> float:
     return time.perf_counter() - start
 
 
-def roofline_tokens_per_s(model: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> float:
+def roofline_tokens_per_s(model: TransformerDecoder, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> float:
     """Decode tokens/s if every step read all weights and the batch's KV cache at ``bytes_per_s``."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     attn = model.layers[0].attn

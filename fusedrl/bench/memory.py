@@ -25,7 +25,8 @@ Persistent (every phase; steady state after the first iteration):
 - ``optimizer_{actor,critic}``: AdamW ``exp_avg`` and ``exp_avg_sq`` on the shards, ``8 x local numel`` (the 0-dim
   ``step`` tensors stay on the host).
 - ``rollout_{actor,critic,reference,reward}``: each rollout copy's local numel (attention / MLP weights, the
-  embedding and the LM head sharded over g; norms, value heads and tied embeddings whole) x its dtype.
+  embedding and the LM head sharded over g; norms, value heads and tied embeddings whole) x its dtype; no Reward
+  bytes with ``model.reward = "none"`` (a rule-based reward alone).
 - ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
 - ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes unless the
   copy was cast (67 MB for Llama 3.1's 131072 positions).
@@ -123,7 +124,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import torch
@@ -140,7 +141,8 @@ from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout
 from fusedrl.models import FLAVORS
 from fusedrl.models.registry import ModelFlavor
 from fusedrl.models.weights import shard_indices
-from fusedrl.pipelining import ACTOR, CRITIC, LoweredProgram
+from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, LoweredProgram
+from fusedrl.rlhf import Scorer
 from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positions
 
 GIB = 2**30
@@ -290,7 +292,9 @@ def rope_bytes(module: nn.Module) -> int:
         if buffers:
             total += sum(b.numel() * b.element_size() for b in buffers)
         else:  # created float32 when materialized (fusedrl.models.init_rope_buffers)
-            total += 4 * (m.max_seq_len * (m.dim // 2) * 2 + m.dim // 2)
+            # ints of torchtune's RoPE modules (mypy sees nn.Module.__getattr__'s Tensor | Module)
+            dim, max_seq_len = cast(int, m.dim), cast(int, m.max_seq_len)
+            total += 4 * (max_seq_len * (dim // 2) * 2 + dim // 2)
     return total
 
 
@@ -346,6 +350,7 @@ def describe(module: nn.Module) -> list[TensorInfo]:
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
             mesh = p.device_mesh
+            assert mesh.mesh_dim_names is not None  # fusedrl's meshes name their dimensions
             out.append(TensorInfo(name, tuple(p.shape), p.to_local().numel(), p.element_size(), tuple(p.placements),
                                   tuple(mesh.mesh_dim_names), tuple(mesh.shape), local_box(p)))
         else:
@@ -414,7 +419,7 @@ def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
             stages[model] = StageInfo(model, index, len(module.layers), module.tok_embeddings is not None, last,
                                       describe(module), rope_bytes(module),
                                       last and not getattr(module, "apply_head", True))
-        models = {name: getattr(rollout, name) for name in ROLLOUT_MODELS}
+        models = {name: m for name in ROLLOUT_MODELS if (m := getattr(rollout, name)) is not None}
         kv_heads = models["actor"].layers[0].attn.num_kv_heads  # apply_tp divided it by gen_tp
         return RankBuild(rank, rank_coords(cfg, rank), stages, {n: describe(m) for n, m in models.items()},
                          {n: rope_bytes(m) for n, m in models.items()}, kv_heads)
@@ -450,7 +455,7 @@ def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], mod
                    ) -> list[tuple[dict, dict]]:
     """Per rank, ``({name: (shape, box)} of its training stage of ``model``, {name: (shape, box, dtype)} of its
     rollout copy)``: what :func:`fusedrl.distributed.plan_reshard` gathers from every rank."""
-    by_pp = {}
+    by_pp: dict[int, RankBuild] = {}
     for b in builds.values():
         by_pp.setdefault(b.coords["pp"], b)
     reference = next(iter(builds.values()))
@@ -653,7 +658,7 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     for m, st in build.stages.items():
         persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors)
     for name in ROLLOUT_MODELS:
-        persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout[name])
+        persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))  # 0: no Reward model
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
     head_dim = actor.embed_dim // actor.num_heads
     persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * longest * build.kv_heads * head_dim * kv
@@ -702,8 +707,8 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     width = longest - 1 if reprefill else cfg.data.max_prompt_len
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
     transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots)
-    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g,
-                                            (flavors[CRITIC], FLAVORS[cfg.model.reward]))
+    scored_bodies = (flavors[CRITIC], FLAVORS[cfg.model.reward]) if cfg.model.uses_reward_model else (flavors[CRITIC],)
+    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g, scored_bodies)
     transients["scoring_activations"], transients["scoring_logits"] = body, head
     gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
 
@@ -720,11 +725,12 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     ]
     # training.offload_frozen: the Reference and the Reward are on the device during the rollout only
     offloaded = {k: persistent.pop(k) for k in OFFLOADED if t.offload_frozen}
+    training_moment = max(moments, key=lambda d: sum(d.values()))
     phases = {
         "weight_sync": {**persistent, **pick("weight_sync_buffers")},
         "generation": {**persistent, **offloaded, **larger("prefill_activations", "decode_logits")},
         "scoring": {**persistent, **offloaded, **larger("scoring_activations", "scoring_logits")},
-        "training": {**persistent, **max(moments, key=lambda d: sum(d.values()))},
+        "training": {**persistent, **training_moment},
     }
     details = {"in_flight_max": most, "training_compute_peak": compute, "activation_peak": held,
                "activation_bytes_per_microbatch": per_mb,
@@ -917,7 +923,7 @@ def _ptrs(tensors: Iterable[torch.Tensor | None]) -> set[int]:
 
 def _stage_buffers(stage: Any) -> list[torch.Tensor]:
     """The receive and gradient-receive buffers a ``PipelineStage`` preallocated."""
-    out = []
+    out: list[torch.Tensor] = []
     for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
         out.extend(i.buffer for i in infos if getattr(i, "buffer", None) is not None)
     return out
@@ -992,7 +998,8 @@ class _SavedTensors:
     def peak(self) -> tuple[int, dict[tuple, int]]:
         """(largest live bytes over the step, bytes per micro-batch key)."""
         sizes = {k: sum(n for p, n in v.items() if p not in self.excluded) for k, v in self.per_key.items()}
-        live, peak = set(), 0
+        live: set[tuple] = set()
+        peak = 0
         for kind, key, _ in self.events:
             (live.add if kind == "F" else live.discard)(key)
             peak = max(peak, sum(sizes[k] for k in live))
@@ -1067,12 +1074,14 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             saved.release((names[id(self.submod)], mb))
         return result
 
+    # LocalSchedule (pp = 1) has no lowered program or pipeline stages to measure
+    assert isinstance(layout.schedule, FusedPipelineSchedule), "memory --measure needs a pipelined config (pp >= 2)"
     schedule_step = layout.schedule.step
     steps_seen = [0]
 
     def step(*args: Any, **kwargs: Any) -> Any:
         steps_seen[0] += 1
-        saved.__init__()
+        _SavedTensors.__init__(saved)
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
         with hooks, mock.patch.multiple(PipelineStage, perform_reduce_grad=reduce, forward_one_chunk=forward,
                                         backward_one_chunk=backward):
@@ -1086,7 +1095,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             largest = {m: max((v for (model, _), v in sizes.items() if model == m), default=0) for m in (ACTOR, CRITIC)}
             got["activations"] = {"peak": peak, "per_microbatch": largest}
         return result
-    layout.schedule.step = step
+    layout.schedule.step = step  # type: ignore[method-assign]  # measurement: wraps this instance's step
 
     # gradients at the optimizer step
     for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
@@ -1094,10 +1103,10 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             key = f"gradients_{_model}"
             got[key] = max(got.get(key, 0), _storage_bytes(p.grad for p in stage_modules[_model].parameters()))
             return _original(*args, **kwargs)
-        opt.step = opt_step
+        opt.step = opt_step  # type: ignore[method-assign]  # measurement: wraps this optimizer's step
 
     # generation and scoring transients (profiled)
-    scorer = trainer.controller.score.__self__
+    scorer: Scorer = cast(Any, trainer.controller.score).__self__  # score is the bound method Scorer.score
     real_score_mb, real_prefill, real_decode = scorer._score_micro_batch, engine._prefill, engine._decode_step
 
     def score_mb(samples: list) -> Any:
@@ -1129,7 +1138,8 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         if best is None or peak > best["peak"]:
             got["profiled"]["decode"] = {"peak": peak, "rows": b}
         return result
-    scorer._score_micro_batch, engine._prefill, engine._decode_step = score_mb, prefill, decode_step
+    # measurement: wraps these instances' methods
+    scorer._score_micro_batch, engine._prefill, engine._decode_step = score_mb, prefill, decode_step  # type: ignore[method-assign]
 
     for step_number in (1, 2):
         trainer.train_step(step_number)
@@ -1140,10 +1150,11 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
         persistent[f"optimizer_{model}"] = _storage_bytes(v for s in opt.state.values() for k, v in s.items()
                                                           if k != "step" and isinstance(v, torch.Tensor))
+    rollout_models = {name: m for name in ROLLOUT_MODELS if (m := getattr(rollout, name)) is not None}
     for name in ROLLOUT_MODELS:
-        persistent[f"rollout_{name}"] = _storage_bytes(getattr(rollout, name).parameters())
+        persistent[f"rollout_{name}"] = _storage_bytes(rollout_models[name].parameters() if name in rollout_models else ())
     persistent["kv_cache"] = _storage_bytes(b for n, b in engine._forward.named_buffers() if n[:2] in ("k_", "v_"))
-    models = (*stage_modules.values(), *(getattr(rollout, n) for n in ROLLOUT_MODELS))
+    models = (*stage_modules.values(), *rollout_models.values())
     persistent["rope_buffers"] = _storage_bytes(b for m in models for b in m.buffers())
     stages = list(layout.schedule._stages.items())
     persistent["pipeline_buffers"] = _storage_bytes(b for _, st in stages for b in _stage_buffers(st))

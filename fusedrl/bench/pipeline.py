@@ -85,11 +85,13 @@ def _value_loss(values: torch.Tensor, t: dict[str, torch.Tensor]):
 def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str | None):
     from fusedrl.distributed import split_decoder
     from fusedrl.models import build_model
+    from fusedrl.models.registry import Role
 
     rank, pp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     models = {}
-    for m, role in ((ACTOR, "policy"), (CRITIC, "value")):
+    roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"), (CRITIC, "value"))
+    for m, role in roles:
         model = build_model(REAL_FLAVOR, role)
         del model.layers[REAL_LAYERS[m]:]
         models[m] = model
@@ -118,6 +120,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
             ex.step(tokens, tokens, actor_t, critic_t, record=True)
             dist.barrier()
             elapsed = time.perf_counter() - start
+            assert ex.timeline is not None  # step(record=True) records one
             timeline = ex.timeline.gather()  # a collective: every rank gathers every run
             if i:
                 samples[name].append(elapsed)
@@ -154,7 +157,7 @@ def _emulated_worker(programs: dict[str, LoweredProgram], costs: CostModel, reps
 
     out = {}
     for name, program in programs.items():
-        spans, timeline = [], None
+        spans: list[float] = []
         for i in range(reps + 1):
             timeline = run_emulated(program, seconds, message_numel=EMU_MESSAGE_NUMEL).gather()
             if i:

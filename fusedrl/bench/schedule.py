@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Any
 
 from fusedrl.pipelining import CostModel, Placement, fused_schedule
 from fusedrl.pipelining.search import single_model_1f1b_peak
@@ -36,7 +37,7 @@ def grid() -> list[tuple[int, int, int, int, float]]:
 
 
 def run(budget_s: float, seed: int, verbose: bool = True) -> dict:
-    rows = []
+    rows: list[dict[str, Any]] = []
     if verbose:
         print(f"{'pp_a':>4} {'pp_c':>4} {'M_a':>4} {'M_c':>4} {'ratio':>5} {'ms/LB':>7} {'vs 1F1B':>8} "
               f"{'mem/1F1B':>8} {'search_s':>8}  method")

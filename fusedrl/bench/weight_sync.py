@@ -53,7 +53,11 @@ def _rank(flavor: str, repeats: int) -> dict:
         if gen_tp > 1:
             apply_tp(target, ParallelDims(dp_shard=WORLD, gen_tp=gen_tp).build_gen_mesh("cpu")["gen_tp"])
         sync = WeightSync(stage, target)
-        variants[f"reshard_tp{gen_tp}_bf16"] = lambda sync=sync: sync.sync().bytes
+
+        def reshard(sync: WeightSync = sync) -> int:
+            return sync.sync().bytes
+
+        variants[f"reshard_tp{gen_tp}_bf16"] = reshard
     times: dict[str, list[float]] = {name: [] for name in variants}
     received: dict[str, int] = {}
     for r in range(repeats + 1):  # the first round warms up

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fusedrl.components.tokenizer import Tokenizer
 from fusedrl.config import CheckpointSection
 from fusedrl.distributed import gather_full_state_dict
 from fusedrl.models import save_hf_checkpoint
@@ -263,13 +264,28 @@ def export_hf(
     flavor: str,
     role: str = "policy",
     pp_group: dist.ProcessGroup | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path | None:
     """Write a model (pipeline stages and/or FSDP2 / TP shards over ranks) as an HF safetensors folder.
 
     Collective: every rank passes its own stage(s) (see ``fusedrl.distributed.gather_full_state_dict``).
-    Returns the folder on global rank 0, which writes it, and None elsewhere.
+    Returns the folder on global rank 0, which writes it, and None elsewhere. With the ``tokenizer`` the
+    model was trained with, its bos / eos / pad ids go into ``config.json`` and ``generation_config.json``
+    (eos: all the tokenizer's stop ids, so that transformers' ``generate()`` stops on them), and a
+    tokenizer that can ``save`` itself (``ByteTokenizer``) writes its files into the folder.
     """
     state = gather_full_state_dict(stages, pp_group)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return save_hf_checkpoint({k: v.cpu() for k, v in state.items()}, folder, flavor, role)
+    bos: int | None = None
+    eos: int | list[int] | None = None
+    pad: int | None = None
+    if tokenizer is not None:
+        stop = list(dict.fromkeys([tokenizer.eos_id, *tokenizer.stop_token_ids]))
+        bos, eos, pad = tokenizer.bos_id, stop[0] if len(stop) == 1 else stop, tokenizer.pad_id
+    path = save_hf_checkpoint({k: v.cpu() for k, v in state.items()}, folder, flavor, role,
+                              bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    save = getattr(tokenizer, "save", None)
+    if callable(save):
+        save(path)
+    return path

@@ -1,10 +1,14 @@
 """Prompt datasets (JSONL, Parquet, on-disk HF dataset, or a task's generated prompts) and a resumable, rank-sharded loader.
 
+A prompt field holds a plain string or a chat: a list of ``{"role", "content"}`` messages, which the
+tokenizer's chat template renders (with the assistant's generation prompt appended).
+
 Loading validates every row: malformed JSON, invalid UTF-8, a missing / null / non-string / empty
-prompt, and token ids outside the model's vocabulary are *bad rows*; they are counted, reported
-with their line (JSONL) or row (Parquet, HF) numbers, and skipped. Prompts longer than
-``max_prompt_len`` tokens are dropped or truncated (``overlong``) and counted. If no prompt is
-left, loading fails with an error that lists the problems.
+prompt, a malformed message list, a conversation the template rejects, and token ids outside the
+model's vocabulary are *bad rows*; they are counted, reported with their line (JSONL) or row
+(Parquet, HF) numbers, and skipped. Prompts longer than ``max_prompt_len`` tokens are dropped or
+truncated (``overlong``) and counted. If no prompt is left, loading fails with an error that lists
+the problems.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from fusedrl.config import DataSection
+from fusedrl.components.tokenizer import CHAT_TEMPLATE_FIX
+from fusedrl.config import DataSection, InputError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,15 @@ OVERLONG = ("drop", "truncate")
 
 class PromptTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
+
+
+@runtime_checkable
+class _ChatTokenizer(Protocol):  # what chat prompts need; HFTokenizer is one
+    chat_template: str | None
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str: ...
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
 
 @dataclass
@@ -60,7 +74,8 @@ class DataReport:
 
 @dataclass
 class PromptDataset:
-    """Tokenised prompts; ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row)."""
+    """Tokenised prompts; ``prompts[i]`` is the text that was tokenised (a chat as its template rendered it),
+    ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row)."""
 
     prompts: list[str]
     token_ids: list[list[int]]
@@ -106,7 +121,7 @@ def _parquet_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str |
 
     schema = pq.read_schema(path)
     if prompt_key not in schema.names:
-        raise ValueError(f"Parquet file {path} has no column {prompt_key!r} (columns: {schema.names}); set data.prompt_key")
+        raise InputError(f"Parquet file {path} has no column {prompt_key!r} (columns: {schema.names}); set data.prompt_key")
     column = pq.read_table(path, columns=[prompt_key]).column(prompt_key)
     return _column_rows(column.to_pylist())
 
@@ -117,10 +132,10 @@ def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[tuple[int
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"HF dataset {path} has splits {list(ds)}, not {split!r}; pass split=")
+            raise InputError(f"HF dataset {path} has splits {list(ds)}, not {split!r}; pass split=")
         ds = ds[split]
     if prompt_key not in ds.column_names:
-        raise ValueError(f"HF dataset {path} has no column {prompt_key!r} (columns: {ds.column_names}); set data.prompt_key")
+        raise InputError(f"HF dataset {path} has no column {prompt_key!r} (columns: {ds.column_names}); set data.prompt_key")
     return _column_rows(ds[prompt_key])
 
 
@@ -132,17 +147,20 @@ def load_prompts(
     prompt_key: str = "prompt",
     max_prompt_len: int | None = None,
     overlong: str = "drop",
-    chat_template: str | None = None,
+    chat_template: bool = False,
     vocab_size: int | None = None,
     split: str = "train",
     texts: Sequence[str] | None = None,
 ) -> PromptDataset:
     """Read, validate and tokenise prompts.
 
-    ``chat_template`` is a string containing ``{prompt}`` (e.g. ``"<|user|>{prompt}<|assistant|>"``).
-    ``overlong="truncate"`` keeps the *last* ``max_prompt_len`` tokens, so the end of the prompt (the
-    question and the template's assistant marker) survives. ``format="synthetic"`` takes the prompts
-    from ``texts`` (a task's own generator, e.g. ``fusedrl.tasks.debug.sample_prompts``; ``path`` is ignored).
+    A chat prompt (a list of ``{"role", "content"}`` messages) is rendered by ``tokenizer.render_chat``
+    and encoded without an added BOS: the template writes the special tokens itself. ``chat_template=True``
+    renders plain-string prompts too, each as one user message. Either needs a tokenizer with a chat
+    template (else ValueError). ``overlong="truncate"`` keeps the *last* ``max_prompt_len`` tokens, so the
+    end of the prompt (the question and the template's assistant marker) survives. ``format="synthetic"``
+    takes the prompts from ``texts`` (a task's own generator, e.g. ``fusedrl.tasks.debug.sample_prompts``;
+    ``path`` is ignored).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown data.format {format!r}; valid: {', '.join(FORMATS)}")
@@ -150,8 +168,9 @@ def load_prompts(
         raise ValueError(f"unknown overlong policy {overlong!r}; valid: {', '.join(OVERLONG)}")
     if max_prompt_len is not None and max_prompt_len < 1:
         raise ValueError(f"data.max_prompt_len must be >= 1, got {max_prompt_len}")
-    if chat_template is not None and "{prompt}" not in chat_template:
-        raise ValueError(f"chat_template {chat_template!r} has no '{{prompt}}' placeholder; add one where the prompt goes")
+    chat = tokenizer if isinstance(tokenizer, _ChatTokenizer) and tokenizer.chat_template is not None else None
+    if chat_template and chat is None:
+        raise _no_chat_template(tokenizer, "data.chat_template = true", "or set data.chat_template = false")
 
     if format == "synthetic":
         if texts is None:
@@ -178,11 +197,17 @@ def load_prompts(
     prompts, token_ids, source_rows = [], [], []
     for row, value, problem in rows:
         report.rows += 1
+        is_chat = isinstance(value, list)
         if problem is None:
-            problem = _check_prompt(value, prompt_key)
+            problem = _check_messages(value, prompt_key) if is_chat else _check_prompt(value, prompt_key)
+        if problem is None and is_chat and chat is None:
+            raise _no_chat_template(tokenizer, f"{source} {unit} {row} holds chat messages", "or store plain-string prompts")
         if problem is None:
-            text = value if chat_template is None else chat_template.replace("{prompt}", value)
-            ids = list(tokenizer.encode(text))
+            if chat is not None and (is_chat or chat_template):
+                text, ids, problem = _render_chat(chat, value if is_chat else [{"role": "user", "content": value}])
+            else:
+                text, ids = value, list(tokenizer.encode(value))
+        if problem is None:
             bad_ids = [i for i in ids if not 0 <= i < (vocab_size if vocab_size is not None else float("inf"))]
             if bad_ids:
                 problem = f"token id {bad_ids[0]} out of range for vocab size {vocab_size} (tokenizer does not match the model)"
@@ -200,7 +225,7 @@ def load_prompts(
         source_rows.append(row)
     report.kept = len(token_ids)
     if not token_ids:
-        raise ValueError(f"no usable prompts left: {report.summary()}; fix the dataset, data.prompt_key or data.max_prompt_len")
+        raise InputError(f"no usable prompts left: {report.summary()}; fix the dataset, data.prompt_key or data.max_prompt_len")
     if report.bad or report.overlong_dropped or report.overlong_truncated:
         log.warning("prompt dataset %s", report.summary())
     else:
@@ -210,15 +235,42 @@ def load_prompts(
 
 def load_prompts_from_config(section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int,
                              texts: Sequence[str] | None = None) -> PromptDataset:
-    """The ``[data]`` section's prompts; ``chat_template = true`` uses the tokenizer's own template, and
-    format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""
-    template = getattr(tokenizer, "chat_template", None) if section.chat_template else None
-    if section.chat_template and template is None:
-        raise ValueError("data.chat_template = true: the tokenizer has no chat template; set --data.chat_template=false "
-                         "or use a tokenizer folder that defines one")
+    """The ``[data]`` section's prompts; ``chat_template = true`` renders plain prompts through the tokenizer's
+    chat template, and format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""
     return load_prompts(section.path, tokenizer, format=section.format, prompt_key=section.prompt_key,
-                        max_prompt_len=section.max_prompt_len, overlong=section.on_long_prompt, chat_template=template,
-                        vocab_size=vocab_size, texts=texts)
+                        max_prompt_len=section.max_prompt_len, overlong=section.on_long_prompt,
+                        chat_template=section.chat_template, vocab_size=vocab_size, texts=texts)
+
+
+def _no_chat_template(tokenizer: PromptTokenizer, why: str, alternative: str) -> InputError:
+    name = getattr(tokenizer, "path", None) or type(tokenizer).__name__
+    return InputError(f"{why}, but the tokenizer {name} has no chat template; {CHAT_TEMPLATE_FIX}, {alternative}")
+
+
+def _render_chat(tokenizer: _ChatTokenizer, messages: list[dict[str, Any]]) -> tuple[str, list[int], str | None]:
+    """``(text, ids, problem)`` of a chat; the ids carry exactly the special tokens the template wrote."""
+    try:
+        text = tokenizer.render_chat(messages)
+    except ValueError as e:
+        return "", [], str(e)
+    ids = list(tokenizer.encode(text, add_bos=False))
+    return text, ids, None if ids else "the chat template rendered an empty prompt"
+
+
+def _check_messages(messages: list[Any], prompt_key: str) -> str | None:
+    if not messages:
+        return f"prompt field {prompt_key!r} is an empty list of messages"
+    for n, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            return f"message {n} is a {type(message).__name__}, not a {{role, content}} object"
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                return f"message {n} has no {key!r}" if key not in message else f"message {n} {key} is null"
+            if not isinstance(message[key], str):
+                return f"message {n} {key} is a {type(message[key]).__name__}, not a string (text-only chats)"
+    if not any(m["content"].strip() for m in messages):
+        return "every message is empty"
+    return None
 
 
 def _check_prompt(value: Any, prompt_key: str) -> str | None:
@@ -231,7 +283,7 @@ def _check_prompt(value: Any, prompt_key: str) -> str | None:
             return f"invalid UTF-8 at byte {e.start}"
         return f"prompt field {prompt_key!r} is binary, not a string (store it as a UTF-8 string column)"
     if not isinstance(value, str):
-        return f"prompt field {prompt_key!r} is a {type(value).__name__}, not a string"
+        return f"prompt field {prompt_key!r} is a {type(value).__name__}, not a string or a list of messages"
     if not value.strip():
         return "empty prompt"
     return None

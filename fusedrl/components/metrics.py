@@ -180,7 +180,8 @@ class MetricsLogger:
     """Writes one record per step to stdout, ``<folder>/metrics.jsonl`` and TensorBoard (rank 0 only).
 
     ``log(step, metrics)`` writes when ``step % log_freq == 0``. Values must be numbers (tensors are
-    converted with ``.item()``). TensorBoard is used when ``tensorboard=True`` and the package is
+    converted with ``.item()``). A jsonl record also carries ``wall_time``, the Unix time it was written
+    (TensorBoard keeps its own per event). TensorBoard is used when ``tensorboard=True`` and the package is
     installed (a warning otherwise).
     """
 
@@ -206,7 +207,9 @@ class MetricsLogger:
         self._tb = None
         if not self.enabled:
             return
-        if (jsonl or tensorboard) and folder is None:
+        if not (jsonl or tensorboard):
+            return
+        if folder is None:
             raise ValueError("MetricsLogger needs a folder for jsonl/tensorboard output; pass folder= or disable them")
         if jsonl:
             Path(folder).mkdir(parents=True, exist_ok=True)
@@ -229,7 +232,8 @@ class MetricsLogger:
             parts = [f"{k}={_fmt(record[k])}" for k in keys if k in record]
             print(f"step {step}: " + " ".join(parts), flush=True)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+            stamped = {"step": step, "wall_time": round(time.time(), 3), **record}
+            self._jsonl.write(json.dumps(stamped, allow_nan=True) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
             for k, v in record.items():

@@ -16,7 +16,8 @@ from fusedrl.distributed import group_devices
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight matrices with ``weight_decay``; norms, biases and other 1-D params without."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -97,5 +98,7 @@ def clip_grad_norm(
     params = [p for p in params if p.grad is not None]
     total = grad_norm(params, norm_type, pp_group)
     if params and torch.isfinite(total):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device), foreach=False)
+        grad = params[0].grad
+        assert grad is not None  # params were filtered to those with a gradient
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grad.device), foreach=False)
     return total

@@ -1,6 +1,6 @@
 """Tokenizers behind one small protocol.
 
-- :class:`HFTokenizer`: a Hugging Face ``tokenizer.json`` (``tokenizers`` library).
+- :class:`HFTokenizer`: a Hugging Face ``tokenizer.json`` (``tokenizers`` library) and its Jinja chat template.
 - :class:`TorchtuneTokenizer`: torchtune's Llama 3 (tiktoken ``tokenizer.model``) and Qwen 2.5
   (``vocab.json`` + ``merges.txt``) tokenizers.
 - :class:`ByteTokenizer`: 256 byte ids plus three specials, for debug runs; ``save`` writes it as
@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
 __all__ = [
@@ -99,7 +103,11 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write ``tokenizer.json`` (+ ``tokenizer_config.json``) giving the same ids as this tokenizer."""
+        """Write ``tokenizer.json`` (+ ``tokenizer_config.json``) giving the same ids as this tokenizer.
+
+        Its post-processor prepends ``<|bos|>``, so transformers' ``AutoTokenizer`` encodes a text as
+        ``encode(text)`` does (:class:`HFTokenizer` ignores the post-processor and adds bos as asked).
+        """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         byte_chars = _byte_level_alphabet()
@@ -108,8 +116,14 @@ class ByteTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in self.SPECIAL_TOKENS])
+        bos = self.SPECIAL_TOKENS[self.bos_id - 256]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, self.bos_id)]
+        )
         tok.save(str(folder / "tokenizer.json"))
-        config = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+        # the generic class: transformers must not swap in a model-specific tokenizer named by config.json
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+                  "pad_token": "<|pad|>"}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return folder
 
@@ -142,6 +156,10 @@ class HFTokenizer:
     well-known names (``<|begin_of_text|>``, ``<s>``, ``<|endoftext|>``, ...). ``pad`` falls back
     to ``eos``. Stop ids are ``eos`` plus any ``eos_token_id`` in ``generation_config.json``.
     The file's own post-processor is not used: ``encode`` adds bos/eos only as asked.
+
+    ``chat_template`` is the Jinja chat template of ``chat_template.jinja`` next to the file, else the
+    ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates: the one named
+    ``default``), else None; :meth:`render_chat` renders it.
     """
 
     def __init__(
@@ -187,6 +205,11 @@ class HFTokenizer:
         gen_eos = _read_json(path.parent / "generation_config.json").get("eos_token_id")
         extra = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
         self._stop = tuple(dict.fromkeys([eos_id, *(int(i) for i in extra)]))
+        template = _chat_template_source(path.parent, config)
+        self.chat_template = None if template is None else template[0]
+        self._chat = None if template is None else _compile_chat_template(*template)
+        named = {"bos_token": self._bos_id, "eos_token": eos_id}
+        self._chat_tokens = {k: self._tok.id_to_token(i) for k, i in named.items() if i is not None}
 
     vocab_size = property(lambda self: self._vocab_size)
     bos_id = property(lambda self: self._bos_id)
@@ -205,6 +228,97 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         known = [int(i) for i in ids if 0 <= int(i) < self._vocab_size]
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``messages`` (``{"role", "content"}`` dicts) through the chat template, followed by the prompt that
+        starts the assistant's reply: the text of HF's ``apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=True)``. The template writes every special token it wants (``bos_token``,
+        ``eos_token`` are its variables), so encode the text with ``add_bos=False``, as HF does.
+
+        Rendering is HF's: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``,
+        ``raise_exception``, a ``tojson`` that does not escape HTML, ``break``/``continue`` and
+        ``{% generation %}`` blocks. ``strftime_now`` is left out on purpose, so a prompt does not depend on
+        the day it is rendered (templates that test ``strftime_now is defined`` use their fixed date).
+        Raises ValueError when there is no template or it rejects the messages.
+        """
+        if self._chat is None:
+            raise ValueError(f"tokenizer {self.path} has no chat template; {CHAT_TEMPLATE_FIX}")
+        try:
+            return self._chat.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=True,
+                                     **self._chat_tokens)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Copy this tokenizer's files (``tokenizer.json`` and the configs and chat template beside it) into
+        ``folder``, so that an exported model carries the tokenizer it was trained with."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.path, folder / "tokenizer.json")
+        for name in _TOKENIZER_COMPANIONS:
+            if (self.path.parent / name).is_file():
+                shutil.copyfile(self.path.parent / name, folder / name)
+        return folder
+
+
+# Files next to tokenizer.json that define special tokens or the chat template (generation_config.json belongs to
+# the model and is written by the export).
+_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+CHAT_TEMPLATE_FIX = ("use a tokenizer folder whose tokenizer_config.json has a chat_template "
+                     "(or with a chat_template.jinja next to tokenizer.json)")
+
+
+def _chat_template_source(folder: Path, config: dict) -> tuple[str, Path] | None:
+    """The chat template and the file it is in; a ``chat_template.jinja`` file wins, as in HF."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja_file} is not UTF-8 text ({e}); repair or delete it") from e
+    where = folder / "tokenizer_config.json"
+    template = config.get("chat_template")
+    if isinstance(template, list):  # the older form of several named templates
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(f"{where} has chat templates {sorted(map(str, named))} but none named 'default'; "
+                             "name the one to use 'default' or put it in chat_template.jinja next to it")
+        template = named["default"]
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise ValueError(f"chat_template in {where} is a {type(template).__name__}, not a Jinja string; repair it")
+    return template, where
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's marker of assistant text) renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the tag
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _compile_chat_template(source: str, where: Path) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template in {where} does not parse (line {e.lineno}: {e.message}); fix the template") from e
 
 
 def _read_json(path: Path) -> dict:

@@ -22,6 +22,7 @@ from fusedrl.config.job_config import (
 )
 from fusedrl.config.loader import (
     ConfigError,
+    InputError,
     config_to_toml,
     load_config,
     validate_config,
@@ -35,6 +36,7 @@ __all__ = [
     "DataSection",
     "FusionSection",
     "GenerationSection",
+    "InputError",
     "JobConfig",
     "JobSection",
     "LRSchedulerSection",

@@ -1,7 +1,9 @@
-"""``python -m fusedrl.config --job.config_file FILE [--section.key=value ...] [--print] [--world_size N]``.
+"""``python -m fusedrl.config --job.config_file FILE [--section.key=value ...] [--print] [--world_size N] [--local_world_size L]``.
 
 Without ``--print`` it only validates. ``--help`` lists every key; ``--markdown`` prints the key table
-of docs/config.md. Errors print ``error: <one line>`` to stderr and exit with status 2.
+of docs/config.md. Errors print ``error: <one line>`` to stderr and exit with status 2. With ``--world_size N``
+it runs the trainer's own startup checks (``fusedrl.train.check_config``), so this entry point, unlike the
+package, imports the trainer.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from fusedrl.config.loader import (
     section_keys,
     section_types,
     type_name,
-    validate_world_size,
 )
 
 USAGE = """\
 usage: python -m fusedrl.config [--job.config_file FILE] [--section.key=VALUE ...] [--print] [--world_size N]
+                                [--local_world_size L]
 
 Loads FILE (TOML), applies the overrides in order (also written --section.key VALUE; a bare
 --section.key sets a bool to true; lists as 1,2,3 or [1, 2, 3]; "" unsets an optional path) and
-validates the result. --print writes the effective config as TOML; --world_size N also checks the
-parallel sizes against N ranks; --markdown prints the key table of docs/config.md.
+validates the result. --print writes the effective config as TOML; --world_size N also runs every check
+the trainer makes at startup for N ranks on this machine (parallel sizes, flavors, devices, paths, the
+tokenizer); --local_world_size L adds its node checks for L ranks per node (torchrun's LOCAL_WORLD_SIZE:
+no generation instance or TP group across nodes); --markdown prints the key table of docs/config.md.
 """
 
 
@@ -48,7 +52,9 @@ def help_text() -> str:
     for section, key, tp, default, doc in _rows():
         if section != current:
             current = section
-            lines.append(f"[{section}]  {section_types()[section].__doc__.split(':', 1)[1].strip()}")
+            summary = section_types()[section].__doc__
+            assert summary is not None  # every section dataclass has a docstring
+            lines.append(f"[{section}]  {summary.split(':', 1)[1].strip()}")
         lines.append(f"  --{section}.{key}  ({tp}; default {default})")
         lines.append(f"      {doc}")
     return "\n".join(lines)
@@ -73,10 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     show = "--print" in args
     args = [a for a in args if a != "--print"]
     try:
-        args, world_size = _pop_world_size(args)
+        args, world_size = _pop_count(args, "--world_size")
+        args, local_world_size = _pop_count(args, "--local_world_size")
+        if local_world_size is not None and world_size is None:
+            raise ConfigError("--local_world_size (command line): the node checks need the job's size too; add --world_size N")
         cfg = load_config(args)
         if world_size is not None:
-            validate_world_size(cfg, world_size)
+            from fusedrl.train import check_config
+
+            check_config(cfg, world_size, local_world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -87,19 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pop_world_size(args: list[str]) -> tuple[list[str], int | None]:
+def _pop_count(args: list[str], flag: str) -> tuple[list[str], int | None]:
+    """``args`` without ``flag N`` / ``flag=N``, and N (a positive int; None when absent)."""
     rest, value = [], None
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--world_size" or arg.startswith("--world_size="):
+        if arg == flag or arg.startswith(f"{flag}="):
             if "=" in arg:
                 text = arg.partition("=")[2]
             else:
                 text = args[i + 1] if i + 1 < len(args) else ""
                 i += 1
             if not text.isdigit() or int(text) < 1:
-                raise ConfigError(f"--world_size (command line): expected a positive int, got {text!r}")
+                raise ConfigError(f"{flag} (command line): expected a positive int, got {text!r}")
             value = int(text)
         else:
             rest.append(arg)

@@ -8,8 +8,10 @@ a problem description or None. Cross-key rules live in :mod:`fusedrl.config.load
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Check = Callable[[Any], "str | None"]
 
@@ -51,6 +53,12 @@ def non_empty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
 
+def _import_path(v: str | None) -> str | None:
+    if v is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
+        return None
+    return 'must be an import path "package.module:function", e.g. "fusedrl.tasks.debug:reward_fn"'
+
+
 def _top_p(v: float) -> str | None:
     return None if 0.0 < v <= 1.0 else "must be in (0, 1]; 1.0 disables top-p filtering"
 
@@ -84,7 +92,11 @@ class ModelSection:
 
     actor: str = _key("debug", "Actor (policy) flavor from fusedrl.models.FLAVORS; the Reference uses the same flavor.", non_empty)
     critic: str = _key("debug", "Critic (value model) flavor from fusedrl.models.FLAVORS.", non_empty)
-    reward: str = _key("debug", "Reward model (value head) flavor from fusedrl.models.FLAVORS.", non_empty)
+    reward: str = _key(
+        "debug",
+        'Reward model (value head) flavor from fusedrl.models.FLAVORS, or "none": no Reward model (reward_fn alone scores).',
+        non_empty,
+    )
     actor_path: str | None = _key(None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation.")
     critic_path: str | None = _key(
         None,
@@ -98,6 +110,18 @@ class ModelSection:
         "tokenizer.json, tokenizer.model, or vocab.json + merges.txt.",
         non_empty,
     )
+    reward_fn: str | None = _key(
+        None,
+        'Rule-based reward "package.module:function" scoring each sample from its texts and token ids (docs/ppo.md, '
+        "Reward functions); its value times reward_fn_weight is added to the Reward model's score. Unset: none.",
+        _import_path,
+    )
+    reward_fn_weight: float = _key(1.0, "Weight of reward_fn's value in a sample's score (also when it scores alone).")
+
+    @property
+    def uses_reward_model(self) -> bool:
+        """Whether a neural Reward model is built (``reward`` is a flavor, not ``"none"``)."""
+        return self.reward != "none"
 
 
 @dataclass
@@ -109,12 +133,21 @@ class DataSection:
         "synthetic",
         "jsonl (one JSON object per line), parquet, hf_disk (datasets.save_to_disk folder), or synthetic (built-in debug task).",
     )
-    prompt_key: str = _key("prompt", "Field of each record that holds the prompt text.", non_empty)
+    prompt_key: str = _key(
+        "prompt",
+        "Field of each record that holds the prompt: a string, or a chat (a list of {role, content} messages, e.g. "
+        'field "messages"), which the tokenizer\'s chat template renders with the generation prompt appended.',
+        non_empty,
+    )
     max_prompt_len: int = _key(256, "Longest prompt in tokens; longer prompts are handled by on_long_prompt.", at_least(1))
     on_long_prompt: Literal["drop", "truncate"] = _key(
         "drop", "What to do with prompts longer than max_prompt_len: drop them or truncate them to max_prompt_len tokens (counted and logged either way)."
     )
-    chat_template: bool = _key(False, "Wrap each prompt in the tokenizer's chat template before tokenising.")
+    chat_template: bool = _key(
+        False,
+        "Render plain-string prompts through the tokenizer's chat template too, each as one user message (chats always "
+        "are); needs a tokenizer with a chat template.",
+    )
     shuffle: bool = _key(True, "Shuffle the prompt order (seeded by job.seed).")
 
 
@@ -263,7 +296,11 @@ class CheckpointSection:
     folder: str = _key("checkpoints", "Checkpoint folder; a relative path is inside job.output_dir.", non_empty)
     interval: int = _key(0, "Save the full training state every this many steps; 0 disables periodic saves.", at_least(0))
     keep: int = _key(0, "Keep only the newest this many checkpoints; 0 keeps all.", at_least(0))
-    resume: bool = _key(False, "Continue from the latest complete checkpoint in folder (starts fresh when there is none).")
+    resume: bool | Literal["auto"] = _key(
+        False,
+        'Continue from the latest complete checkpoint in folder: true requires one, "auto" starts fresh when there is '
+        "none (for automatic restarts: docs/multinode.md); false starts fresh.",
+    )
     export_hf: bool = _key(True, "At the end of training, export the Actor as an HF-format safetensors folder.")
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal, Union
-
-import tomllib
 
 from fusedrl.config.job_config import JobConfig
 
@@ -25,11 +25,16 @@ COMMAND_LINE = "command line"
 DEFAULT = "default"
 
 
-class ConfigError(ValueError):
-    """A bad config: a one-line message naming the key, where it came from and the fix."""
+class InputError(ValueError):
+    """Bad input the user fixes (config, checkpoint, dataset, tokenizer): a one-line message naming the problem and
+    the fix. The trainer prints it once, from one rank, without a traceback, and exits with status 2."""
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.splitlines()))
+
+
+class ConfigError(InputError):
+    """A bad config: a one-line message naming the key, where it came from and the fix."""
 
 
 # ---------------------------------------------------------------------------- schema
@@ -46,7 +51,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def section_keys(section: str) -> dict[str, tuple[Any, dict]]:
+def section_keys(section: str) -> dict[str, tuple[Any, Mapping[str, Any]]]:
     """Key name -> (type, field metadata) of one section, in declaration order."""
     cls = section_types()[section]
     hints = _hints(cls)
@@ -156,7 +161,7 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str, text: 
         raise ConfigError(f"job.config_file ({source}): cannot be set here; pass --job.config_file FILE on the command line")
     tp, meta = keys[key]
     if value is None:  # a bare --section.key flag
-        if tp is not bool:
+        if tp is not bool and bool not in typing.get_args(tp):
             raise ConfigError(f"{section}.{key} ({source}): needs a value, e.g. --{section}.{key}=VALUE ({type_name(tp)})")
         value = "true"
     try:
@@ -168,7 +173,7 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str, text: 
     cfg.sources[f"{section}.{key}"] = source
 
 
-def _check(section: str, key: str, value: Any, meta: dict, source: str) -> None:
+def _check(section: str, key: str, value: Any, meta: Mapping[str, Any], source: str) -> None:
     check = meta.get("check")
     problem = check(value) if check is not None and value is not None else None
     if problem:
@@ -204,6 +209,7 @@ def load_config(argv: list[str]) -> JobConfig:
 def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
     config_file: str | None = None
     overrides: list[tuple[str, str | None]] = []
+    value: str | None
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -332,18 +338,23 @@ def validate_world_size(cfg: JobConfig, world_size: int) -> None:
                           f"world size {world_size}; choose one of {_divisors(world_size)}")
 
 
-def validate_paths(cfg: JobConfig) -> None:
-    """Check that the files the config names exist (model folders, tokenizer, dataset)."""
+def validate_paths(cfg: JobConfig, pending: Path | None = None) -> None:
+    """Check that the files the config names exist (model folders, tokenizer, dataset); paths inside ``pending``
+    (a folder that is built at startup, such as the debug task's assets) are not checked."""
+
+    def missing(path: str) -> bool:
+        return not Path(path).exists() and not (pending is not None and Path(path).is_relative_to(pending))
+
     for key in ("actor_path", "critic_path", "reward_path", "reference_path"):
         path = getattr(cfg.model, key)
-        if path is not None and not Path(path).is_dir():
+        if path is not None and (missing(path) or Path(path).is_file()):
             raise ConfigError(f"model.{key} = {format_value(path)} ({source_of(cfg, f'model.{key}')}): folder not found; "
                               "give an HF-format safetensors folder, or leave it unset for random initialisation")
     tok = cfg.model.tokenizer_path
-    if tok != "byte" and not Path(tok).exists():
+    if tok != "byte" and missing(tok):
         raise ConfigError(f"model.tokenizer_path = {format_value(tok)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
                           'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer')
-    if cfg.data.format != "synthetic" and cfg.data.path is not None and not Path(cfg.data.path).exists():
+    if cfg.data.format != "synthetic" and cfg.data.path is not None and missing(cfg.data.path):
         raise ConfigError(f"data.path = {format_value(cfg.data.path)} ({source_of(cfg, 'data.path')}): not found; "
                           f"give an existing {cfg.data.format} dataset")
 

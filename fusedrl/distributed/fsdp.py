@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -35,13 +37,12 @@ def apply_fsdp(
         raise ValueError(
             f"apply_fsdp needs a 1-D data-parallel mesh, got dims {dp_mesh.mesh_dim_names}; pass mesh['dp_shard']"
         )
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for layer in transformer_layers(module):
         fully_shard(layer, **kwargs)
-    fully_shard(module, **kwargs)
-    return module  # type: ignore[return-value]  # fully_shard turned it into an FSDPModule
+    return fully_shard(module, **kwargs)  # the same module, now an FSDPModule
 
 
 def apply_activation_checkpointing(module: nn.Module) -> None:

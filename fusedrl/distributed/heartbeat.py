@@ -34,7 +34,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="fusedrl-heartbeat", daemon=True)
 
     @classmethod
-    def from_env(cls, interval_s: float = 1.0) -> "Heartbeat | None":
+    def from_env(cls, interval_s: float = 1.0) -> Heartbeat | None:
         """A started heartbeat on the torchrun store (MASTER_ADDR/PORT, RANK, WORLD_SIZE); None outside torchrun."""
         env = os.environ
         if not all(k in env for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")) or int(env["WORLD_SIZE"]) < 2:
@@ -68,6 +68,13 @@ class Heartbeat:
             self.store.set(f"failed/{self.rank}", reason)
         except Exception:
             pass
+
+    def claim(self, name: str) -> bool:
+        """True for exactly one rank, the first to claim ``name`` (e.g. the rank that prints an error all ranks hit)."""
+        try:
+            return self.store.add(f"claim/{name}", 1) == 1
+        except Exception:  # the store is gone: printing twice beats printing nothing
+            return True
 
     def _read(self, keys: list[str]) -> dict[str, bytes]:
         present = [k for k in keys if self.store.check([k])]

@@ -108,6 +108,7 @@ def default_backend(device: torch.device) -> str:
 def mesh_lines(mesh: DeviceMesh, dim: str) -> list[list[int]]:
     """The global ranks of every line of ``mesh`` along ``dim`` (the ranks that differ only in that coordinate),
     in a fixed order: for creating one group per line, which every rank must do for every line."""
+    assert mesh.mesh_dim_names is not None, "mesh_lines needs a mesh with named dims"
     axis = mesh.mesh_dim_names.index(dim)
     return mesh.mesh.movedim(axis, -1).reshape(-1, mesh.size(axis)).tolist()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -160,10 +161,11 @@ class TiedEmbeddings:
             group = dist.new_group([row[0], row[-1]])
             if dist.get_rank() in (row[0], row[-1]):
                 self.group = group
+        # a module's weight is a registered Parameter (mypy sees Module.__getattr__'s Tensor | Module)
         if stage.tok_embeddings is not None:
-            self.param = stage.tok_embeddings.weight
+            self.param = cast(nn.Parameter, stage.tok_embeddings.weight)
         elif stage.output is not None:
-            self.param = stage.output.weight
+            self.param = cast(nn.Parameter, stage.output.weight)
 
     def sum_gradients(self) -> None:
         """Add the first and the last stage's gradients of the shared weight (call after backward, before clipping)."""

@@ -5,11 +5,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torchtune.modules import TiedLinear
 
 from fusedrl.distributed.fsdp import transformer_layers
-
 
 VOCAB_MODULES = ("tok_embeddings", "output")
 
@@ -74,7 +73,7 @@ def _shard_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, names: tuple[str, .
         return
     if isinstance(head, nn.Linear) and isinstance(embedding, nn.Embedding) and head.weight is embedding.weight:
         return  # one tied Parameter: the lookup and the head would need two layouts of it
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     if isinstance(embedding, nn.Embedding) and "tok_embeddings" in names:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     # a value head (one output) stays replicated

@@ -199,10 +199,10 @@ class MigrationController(Generic[T]):
             scored = [part for parts in self._all_gather(scored) for part in parts]
         times = self._all_gather((end, run.decode_end, run.spans))
         trace = ChromeTrace()
-        for r, (_, _, spans) in enumerate(times):
-            trace.name_process(r, f"rank {r}")
+        for i, (_, _, spans) in enumerate(times):
+            trace.name_process(i, f"rank {i}")
             for kind, start, end, args in spans:
-                trace.complete(kind, start, end - start, pid=r, tid=0, **args)
+                trace.complete(kind, start, end - start, pid=i, tid=0, **args)
         self._history.decode += run.measurements.decode
         self._history.score += run.measurements.score
         return RolloutResult(
@@ -367,12 +367,13 @@ class _Rollout:
             return 0, 1
         # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides.
         if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
-            choice = [None]
+            choice: list[tuple[int, int] | None] = [None]
             if self.rank == 0:
                 choice[0] = self._simulate_threshold(details)
             dist.broadcast_object_list(choice, group_src=0, group=ctl.control_group)
             # timings differ between an instance's ranks: all of them follow its TP rank 0 (hence instance 0's)
             self.auto_choice, self.auto_evaluated_at = ctl._share(choice[0]), unfinished
+        assert self.auto_choice is not None  # set together with auto_evaluated_at
         return self.auto_choice
 
     def _simulate_threshold(self, details: list) -> tuple[int, int]:
@@ -443,12 +444,12 @@ class _Rollout:
             self.finished = list(by_id.values())  # sent ones are scored elsewhere
         end = self.clock()
         self._span("migrate", start, end, moved=len(exported))
-        mine = (sent_req, sent_samples, end - start, start)
+        own = (sent_req, sent_samples, end - start, start)
         if ctl.instance_group is not None:  # the instance's bytes: every rank's KV shards, its TP rank 0's samples
             ranks: list[Any] = [None] * dist.get_world_size(ctl.instance_group)
-            dist.all_gather_object(ranks, mine, group=ctl.instance_group)
-            mine = (sum(r[0] for r in ranks), sum(r[1] for r in ranks), max(r[2] for r in ranks), max(r[3] for r in ranks))
-        totals = ctl._all_gather(mine)
+            dist.all_gather_object(ranks, own, group=ctl.instance_group)
+            own = (sum(r[0] for r in ranks), sum(r[1] for r in ranks), max(r[2] for r in ranks), max(r[3] for r in ranks))
+        totals = ctl._all_gather(own)
         self.migration = MigrationStats(
             step=self.steps,
             time_s=max(t[3] for t in totals),

@@ -7,8 +7,9 @@ simulator (:mod:`.simulator`) so that the simulated plan is the one that would r
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class MigrationPlan:
 
     def program(self, rank: int) -> list[tuple[Literal["send", "recv"], int, Transfer]]:
         """This rank's ops, in order: (``send``, dst, t) or (``recv``, src, t)."""
-        ops = []
+        ops: list[tuple[Literal["send", "recv"], int, Transfer]] = []
         for t in self.transfers:
             if t.src == rank:
                 ops.append(("send", t.dst, t))
@@ -128,7 +129,7 @@ def assign_requests(moved: Sequence[MovedRequest], kept: Sequence[InstanceStats]
     return out
 
 
-def assign_samples(samples: dict[int, Sequence[tuple[int, int]]], freed_load: dict[int, float]) -> dict[int, int]:
+def assign_samples(samples: Mapping[int, Sequence[tuple[int, int]]], freed_load: dict[int, float]) -> dict[int, int]:
     """Finished samples of kept ranks ({rank: [(id, tokens)]}) -> freed rank, balancing scored tokens."""
     load = dict(freed_load)
     out = {}
@@ -144,7 +145,7 @@ def build_plan(
     stats: Sequence[InstanceStats],
     kept: Sequence[int],
     moved: Sequence[MovedRequest],
-    kept_samples: dict[int, Sequence[tuple[int, int]]],
+    kept_samples: Mapping[int, Sequence[tuple[int, int]]],
     freed_load: dict[int, float],
 ) -> MigrationPlan:
     """Requests first (freed -> kept), then finished samples (kept -> freed), each sorted by (src, dst)."""
@@ -167,7 +168,7 @@ def verify_plan(
     plan: MigrationPlan,
     stats: Sequence[InstanceStats],
     moved: Sequence[MovedRequest],
-    kept_samples: dict[int, Sequence[tuple[int, int]]],
+    kept_samples: Mapping[int, Sequence[tuple[int, int]]],
 ) -> None:
     """Raise :class:`PlanError` unless every moved request and kept-side finished sample has exactly one
     destination of the right side, capacities hold, and every rank's sends and receives pair up without deadlock."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -102,7 +103,7 @@ class RolloutCosts:
         link_bytes_per_s: float = 25e9,
         transfer_latency_s: float = 50e-6,
         check_s: float = 1e-4,
-    ) -> "RolloutCosts":
+    ) -> RolloutCosts:
         """Roofline costs of one instance of ``gpus_per_instance`` GPUs (tensor parallel): a decode step
         reads the Actor's weight shard and the batch's KV cache once (memory bound) and, with TP > 1, runs
         two all-reduces per layer (``allreduce_s`` each, latency bound at decode sizes); prefill and
@@ -141,7 +142,7 @@ class RolloutCosts:
         check_s: float = 0.0,
         batch_buckets: Sequence[int] = (),
         len_buckets: Sequence[int] = (),
-    ) -> "RolloutCosts":
+    ) -> RolloutCosts:
         """Least-squares fit to measurements: decode (batch, cached tokens, s), score (rows, padded_len, s),
         prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0. With the
         engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
@@ -266,11 +267,11 @@ def simulate_rollout(
     counts of its finished, unscored samples. ``threshold``: migrate when at most this many requests are
     unfinished at a check (fused only); ``min_kept``: keep at least this many instances decoding."""
     n = len(instances)
-    backlog = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
+    backlog_tokens = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
     start = [costs.prefill_per_token_s * sum(r.ctx for r in reqs) if config.prefill else 0.0 for reqs in instances]
     horizon = max((r.remaining for reqs in instances for r in reqs), default=0)
     steps = [_step_times(reqs, costs, horizon) for reqs in instances]
-    final = [backlog[i] + [r.ctx + r.remaining for r in instances[i]] for i in range(n)]
+    final = [backlog_tokens[i] + [r.ctx + r.remaining for r in instances[i]] for i in range(n)]
     spans: list[tuple[int, str, float, float]] = []
 
     if not fused or n == 1 or threshold is None:
@@ -289,13 +290,13 @@ def simulate_rollout(
     per_step = torch.stack(steps) if steps else torch.zeros(0, horizon, dtype=torch.float64)
     per_step = torch.nn.functional.pad(per_step, (0, intervals * k - horizon))
     interval_s = per_step.view(n, intervals, k).sum(-1).amax(0) + costs.check_s
-    clock = max(start, default=0.0) + torch.cumsum(interval_s, 0)
+    check_clock = max(start, default=0.0) + torch.cumsum(interval_s, 0)
     rem_all = torch.tensor(sorted(r.remaining for reqs in instances for r in reqs), dtype=torch.int64)
     check_steps = torch.arange(1, intervals + 1) * k
     unfinished = len(rem_all) - torch.searchsorted(rem_all, check_steps, right=True)
     hits = ((unfinished <= threshold) & (unfinished > 0) & (check_steps < horizon)).nonzero().flatten()
     s0 = int(check_steps[hits[0]]) if len(hits) else None
-    t = float(clock[hits[0]]) if len(hits) else float(clock[-1]) if intervals else max(start, default=0.0)
+    t = float(check_clock[hits[0]]) if len(hits) else float(check_clock[-1]) if intervals else max(start, default=0.0)
     if s0 is None:  # decoding ended before the threshold: everyone scores its own samples
         score = _unfused_scoring(final, costs, config)
         for i in range(n):
@@ -304,7 +305,7 @@ def simulate_rollout(
 
     done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
     alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
-    unscored = [backlog[i] + done[i] for i in range(n)]
+    unscored = [backlog_tokens[i] + done[i] for i in range(n)]
     stats = [
         InstanceStats(
             rank=i,
@@ -327,8 +328,9 @@ def simulate_rollout(
         return RolloutTimes(max(e + c for e, c in zip(ends, score)), max(ends), spans=spans)
     for i in range(n):
         spans.append((i, "decode", 0.0, t))
-    ids = {}  # synthetic request / sample ids
-    moved, kept_samples = [], {}
+    ids: dict[int, Any] = {}  # synthetic id -> moved SimRequest or kept sample's token count
+    moved: list[MovedRequest] = []
+    kept_samples: dict[int, list[tuple[int, int]]] = {}
     for i in range(n):
         if i in kept:
             kept_samples[i] = []
@@ -379,7 +381,7 @@ def simulate_rollout(
         if config.mode == "reprefill" and received[k_]:
             clock += costs.prefill_per_token_s * sum(r.ctx for r in received[k_])
         st = _step_times(reqs, costs, max((r.remaining for r in reqs), default=0))
-        ends = clock + torch.cumsum(st, 0)
+        step_ends = clock + torch.cumsum(st, 0)
         sent = 0
         finish: dict[int, list[int]] = {}
         for r in reqs:
@@ -390,8 +392,8 @@ def simulate_rollout(
                 by_dst.setdefault(plan.tail_destination(k_, sent), []).append(tokens)
                 sent += 1
             for dst, toks in by_dst.items():
-                streams[dst].append((k_, float(ends[step - 1]), toks))
-        tail_end[k_] = float(ends[-1]) if len(ends) else clock
+                streams[dst].append((k_, float(step_ends[step - 1]), toks))
+        tail_end[k_] = float(step_ends[-1]) if len(step_ends) else clock
         spans.append((k_, "decode", clock, tail_end[k_]))
         if unscored[k_]:
             spans.append((k_, "send", t, free_at[k_]))

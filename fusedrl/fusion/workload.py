@@ -44,7 +44,7 @@ class LengthDistribution:
         if not 0.0 <= self.tail_prob <= 1.0:
             raise ValueError(f"tail_prob must be in [0, 1], got {self.tail_prob}")
 
-    def scaled_to(self, max_len: int) -> "LengthDistribution":
+    def scaled_to(self, max_len: int) -> LengthDistribution:
         """The same shape with every length scaled by ``max_len / self.max_len`` (e.g. for tiny CPU models)."""
         f = max_len / self.max_len
         return replace(self, median=self.median * f, tail_scale=self.tail_scale * f, max_len=max_len)

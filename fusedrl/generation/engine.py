@@ -6,20 +6,21 @@ import copy
 import dataclasses
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtune.modules import FeedForward, TransformerDecoder
+from torchtune.modules import FeedForward, MultiHeadAttention, TransformerDecoder, TransformerSelfAttentionLayer
 from tqdm.auto import tqdm
 
 from fusedrl.buckets import doubling, round_up
 from fusedrl.config import GenerationSection
-from fusedrl.generation.request import Request, RequestId, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.state import RequestState
 
@@ -44,7 +45,7 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
     entry = _PACKED.get(key)
     if entry is None or entry[0]() is not weight or entry[1] != weight._version:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
-        _PACKED[key] = (weakref.ref(weight, lambda _, k=key: _PACKED.pop(k, None)), weight._version, packed)
+        _PACKED[key] = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, packed)
         return packed
     return entry[2]
 
@@ -66,7 +67,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _can_prepack(model: nn.Module) -> bool:
+def _can_prepack(model: TransformerDecoder) -> bool:
     """Plain fp32 CPU weights only (not tensor-parallel DTensors, whose linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
     plain = not any(isinstance(p, DTensor) for p in model.parameters())
@@ -101,7 +102,7 @@ class _SlotForward(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k_0.dtype
+        return self.cache(0)[0].dtype
 
     def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s slot cache (k, v), each [slots, max_len, kv_heads, head_dim]."""
@@ -133,13 +134,14 @@ class _SlotForward(nn.Module):
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not (self.prepack and type(mlp) is FeedForward):
             return mlp(x)
+        ff: FeedForward = mlp  # checked above
         # torchtune's FeedForward.forward, with each projection through _linear.
-        h = mlp.activation(self._linear(mlp.w1, x))
-        if mlp.w3 is not None:
-            h = h * self._linear(mlp.w3, x)
-        return self._linear(mlp.w2, h)
+        h = ff.activation(self._linear(ff.w1, x))
+        if ff.w3 is not None:
+            h = h * self._linear(ff.w3, x)
+        return self._linear(ff.w2, h)
 
-    def _qkv(self, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor):
+    def _qkv(self, attn: MultiHeadAttention, x: torch.Tensor, pos: torch.Tensor):
         b, s, _ = x.shape
         q = self._linear(attn.q_proj, x).view(b, s, self.num_heads, self.head_dim)
         k = self._linear(attn.k_proj, x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -151,7 +153,7 @@ class _SlotForward(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
 
-    def _attend(self, attn: nn.Module, q, k, v, *, mask=None, is_causal=False) -> torch.Tensor:
+    def _attend(self, attn: MultiHeadAttention, q, k, v, *, mask=None, is_causal=False) -> torch.Tensor:
         # q [b, s, H, hd], k/v [b, L, KV, hd] -> [b, s, H*hd]; GQA without materialising repeated heads.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2).to(self.dtype),
@@ -165,7 +167,7 @@ class _SlotForward(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim).to(q.dtype)
         return self._linear(attn.output_proj, out)
 
-    def _block(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _block(self, layer: TransformerSelfAttentionLayer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h = h + layer.sa_scale(attn_out)
         return h + layer.mlp_scale(self._mlp(layer.mlp, layer.mlp_norm(h)))
 
@@ -336,6 +338,7 @@ class GenerationEngine:
         self.model = model.eval()
         prepack = self.quantize is None and _can_prepack(self.model)
         self._forward = _SlotForward(self.model, self.max_slots, self.max_len, prepack, self.kv_dtype)
+        self._decode: Callable[..., torch.Tensor]
         self._decode, self._prefill_fn = self._forward, self._forward.prefill
         if self.compile:
             needed = len(self.batch_buckets) * len(self.len_buckets)
@@ -402,7 +405,7 @@ class GenerationEngine:
         error = self._validate(state.request)
         if error is not None:
             raise ValueError(f"cannot import request {state.id!r}: {error}")
-        if state.has_kv:
+        if state.k is not None:
             expected = (len(self.model.layers), state.cache_len, self._forward.num_kv_heads, self._forward.head_dim)
             if tuple(state.k.shape) != expected or state.k.dtype != self._forward.dtype:
                 raise ValueError(
@@ -505,7 +508,8 @@ class GenerationEngine:
             slot = _Slot(state.request, request_seed(seed, state.id), list(state.generated), list(state.logprobs))
             i = len(self._active)
             self._active.append(slot)
-            if state.has_kv:
+            if state.k is not None:
+                assert state.v is not None  # a state's K and V are set together
                 self._forward.write_slot(i, state.k.to(self.device), state.v.to(self.device))
             else:
                 to_prefill.append(slot)
@@ -575,7 +579,7 @@ class GenerationEngine:
             self._ids.discard(slot.request.id)
             self._remove_slot(i)
 
-    def _finish_reason(self, slot: _Slot, token: int) -> str | None:
+    def _finish_reason(self, slot: _Slot, token: int) -> FinishReason | None:
         p: SamplingParams = slot.request.sampling
         n = len(slot.generated)
         if p.target_len is not None:

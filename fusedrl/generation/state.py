@@ -13,6 +13,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -90,8 +91,10 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
     metas = [json.dumps({"id": s.id, "seed": s.request.seed, "sampling": dataclasses.asdict(s.request.sampling),
                          "finish_reason": s.finish_reason}).encode() for s in states]
     with_kv = [s for s in states if s.has_kv]
-    layout = _kv_layout(with_kv)
-    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated), s.k.shape[1] if s.has_kv else 0]
+    keys = cast(list[torch.Tensor], [s.k for s in with_kv])  # has_kv: k is set
+    values = cast(list[torch.Tensor], [s.v for s in with_kv])  # v is set together with k
+    layout = _kv_layout(keys)
+    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated), s.k.shape[1] if s.k is not None else 0]
                           for m, s in zip(metas, states)], dtype=torch.int64)
     for s in states:
         if len(s.logprobs) != len(s.generated):
@@ -102,15 +105,15 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
         torch.tensor([lp for s in states for lp in s.logprobs], dtype=torch.float32),
     ]
     if with_kv:
-        payload += [torch.cat([s.k for s in with_kv], dim=1), torch.cat([s.v for s in with_kv], dim=1)]
+        payload += [torch.cat(keys, dim=1), torch.cat(values, dim=1)]
     header = [len(states), *(p.numel() for p in payload[:3]), int(sizes[:, 3].sum()), *layout]
     return [torch.tensor(header, dtype=torch.int64), sizes, *payload]
 
 
-def _kv_layout(with_kv: list[RequestState]) -> list[int]:
-    if not with_kv:
+def _kv_layout(keys: list[torch.Tensor]) -> list[int]:
+    if not keys:
         return [0, 0, 0, -1]
-    shapes = {(s.k.shape[0], *s.k.shape[2:], s.k.dtype) for s in with_kv}
+    shapes = {(k.shape[0], *k.shape[2:], k.dtype) for k in keys}
     if len(shapes) != 1:
         raise ValueError(f"states of one batch must share the KV layout (layers, kv_heads, head_dim, dtype), got {shapes}")
     layers, kv_heads, head_dim, dtype = shapes.pop()
@@ -121,19 +124,20 @@ def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
     """The states of a batch from the tensors that followed its header (inverse of :func:`pack_states`)."""
     sizes, meta, tokens, logprobs, *kv = tensors
     k, v = kv if kv else (None, None)
-    meta_bytes, tokens, logprobs = bytes(meta.cpu().tolist()), tokens.tolist(), logprobs.tolist()
+    meta_bytes, token_ids, logprob_values = bytes(meta.cpu().tolist()), tokens.tolist(), logprobs.tolist()
     out, pos = [], dict.fromkeys(("meta", "tokens", "logprobs", "kv"), 0)
     for n_meta, n_prompt, n_gen, n_kv in sizes.tolist():
         info = json.loads(meta_bytes[pos["meta"] : pos["meta"] + n_meta])
         sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
-        seq = tokens[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
+        seq = token_ids[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
         state = RequestState(
             Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"]),
             seq[n_prompt:],
-            logprobs[pos["logprobs"] : pos["logprobs"] + n_gen],
+            logprob_values[pos["logprobs"] : pos["logprobs"] + n_gen],
             finish_reason=info["finish_reason"],
         )
         if n_kv:
+            assert k is not None and v is not None  # a batch with KV rows carries K and V
             state.k, state.v = k[:, pos["kv"] : pos["kv"] + n_kv], v[:, pos["kv"] : pos["kv"] + n_kv]
         out.append(state)
         for key, n in (("meta", n_meta), ("tokens", n_prompt + n_gen), ("logprobs", n_gen), ("kv", n_kv)):
@@ -175,7 +179,9 @@ def isend_states(states: Sequence[RequestState], dst: int, *, group: dist.Proces
                  tag: int = 0) -> PendingSend:
     """Non-blocking :func:`send_states` of CPU tensors; ``wait()`` the result before reusing anything."""
     tensors = [t.contiguous() for t in _nonempty(pack_states(states))]
-    return PendingSend([dist.isend(t, _global(dst, group), group=group, tag=tag) for t in tensors], tensors)
+    # isend returns None only on a rank outside ``group``, and the sender is in it
+    works = cast(list[dist.Work], [dist.isend(t, _global(dst, group), group=group, tag=tag) for t in tensors])
+    return PendingSend(works, tensors)
 
 
 def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag: int = 0,

@@ -20,19 +20,19 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fusedrl.models.registry import ROLES, ModelFlavor, build_model
+from fusedrl.config import InputError
+from fusedrl.models.registry import FLAVORS, ROLES, ModelFlavor, Role, build_model
 from fusedrl.models.weights import (
     EMBED_KEY,
     LM_HEAD_KEY,
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Files an existing checkpoint folder may hold; anything else makes save refuse to replace it.
 _TOKENIZER_FILES = {
@@ -71,7 +72,7 @@ _SAFETENSORS_DTYPES = {
 _LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint folder that cannot be loaded; ``problems`` lists every problem found."""
 
     def __init__(self, message: str, problems: Iterable[str] = ()):
@@ -79,15 +80,29 @@ class CheckpointError(ValueError):
         self.problems = list(problems)
 
 
-def hf_config(flavor: str, role: str = "policy", dtype: torch.dtype = torch.float32) -> dict:
-    """HF ``config.json`` fields describing ``flavor`` with the head of ``role``."""
+def hf_config(
+    flavor: str,
+    role: str = "policy",
+    dtype: torch.dtype = torch.float32,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+) -> dict:
+    """HF ``config.json`` fields describing ``flavor`` with the head of ``role``; ``dtype`` is the tensors'.
+
+    The special token ids go into the file as given: ``None`` is written as ``null`` rather than left out,
+    which would make transformers assume its own defaults (Llama: bos 1, eos 2). ``eos_token_id`` may list
+    every id generation stops on.
+    """
     f = _flavor(flavor)
     _check_role(role)
     is_qwen = f.family == "qwen2"
     arch = "Qwen2" if is_qwen else "Llama"
+    dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": [f"{arch}ForCausalLM" if role == "policy" else f"{arch}ForSequenceClassification"],
-        "model_type": "qwen2" if is_qwen else "llama",
+        "model_type": _model_type(f),
         "vocab_size": f.vocab_size,
         "hidden_size": f.embed_dim,
         "intermediate_size": f.intermediate_dim,
@@ -101,21 +116,25 @@ def hf_config(flavor: str, role: str = "policy", dtype: torch.dtype = torch.floa
         "rope_theta": f.rope_base,
         "rope_scaling": None,
         "tie_word_embeddings": f.tie_word_embeddings,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name,  # the key of transformers 4; transformers 5 reads "dtype"
+        "dtype": dtype_name,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": _ids(eos_token_id),
+        "pad_token_id": pad_token_id,
         "fusedrl_flavor": flavor,
         "fusedrl_role": role,
     }
     if f.family == "llama3_1":
-        # torchtune's Llama3ScaledRoPE defaults, written in HF's "llama3" rope_scaling form.
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": float(f.scale_factor), "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-        }
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(f.scale_factor), **_LLAMA3_ROPE}
     if not is_qwen:
         config.update(attention_bias=False, mlp_bias=False)
     if role == "value":
         config["num_labels"] = 1
     return config
+
+
+def _ids(ids: int | Sequence[int] | None) -> int | list[int] | None:
+    return ids if ids is None or isinstance(ids, int) else [int(i) for i in ids]
 
 
 def save_hf_checkpoint(
@@ -124,13 +143,22 @@ def save_hf_checkpoint(
     flavor: str,
     role: str = "policy",
     max_shard_bytes: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
 ) -> Path:
     """Write ``model`` (or its full torchtune-format state dict) as an HF checkpoint folder.
 
     With ``max_shard_bytes`` the tensors are split over shards of at most that size (a single
     larger tensor gets its own shard) and an index is written. The folder is written next to its
     final place and renamed into it; an existing checkpoint folder is replaced (tokenizer files in
-    it are kept).
+    it are kept). The folder and files get the modes a plain ``mkdir`` / ``open`` gives under the
+    process umask (0755 / 0644 under the usual 022), so other users and serving containers can read them.
+
+    The special token ids (of the tokenizer the model was trained with) go into ``config.json`` and,
+    when any is given, into ``generation_config.json``, so that transformers' ``generate()`` stops
+    where fusedrl's generation does (``eos_token_id``: every stop id).
     """
     _flavor(flavor)
     _check_role(role)
@@ -141,9 +169,11 @@ def save_hf_checkpoint(
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
     hf = {name: t.detach().cpu().contiguous() for name, t in tune_to_hf_state(state, flavor, role).items()}
     dtype = next(iter(hf.values())).dtype
+    token_ids = {"bos_token_id": bos_token_id, "eos_token_id": _ids(eos_token_id), "pad_token_id": pad_token_id}
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # not tempfile.mkdtemp, which makes it 0700 whatever the umask
     try:
         shards = _pack_shards(hf, max_shard_bytes)
         if len(shards) == 1:
@@ -156,9 +186,16 @@ def save_hf_checkpoint(
                 weight_map.update(dict.fromkeys(shard, name))
             total = sum(t.numel() * t.element_size() for t in hf.values())
             _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(tmp / CONFIG_FILE, hf_config(flavor, role, dtype))
+        _write_json(tmp / CONFIG_FILE, hf_config(flavor, role, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                                                 pad_token_id=pad_token_id))
+        if any(i is not None for i in token_ids.values()):
+            _write_json(tmp / GENERATION_CONFIG_FILE, token_ids)
+        file_mode = tmp.stat().st_mode & 0o666  # what open() gives under the umask; safetensors writes 0600
+        for path in tmp.iterdir():
+            path.chmod(file_mode)
         for name in keep:
-            shutil.copy2(folder / name, tmp / name)
+            if not (tmp / name).exists():  # a generation config written just now wins over the old one
+                shutil.copy2(folder / name, tmp / name)
         _replace_folder(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -198,7 +235,7 @@ def load_hf_weights(
         raise ValueError("init_value_head_from_lm=True needs role='value'; a policy loads its own LM head")
     folder = Path(folder)
     targets = module_targets(module)
-    full = _full_shapes(flavor, role)
+    full = _full_shapes(flavor, cast(Role, role))  # a valid Role: _check_role passed above
     _check_module(targets, full, flavor, role)
 
     problems: list[str] = []
@@ -245,7 +282,7 @@ def load_hf_weights(
         with ExitStack() as stack:
             fill_slices(targets, _SliceReader(found, f, role, stack).read)
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)])
+        raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)]) from e
     if fresh_head:
         fresh = torch.empty(1, f.embed_dim).normal_(0.0, 1.0 / (f.embed_dim + 1))
         if head is not None:
@@ -264,6 +301,86 @@ def load_hf_checkpoint(
 ) -> None:
     """Load an HF checkpoint folder into a full ``model``; the same as :func:`load_hf_weights`."""
     load_hf_weights(model, folder, flavor, role, init_value_head_from_lm=init_value_head_from_lm)
+
+
+class PretrainedModel(NamedTuple):
+    """What :func:`from_pretrained` returns: the loaded model and the flavor that builds it."""
+
+    model: nn.Module
+    flavor: str
+
+
+def from_pretrained(
+    folder: str | os.PathLike,
+    role: str = "policy",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    init_value_head_from_lm: bool = False,
+) -> PretrainedModel:
+    """Build and load an HF Llama / Qwen2 checkpoint folder, its flavor inferred from ``config.json``.
+
+    The folder needs no ``fusedrl_flavor`` key (see :func:`infer_flavor`). The model is built on the meta
+    device in ``dtype``, materialised on ``device`` and filled by :func:`load_hf_weights` (same checks,
+    same ``init_value_head_from_lm``). ``model, flavor = from_pretrained(folder)``.
+    """
+    _check_role(role)
+    flavor = infer_flavor(folder)
+    model = build_model(flavor, cast(Role, role), device="meta").to(dtype)  # a valid Role: _check_role passed above
+    model.to_empty(device=device)
+    load_hf_weights(model, folder, flavor, role, init_value_head_from_lm=init_value_head_from_lm)
+    return PretrainedModel(model, flavor)
+
+
+def infer_flavor(folder: str | os.PathLike) -> str:
+    """The flavor of :data:`FLAVORS` whose math equals the HF checkpoint ``folder``'s ``config.json``.
+
+    Every field that changes the math (model type, sizes, ``head_dim``, ``hidden_act``, ``rms_norm_eps``,
+    RoPE ``rope_theta`` / ``rope_scaling``, ``tie_word_embeddings``, biases, sliding window, dropout) must
+    match; fields absent from the file take transformers' defaults. ``max_position_embeddings`` is not
+    compared (it bounds the length, it does not change the math). When several flavors fit, the file's
+    ``fusedrl_flavor`` picks one. Raises :class:`CheckpointError` listing the nearest flavors and the fields
+    in which they differ when none fits.
+    """
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    fix = f"point to an HF checkpoint folder with its {CONFIG_FILE}, or name the flavor and use load_hf_weights"
+    if not path.is_file():
+        raise CheckpointError(f"cannot infer the flavor of {folder}: it has no {CONFIG_FILE}. Fix: {fix}.",
+                              [f"no {CONFIG_FILE}"])
+    try:
+        config = _read_config(path)
+    except ValueError as e:
+        raise CheckpointError(f"cannot infer the flavor of {folder}: {e}. Fix: repair {path}.", [str(e)]) from e
+    model_type = config.get("model_type")
+    if model_type not in _HF_DEFAULTS:
+        families = " and ".join(map(repr, _HF_DEFAULTS))
+        problem = f"{CONFIG_FILE} has model_type={model_type!r}; fusedrl builds {families} models"
+        raise CheckpointError(f"cannot infer the flavor of {folder}: {problem}. Fix: {fix}.", [problem])
+    differences = {name: _config_differences(config, f) for name, f in FLAVORS.items()}
+    fits = [name for name, diff in differences.items() if not diff]
+    if config.get("fusedrl_flavor") in fits:
+        return config["fusedrl_flavor"]
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        problem = f"{CONFIG_FILE} fits flavors {', '.join(map(repr, fits))} equally"
+        raise CheckpointError(
+            f"cannot infer the flavor of {folder}: {problem}. Fix: add \"fusedrl_flavor\": \"<one of them>\" to {path}.",
+            [problem],
+        )
+    nearest = sorted(differences, key=lambda name: len(differences[name]))[:3]
+    problems = [
+        f"flavor {name!r} differs in "
+        + ", ".join(f"{m.field} ({CONFIG_FILE}: {m.in_file()}; flavor: {m.want!r})" for m in differences[name])
+        for name in nearest
+    ]
+    raise CheckpointError(
+        f"cannot infer the flavor of {folder}: its {CONFIG_FILE} matches no flavor of fusedrl.models.FLAVORS; nearest: "
+        + "; ".join(problems) + f". Fix: register a ModelFlavor with the checkpoint's values (docs/models.md, "
+        f"\"How to add a model flavor\") or correct {path}.",
+        problems,
+    )
 
 
 class _SliceReader:
@@ -291,7 +408,7 @@ class _SliceReader:
         return hf_to_tune_rows(block, head_dim)[rows.start - first : rows.stop - first]
 
 
-def _full_shapes(flavor: str, role: str) -> dict[str, tuple[int, ...]]:
+def _full_shapes(flavor: str, role: Role) -> dict[str, tuple[int, ...]]:
     """torchtune name -> global shape of every tensor of the full model (a tied policy's head included)."""
     state = build_model(flavor, role, device="meta").state_dict()
     shapes = {name: tuple(t.shape) for name, t in state.items()}
@@ -370,26 +487,135 @@ def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str]
         log.debug("checkpoint %s has no %s; only tensor names and shapes are checked", folder, CONFIG_FILE)
         return
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
+        config = _read_config(path)
+    except ValueError as e:
+        problems.append(str(e))
         fixes.append(f"repair or delete {path}")
         return
-    model_type = "qwen2" if f.family == "qwen2" else "llama"
-    if config.get("model_type") not in (None, model_type):
-        problems.append(f"{CONFIG_FILE} has model_type={config['model_type']!r} but flavor {flavor!r} is a {model_type!r} model")
-        fixes.append(f"use a flavor of the checkpoint's model family (model_type {config['model_type']!r})")
-    fields = {
-        "vocab_size": f.vocab_size, "hidden_size": f.embed_dim, "intermediate_size": f.intermediate_dim,
-        "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_heads,
-        "num_key_value_heads": f.num_kv_heads,
+    for m in _config_differences(config, f):
+        if m.field == "model_type":
+            problems.append(f"{CONFIG_FILE} has model_type={m.got!r} but flavor {flavor!r} is a {m.want!r} model")
+            fixes.append(f"use a flavor of the checkpoint's model family (model_type {m.got!r})")
+            continue
+        kind = "vocab mismatch: " if m.field == "vocab_size" else ""
+        has = f"does not set {m.field} (transformers' default {m.got!r})" if m.absent else f"has {m.field}={m.got!r}"
+        problems.append(f"{kind}{CONFIG_FILE} {has} but flavor {flavor!r} has {m.want!r}")
+        fixes.append(f"use the flavor that matches {CONFIG_FILE} (fusedrl.models.infer_flavor(folder) names it) "
+                     f"or correct {CONFIG_FILE}")
+
+
+# ---------------------------------------------------------------------------- config.json math
+
+# transformers' defaults (LlamaConfig / Qwen2Config, as documented) for the fields below when config.json leaves them
+# out or sets them to null; transformers builds the model from these, so fusedrl compares them too. Absent
+# num_key_value_heads (llama) is num_attention_heads, absent head_dim is hidden_size // num_attention_heads.
+# max_position_embeddings is not compared (it bounds lengths); it is the default of llama3 RoPE's original length.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
+        "attention_dropout": 0.0, "attention_bias": False, "mlp_bias": False,
+    },
+    "qwen2": {
+        "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 32_768,
+        "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
+        "attention_dropout": 0.0, "use_sliding_window": False,
+    },
+}
+# torchtune's Llama3ScaledRoPE constants (its llama3_1 / llama3_2 builders pass only the scale factor).
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_ROPE_SCALING_KEYS = ("factor", *_LLAMA3_ROPE)
+
+
+class _Mismatch(NamedTuple):
+    field: str  # as named in config.json
+    got: Any
+    want: Any
+    absent: bool  # config.json leaves the field out: ``got`` is transformers' default
+
+    def in_file(self) -> str:
+        return f"not set, transformers' default {self.got!r}" if self.absent else repr(self.got)
+
+
+def _model_type(f: ModelFlavor) -> str:
+    return "qwen2" if f.family == "qwen2" else "llama"
+
+
+def _flavor_math(f: ModelFlavor) -> dict[str, Any]:
+    """Every config.json field that changes the math, with flavor ``f``'s value (what torchtune's builders compute)."""
+    math = {
+        "model_type": _model_type(f), "vocab_size": f.vocab_size, "hidden_size": f.embed_dim,
+        "intermediate_size": f.intermediate_dim, "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_heads,
+        "num_key_value_heads": f.num_kv_heads, "head_dim": f.embed_dim // f.num_heads, "hidden_act": "silu",
+        "rms_norm_eps": f.norm_eps, "rope_theta": f.rope_base, "partial_rotary_factor": 1.0, "rope_type": "default",
+        "tie_word_embeddings": f.tie_word_embeddings, "attention_dropout": 0.0,
     }
-    for key, want in fields.items():
-        got = config.get(key)
-        if got is not None and got != want:
-            kind = "vocab mismatch: " if key == "vocab_size" else ""
-            problems.append(f"{kind}{CONFIG_FILE} has {key}={got} but flavor {flavor!r} has {want}")
-            fixes.append(f"use the flavor whose sizes match {CONFIG_FILE}")
+    if f.family == "llama3_1":
+        math.update(rope_type="llama3", factor=float(f.scale_factor), **_LLAMA3_ROPE)
+    if f.family == "qwen2":  # q/k/v biases are fixed in both torchtune's and HF's Qwen2 (no config field)
+        math["use_sliding_window"] = False  # torchtune's qwen2 attends to the whole sequence in every layer
+    else:
+        math.update(attention_bias=False, mlp_bias=False)
+    return math
+
+
+def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[Any, str, bool]]:
+    """The fields of :func:`_flavor_math` read from a config.json as transformers reads them: field -> (value, name
+    in the file, whether it was absent and took transformers' default)."""
+    given = {k: v for k, v in config.items() if v is not None}
+    out = {k: (given.get(k, default), k, k not in given) for k, default in _HF_DEFAULTS[model_type].items()}
+    out["model_type"] = (model_type, "model_type", False)
+    hidden, heads = out["hidden_size"][0], out["num_attention_heads"][0]
+    head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+    for key, default in (("num_key_value_heads", heads), ("head_dim", head_dim)):
+        out.setdefault(key, (given.get(key, default), key, key not in given))
+    if out["hidden_act"][0] == "swish":  # transformers' ACT2FN maps "swish" to SiLU as well
+        out["hidden_act"] = ("silu", "hidden_act", False)
+    # RoPE: transformers 5 reads rope_scaling, else rope_parameters; their rope_theta / partial_rotary_factor win
+    # over the top-level fields, and a llama3 rope without original_max_position_embeddings uses max_position_embeddings.
+    where = "rope_parameters" if "rope_parameters" in given and not given.get("rope_scaling") else "rope_scaling"
+    rope = given.get(where) or {}
+    rope = rope if isinstance(rope, dict) else {"rope_type": rope}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            out[key] = (rope[key], f"{where}.{key}", False)
+    out["rope_type"] = (rope.get("rope_type", rope.get("type", "default")), f"{where}.rope_type", not rope)
+    for key in _ROPE_SCALING_KEYS:
+        out[key] = (rope.get(key), f"{where}.{key}", key not in rope)
+    if "original_max_position_embeddings" not in rope:
+        name = out["original_max_position_embeddings"][1]
+        out["original_max_position_embeddings"] = (out["max_position_embeddings"][0], name, True)
+    return out
+
+
+def _config_differences(config: Mapping[str, Any], f: ModelFlavor) -> list[_Mismatch]:
+    """The math fields in which ``config`` (a config.json) differs from flavor ``f``, one entry per field."""
+    want = _flavor_math(f)
+    model_type = config.get("model_type") or want["model_type"]
+    if model_type not in _HF_DEFAULTS:
+        return [_Mismatch("model_type", model_type, want["model_type"], False)]
+    got = _config_math(config, model_type)
+    out = []
+    for key, value in want.items():
+        if key not in got or (key in _ROPE_SCALING_KEYS and got["rope_type"][0] != want["rope_type"]):
+            continue  # a field of the other model family; scaling parameters of another RoPE type
+        found, name, absent = got[key]
+        if found != value:
+            out.append(_Mismatch(name, found, value, absent))
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """``path`` (a config.json) as a dict; ValueError saying what is wrong with it."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{CONFIG_FILE} is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG_FILE} is not a JSON object")
+    return config
 
 
 def _checkpoint_files(folder: Path, problems: list[str], fixes: list[str]) -> dict[Path, list[str] | None]:

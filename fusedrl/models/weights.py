@@ -230,11 +230,12 @@ def init_rope_buffers(module: nn.Module) -> None:
     if device is None:
         return
     for m in module.modules():
-        if not callable(getattr(m, "rope_init", None)):
+        rope_init = getattr(m, "rope_init", None)
+        if not callable(rope_init):
             continue
         old = {n: b.dtype for n, b in m.named_buffers(recurse=False)}
         with torch.device("cpu"):
-            m.rope_init()
+            rope_init()
         for n, b in list(m.named_buffers(recurse=False)):
             setattr(m, n, b.to(device=device, dtype=old.get(n, b.dtype)))
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ from fusedrl.pipelining.lowering import (
 )
 from fusedrl.pipelining.timeline import TimedAction, Timeline
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
 
 
@@ -180,7 +180,7 @@ class FusedPipelineSchedule:
         for st in stages.values():
             st.clear_runtime_states()
         losses: dict[str, list[torch.Tensor]] = {m: [] for m in MODELS}
-        stats: dict[str, list[dict]] = {m: [] for m in MODELS}
+        stats: dict[str, list[Mapping[str, torch.Tensor | float]]] = {m: [] for m in MODELS}
         pending_loss: dict[tuple[str, int], torch.Tensor] = {}
         backwards = {m: 0 for m in MODELS}
 
@@ -254,7 +254,8 @@ class LocalSchedule:
             if inputs.shape[0] % n_mb:
                 raise ValueError(f"{m} batch {inputs.shape[0]} is not divisible by its {n_mb} micro-batches")
             size = inputs.shape[0] // n_mb
-            losses, stats = [], []
+            losses: list[torch.Tensor] = []
+            stats: list[Mapping[str, torch.Tensor | float]] = []
             for i in range(n_mb):
                 sync = getattr(spec.module, "set_requires_gradient_sync", None)
                 if sync is not None:  # FSDP2 reduce-scatters after the last micro-batch only
@@ -287,7 +288,7 @@ def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None
                          "broadcast it, or make the planner deterministic")
 
 
-def _summarize(losses: list[torch.Tensor], stats: list[dict]) -> ModelStepResult:
+def _summarize(losses: list[torch.Tensor], stats: list[Mapping[str, torch.Tensor | float]]) -> ModelStepResult:
     if not losses:
         return ModelStepResult()
     device = losses[0].device
@@ -386,6 +387,7 @@ class _ActionClock:
             self.reference.record()
 
     def start(self) -> None:
+        self._begin: torch.cuda.Event | float
         if self.cuda:
             self._begin = torch.cuda.Event(enable_timing=True)
             self._begin.record()
@@ -393,6 +395,7 @@ class _ActionClock:
             self._begin = time.perf_counter()
 
     def stop(self, action: Action) -> None:
+        end: torch.cuda.Event | float
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -427,11 +430,14 @@ def run_emulated(
 
     def comm_ops(a: Action) -> list[dist.P2POp]:
         msg = message_of(a)
+        op: Callable[..., dist.Work | None]
         if a.kind in (SEND_F, SEND_B):
             op, buf = dist.isend, torch.zeros(message_numel, device=device)
         else:
             op, buf = dist.irecv, buffers.setdefault(msg, torch.empty(message_numel, device=device))
         return [dist.P2POp(op, buf, group=group, group_peer=peer_of(a, program.placement))]
 
-    return run_rank_program(compile_rank_program(program, rank), rank, lambda a: time.sleep(compute_seconds(a)), comm_ops,
-                            group=group, record=True)
+    timeline = run_rank_program(compile_rank_program(program, rank), rank, lambda a: time.sleep(compute_seconds(a)),
+                                comm_ops, group=group, record=True)
+    assert timeline is not None  # record=True always returns one
+    return timeline

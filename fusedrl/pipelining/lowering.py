@@ -24,7 +24,7 @@ every program before it runs:
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fusedrl.pipelining.ir import COMPUTE_KINDS, CRITIC, MODELS, Action, Placement, Schedule
 
@@ -120,11 +120,10 @@ def needed_message(action: Action, placement: Placement) -> Message | None:
 
 def _local_deps(action: Action) -> list[Action]:
     """Compute actions of the same stage and micro-batch that must run first on this rank."""
-    same = dict(model=action.model, stage=action.stage, microbatch=action.microbatch, replica=action.replica)
     if action.kind in ("B", "I"):
-        return [Action(kind="F", **same)]
+        return [replace(action, kind="F")]
     if action.kind == "W":
-        return [Action(kind="I", **same)]
+        return [replace(action, kind="I")]
     return []
 
 
@@ -252,8 +251,7 @@ def _check_actions(programs: Program, placement: Placement, microbatches: dict[s
     for act in sorted(expected):
         if act not in seen:
             raise ProgramError(f"program never runs {act}")
-        sibling = dict(model=act.model, stage=act.stage, microbatch=act.microbatch, replica=act.replica)
-        if Action(kind="B", **sibling) not in seen and Action(kind="W", **sibling) not in seen:
+        if replace(act, kind="B") not in seen and replace(act, kind="W") not in seen:
             raise ProgramError(f"program never runs the backward of {act}")
     for act in seen:
         if act.kind in COMPUTE_KINDS and Action(act.model, act.stage, act.microbatch, "F", act.replica) not in expected:

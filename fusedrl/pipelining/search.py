@@ -217,8 +217,7 @@ def greedy_order(
         # Above memory_pressure x limit, backwards (which free memory) go before forwards.
         pressed = mem_cur[r] > memory_pressure * memory_limit
         est, a = max(conflict, key=lambda c: (pressed and problem.actions[c[1]].kind == "B", key[c[1]], -c[1]))
-        finish[a] = est + dur[a]
-        free[r] = finish[a]
+        finish[a] = free[r] = est + dur[a]
         order[r].append(a)
         action = problem.actions[a]
         for k, (fw, bw) in enumerate(streams[r]):

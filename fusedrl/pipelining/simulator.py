@@ -89,7 +89,7 @@ class Problem:
             c = self.costs.of(model)
             n, m_count = len(c.f), self.microbatches(model)
             idx = self.index
-            act = lambda s, m, kind: idx[Action(model, s, m, kind, replica)]  # noqa: E731
+            act = lambda s, m, kind: idx[Action(model, s, m, kind, replica)]  # noqa: E731, B023 (used in this iteration only)
             ef = [[0.0] * m_count for _ in range(n)]  # completion of the k-th F on stage s
             eb = [[0.0] * m_count for _ in range(n)]
             for s in range(n):
@@ -181,7 +181,7 @@ class Problem:
         order: list[list[int]] = []
         seen: dict[int, int] = {}
         for r in range(self.pp):
-            lst = []
+            lst: list[int] = []
             for action in schedule.get(r, []):
                 if action.kind not in ("F", "B"):
                     raise ScheduleError(f"{action}: kind {action.kind!r} is not supported by the planner; use F and B")

@@ -69,7 +69,7 @@ class Timeline:
 
     def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
         """All ranks of ``group`` get the union of their timelines (a collective: call it on every rank)."""
-        parts: list[list[TimedAction] | None] = [None] * dist.get_world_size(group)
+        parts: list[list[TimedAction]] = [[] for _ in range(dist.get_world_size(group))]  # every slot is overwritten
         dist.all_gather_object(parts, self.events, group=group)
         return Timeline(sorted((e for p in parts for e in p), key=lambda e: (e.rank, e.start)))
 

@@ -45,8 +45,8 @@ def save_gantt_png(result: SimResult, path: str | Path, title: str = "") -> None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
-    except ImportError as e:
-        raise ImportError("--png needs matplotlib: pip install 'fusedrl[viz]'") from e
+    except ImportError as err:
+        raise ImportError("--png needs matplotlib: pip install 'fusedrl[viz]'") from err
     pp = len(result.busy)
     fig, ax = plt.subplots(figsize=(14, 0.45 * pp + 1.5))
     for e in result.timeline:

@@ -1,8 +1,8 @@
-"""PPO pieces: the experience batch, KL-shaped rewards, GAE, whitening and PPO losses."""
+"""PPO pieces: the experience batch, scoring (neural and rule-based rewards), KL-shaped rewards, GAE, whitening and
+PPO losses."""
 
 from fusedrl.rlhf.advantages import gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
 from fusedrl.rlhf.losses import (
     DEFAULT_LOGITS_BUDGET_BYTES,
     PolicyLoss,
@@ -19,9 +19,14 @@ from fusedrl.rlhf.losses import (
     token_logprobs,
     value_loss,
 )
+from fusedrl.rlhf.reward_fn import RewardFn, RewardFunctionError, RuleReward, load_reward_fn, reward_fn_metrics
+from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
 
 __all__ = [
     "DEFAULT_LOGITS_BUDGET_BYTES",
+    "RewardFn",
+    "RewardFunctionError",
+    "RuleReward",
     "Scorer",
     "ScoringModels",
     "chunked_policy_loss",
@@ -38,8 +43,10 @@ __all__ = [
     "gae",
     "kl_estimate",
     "kl_shaped_rewards",
+    "load_reward_fn",
     "masked_mean_var",
     "policy_loss",
+    "reward_fn_metrics",
     "shift_to_tokens",
     "token_entropy",
     "token_logprobs",

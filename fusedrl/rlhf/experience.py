@@ -5,19 +5,21 @@ Layout convention (used by :mod:`fusedrl.rlhf.advantages` and :mod:`fusedrl.rlhf
 per-token tensor is ``[B, S]`` and aligned with ``tokens``: entry ``t`` belongs to token ``t``
 (e.g. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, computed from the model output at
 position ``t - 1``). ``response_mask`` is 1 on response tokens and 0 on prompt and padding, so
-column 0 is never a response token. Per-sample tensors (``scores``, ``sample_ids``) are ``[B]``.
+column 0 is never a response token. Per-sample tensors (``scores``, ``sample_ids``, ``reward_fn_scores``) are ``[B]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 PER_TOKEN_FIELDS = ("response_mask", "logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns")
-PER_SAMPLE_FIELDS = ("scores", "sample_ids")
+PER_SAMPLE_FIELDS = ("scores", "sample_ids", "reward_fn_scores")
 
 
 @dataclass
@@ -29,11 +31,12 @@ class Experience:
     logprobs: torch.Tensor | None = None  # [B, S] old Actor log-probs
     ref_logprobs: torch.Tensor | None = None  # [B, S] Reference log-probs
     values: torch.Tensor | None = None  # [B, S] old Critic values
-    scores: torch.Tensor | None = None  # [B] Reward model score per sample
+    scores: torch.Tensor | None = None  # [B] score per sample: Reward model + weighted reward function
     token_rewards: torch.Tensor | None = None  # [B, S] KL-shaped per-token rewards
     advantages: torch.Tensor | None = None  # [B, S]
     returns: torch.Tensor | None = None  # [B, S]
     sample_ids: torch.Tensor | None = None  # [B] long, global sample ids
+    reward_fn_scores: torch.Tensor | None = None  # [B] the reward function's own values; NaN where it failed (skipped)
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -56,8 +59,10 @@ class Experience:
     def seq_len(self) -> int:
         return self.tokens.shape[1]
 
-    def _map(self, fn) -> Experience:
-        return Experience(**{f.name: (None if (t := getattr(self, f.name)) is None else fn(t)) for f in dataclasses.fields(self)})
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
+        # Any: each value is Tensor | None by field name; mypy cannot match ** keys to the required fields
+        fields: dict[str, Any] = {f.name: (None if (t := getattr(self, f.name)) is None else fn(t)) for f in dataclasses.fields(self)}
+        return Experience(**fields)
 
     def to(self, device: torch.device | str) -> Experience:
         return self._map(lambda t: t.to(device))
@@ -96,7 +101,7 @@ class Experience:
             raise ValueError(f"cannot pad a batch of sequence length {self.seq_len} down to {seq_len}")
         if extra == 0:
             return self
-        out = {}
+        out: dict[str, Any] = {}  # field name -> Tensor | None, passed to Experience(**out) (see _map)
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
             if t is not None and f.name not in PER_SAMPLE_FIELDS:
@@ -111,7 +116,7 @@ class Experience:
             raise ValueError("Experience.concat needs at least one batch")
         seq = max(b.seq_len for b in batches)
         batches = [b.pad_to(seq, pad_token_id) for b in batches]
-        out = {}
+        out: dict[str, Any] = {}  # field name -> Tensor | None, passed to Experience(**out) (see _map)
         for f in dataclasses.fields(Experience):
             parts = [getattr(b, f.name) for b in batches]
             present = [p is not None for p in parts]

@@ -23,7 +23,7 @@ equal the unchunked functions on ``model(tokens)`` up to float32 rounding.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -9,12 +9,16 @@ body (:func:`decoder_hidden_states`); the Reference's LM head is applied a chunk
 time (:func:`~fusedrl.rlhf.losses.chunked_token_logprobs`), so full-vocabulary logits of a whole
 micro-batch never exist; the Reward's and Critic's scalar heads are applied directly. Output follows
 the :class:`~fusedrl.rlhf.Experience` layout (per-token tensors aligned with ``tokens``).
+
+A rule-based reward (:class:`~fusedrl.rlhf.RuleReward`) adds ``weight * value`` to each sample's score, or
+scores alone when there is no Reward model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,6 +27,7 @@ from fusedrl.generation import RequestResult
 from fusedrl.rlhf.advantages import last_token_index
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, chunked_token_logprobs, shift_to_tokens
+from fusedrl.rlhf.reward_fn import RuleReward
 
 
 def decoder_hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -42,11 +47,17 @@ def decoder_hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tenso
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and tokens.shape[1] > max_len:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {max_len}")
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    h = model.tok_embeddings(tokens)
+    # casts: nn.Module.__getattr__ is typed Tensor | Module; these attributes are the decoder's submodules
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else cast(Iterable[nn.Module], model.layers)
+    h = cast(nn.Module, model.tok_embeddings)(tokens)
     for layer in layers:
         h = layer(h)
-    return model.norm(h)
+    return cast(nn.Module, model.norm)(h)
+
+
+def _head(model: nn.Module) -> nn.Module:
+    """``model.output``, the head; cast as nn.Module.__getattr__ is typed Tensor | Module."""
+    return cast(nn.Module, model.output)
 
 
 def scoring_micro_batches(lengths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -79,10 +90,11 @@ def scoring_micro_batches(lengths: Sequence[int], max_rows: int, max_tokens: int
 
 @dataclass
 class ScoringModels:
-    """``reference``: policy role (LM head); ``reward`` and ``critic``: value role (scalar head)."""
+    """``reference``: policy role (LM head); ``reward`` and ``critic``: value role (scalar head). ``reward`` is
+    None when a rule-based reward scores alone."""
 
     reference: nn.Module
-    reward: nn.Module
+    reward: nn.Module | None
     critic: nn.Module
 
 
@@ -96,6 +108,11 @@ class Scorer:
     were taken at; the generation engine reports them at 1.0). ``logits_budget_bytes`` bounds one float32
     chunk of Reference logits (positions x rows x vocab x 4 bytes; see
     :func:`~fusedrl.rlhf.losses.chunked_token_logprobs`). Micro-batching changes no result.
+
+    ``reward_fn``: a rule-based reward, called once per :meth:`score` call on its samples; a sample's score is
+    the Reward model's plus ``reward_fn.weight`` times the function's value (the value alone, weighted, without
+    a Reward model). A sample the function failed on (NaN value, ``on_failure="skip"``) keeps the Reward
+    model's score (0 without one).
     """
 
     models: ScoringModels
@@ -104,8 +121,11 @@ class Scorer:
     temperature: float = 1.0
     max_tokens: int | None = None
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES
+    reward_fn: RuleReward | None = None
 
     def __post_init__(self) -> None:
+        if self.models.reward is None and self.reward_fn is None:
+            raise ValueError("Scorer needs a Reward model (models.reward) or a rule-based reward (reward_fn)")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -118,7 +138,8 @@ class Scorer:
     @torch.no_grad()
     def score(self, samples: Sequence[RequestResult]) -> Experience:
         """An :class:`Experience` with ``tokens``, ``response_mask``, ``logprobs`` (the samples' own),
-        ``ref_logprobs``, ``values``, ``scores`` and ``sample_ids``, rows in the order of ``samples``."""
+        ``ref_logprobs``, ``values``, ``scores`` and ``sample_ids`` (and ``reward_fn_scores`` with a reward
+        function), rows in the order of ``samples``."""
         if not samples:
             raise ValueError("Scorer.score got no samples; skip the call for an empty set")
         for s in samples:
@@ -132,7 +153,13 @@ class Scorer:
         merged = Experience.concat(parts, pad_token_id=self.pad_id)
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        return merged.select(inverse)
+        exp = merged.select(inverse)
+        if self.reward_fn is not None:
+            values = self.reward_fn(samples)
+            exp.reward_fn_scores = values
+            assert exp.scores is not None  # _score_micro_batch sets scores on every part
+            exp.scores = exp.scores + self.reward_fn.weight * values.nan_to_num(nan=0.0)
+        return exp
 
     def _score_micro_batch(self, samples: list[RequestResult]) -> Experience:
         device = next(self.models.reference.parameters()).device
@@ -149,12 +176,15 @@ class Scorer:
         dev_tokens, dev_mask = tokens.to(device), mask.to(device)
         ref_model, critic, reward_model = self.models.reference, self.models.critic, self.models.reward
         ref = chunked_token_logprobs(
-            decoder_hidden_states(ref_model, dev_tokens), ref_model.output, dev_tokens, self.temperature,
+            decoder_hidden_states(ref_model, dev_tokens), _head(ref_model), dev_tokens, self.temperature,
             budget_bytes=self.logits_budget_bytes,
         ) * dev_mask
-        values = shift_to_tokens(critic.output(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float()) * dev_mask
-        reward = reward_model.output(decoder_hidden_states(reward_model, dev_tokens)).squeeze(-1).float()
-        scores = reward.gather(1, last_token_index(dev_mask)[:, None]).squeeze(1)
+        values = shift_to_tokens(_head(critic)(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float()) * dev_mask
+        if reward_model is None:
+            scores = torch.zeros(len(samples))
+        else:
+            reward = _head(reward_model)(decoder_hidden_states(reward_model, dev_tokens)).squeeze(-1).float()
+            scores = reward.gather(1, last_token_index(dev_mask)[:, None]).squeeze(1)
         exp = Experience(
             tokens=tokens,
             response_mask=mask,

@@ -5,7 +5,8 @@ capped Pareto law, so the ideal response length (in byte tokens, EOS included) h
 99.9th percentile 81 (> 10x the median), the long-tail shape inter-stage fusion targets.
 
 :func:`true_score` is the rule-based score in [-1, 1] (1 only for the exact answer) that the trainer
-logs next to the neural reward. ``python -m fusedrl.tasks.debug build --out assets/debug``
+logs next to the neural reward; :func:`reward_fn` offers it as a rule-based reward to train on
+(``--model.reward_fn=fusedrl.tasks.debug:reward_fn``). ``python -m fusedrl.tasks.debug build --out assets/debug``
 trains, on CPU in a few minutes:
 
 - an SFT Actor (``debug`` flavor, policy) on *noisy* demonstrations (a fraction has a wrong length
@@ -87,6 +88,14 @@ def true_score(prompt: str, response: str, finished: bool = True) -> float:
     return correct / len(target) - length_error
 
 
+def reward_fn(prompts: list[str], responses: list[str], *, prompt_ids: list[list[int]], response_ids: list[list[int]],
+              finished: list[bool]) -> list[float]:
+    """:func:`true_score` as the trainer's rule-based reward (``--model.reward_fn=fusedrl.tasks.debug:reward_fn``):
+    the example of the reward-function signature (docs/ppo.md, "Reward functions"). Token ids are not needed;
+    a prompt that is not a debug-task prompt raises ValueError (``training.nan_policy`` handles it)."""
+    return [true_score(p, r, f) for p, r, f in zip(prompts, responses, finished, strict=True)]
+
+
 # ---------------------------------------------------------------------------- training data
 
 
@@ -146,8 +155,7 @@ def _bucketed(make, steps: int, batch: int, rng: random.Random, key=lambda e: le
         pool = sorted((make() for _ in range(batch * pool_batches)), key=key)
         batches = [pool[i : i + batch] for i in range(0, len(pool), batch)]
         rng.shuffle(batches)
-        for b in batches[: steps - done]:
-            yield b
+        yield from batches[: steps - done]
         done += min(pool_batches, steps - done)
 
 

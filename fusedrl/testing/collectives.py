@@ -21,7 +21,7 @@ from fusedrl.distributed import group_devices
 
 # name -> position(s) of its tensor arguments. isend / irecv are checked as the ops of batch_isend_irecv (wrapping
 # them would break torch's P2POp, which accepts only the original functions).
-_CALLS = {
+_CALLS: dict[str, int | tuple[int, ...]] = {
     "all_reduce": 0, "broadcast": 0, "send": 0, "recv": 0, "reduce": 0,
     "all_gather": (0, 1), "all_gather_into_tensor": (0, 1), "reduce_scatter_tensor": (0, 1), "all_to_all_single": (0, 1),
 }
@@ -67,10 +67,10 @@ def checked_collectives() -> Iterator[None]:
     originals: dict[str, Callable] = {name: getattr(dist, name) for name in _CALLS}
     batch = dist.batch_isend_irecv
 
-    def checked_batch(ops: list[dist.P2POp]) -> Any:
-        for op in ops:
+    def checked_batch(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
+        for op in p2p_op_list:
             _check("batch_isend_irecv", [op.tensor], op.group)
-        return batch(ops)
+        return batch(p2p_op_list)
 
     try:
         for name, where in _CALLS.items():

@@ -84,10 +84,14 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
 
     def audited_rollout(requests, gather: bool = False):
         result = run_rollout(requests, gather=gather)
-        asked: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        asked: list[list[int]] = [[] for _ in range(dist.get_world_size())]  # every slot is overwritten
         dist.all_gather_object(asked, [int(r.id) for r in requests])
+        scored_ids: list[int] = []
+        for e in result.scored:
+            assert e.sample_ids is not None  # scoring sets sample_ids on every batch it returns
+            scored_ids += e.sample_ids.tolist()
         m = result.migration
-        ledger.append({"requested": sorted(i for ids in asked for i in ids), "scored": [i for e in result.scored for i in e.sample_ids.tolist()],
+        ledger.append({"requested": sorted(i for ids in asked for i in ids), "scored": scored_ids,
                        "moved": m.moved if m else 0, "kept": len(m.kept) if m else 0})
         return result
 
