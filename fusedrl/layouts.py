@@ -132,8 +132,18 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     actor = stage(cfg.model.actor, "policy", pp_rank)
     critic = stage(cfg.model.critic, "value", dims.pp - 1 - pp_rank)
     tied = TiedEmbeddings(mesh, actor, FLAVORS[cfg.model.actor].tie_word_embeddings)
-    return TrainingLayout(mesh, mesh.get_group("pp"), pp_rank, mesh["dp_shard"].get_local_rank(), dims.pp,
-                          dims.dp_shard, dims.tp, actor, critic, tied)
+    return TrainingLayout(
+        mesh,
+        mesh.get_group("pp"),
+        pp_rank,
+        mesh["dp_shard"].get_local_rank(),
+        dims.pp,
+        dims.dp_shard,
+        dims.tp,
+        actor,
+        critic,
+        tied,
+    )
 
 
 def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> RolloutLayout:
@@ -158,11 +168,17 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     control = group if gloo else _gloo_copy(mesh, "gen_dp")
     instance = None if dims.gen_tp == 1 else (mesh["gen_tp"].get_group() if gloo else _gloo_copy(mesh, "gen_tp"))
     return RolloutLayout(
-        mesh, mesh["gen_dp"].get_local_rank(), dims.num_gen_instances, dims.gen_tp,
-        actor=model(m.actor, "policy", t.rollout_dtype), critic=model(m.critic, "value", t.rollout_dtype),
+        mesh,
+        mesh["gen_dp"].get_local_rank(),
+        dims.num_gen_instances,
+        dims.gen_tp,
+        actor=model(m.actor, "policy", t.rollout_dtype),
+        critic=model(m.critic, "value", t.rollout_dtype),
         reference=model(m.actor, "policy", t.frozen_dtype),
         reward=model(m.reward, "value", t.frozen_dtype) if m.uses_reward_model else None,
-        group=group, control_group=control, instance_group=instance,
+        group=group,
+        control_group=control,
+        instance_group=instance,
     )
 
 
@@ -197,6 +213,7 @@ def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: Roll
 def _source(cfg: JobConfig, flavor: str, role: Role, path: str | None, offset: int) -> Callable[[nn.Module], None]:
     """A function filling a module of (flavor, role) from ``path`` or from the seeded random initialisation."""
     if path:
+
         def from_checkpoint(module: nn.Module) -> None:
             if role == "policy":
                 load_hf_weights(module, path, flavor, role)
@@ -209,6 +226,7 @@ def _source(cfg: JobConfig, flavor: str, role: Role, path: str | None, offset: i
                     load_hf_weights(module, path, flavor, role, init_value_head_from_lm=True)
                 except CheckpointError:
                     raise value_error from None
+
         return from_checkpoint
     state: dict[str, torch.Tensor] = {}
 
@@ -217,6 +235,7 @@ def _source(cfg: JobConfig, flavor: str, role: Role, path: str | None, offset: i
             torch.manual_seed(cfg.job.seed * 7919 + offset)
             state.update(build_model(flavor, role).state_dict())
         load_state_slices(module, state)
+
     return from_seed
 
 
@@ -232,8 +251,10 @@ class HostCopies:
             for p in module.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 if local.storage_offset() or local.untyped_storage().nbytes() != local.numel() * local.element_size():
-                    raise ValueError("offload_frozen needs every frozen parameter to own its storage; a view or a "
-                                     "shared storage cannot be freed alone")
+                    raise ValueError(
+                        "offload_frozen needs every frozen parameter to own its storage; a view or a "
+                        "shared storage cannot be freed alone"
+                    )
                 # pinned from the start: one host copy, never a pageable one pinned afterwards
                 host = torch.empty_like(local, device="cpu", pin_memory=local.is_cuda)
                 self._pairs.append((local, host.copy_(local.detach())))

@@ -116,9 +116,22 @@ PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages
 """The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration;
 ``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save)."""
 STDOUT_KEYS = (
-    "true_score", "reward_mean", "reward_fn_mean", "reward_fn_failures", "kl", "policy_loss", "value_loss", "clip_frac",
-    "entropy", "response_len_mean", "samples_per_s", "bubble_ratio", "time_generation", "time_scoring_exposed",
-    "time_training", "time_step",
+    "true_score",
+    "reward_mean",
+    "reward_fn_mean",
+    "reward_fn_failures",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "entropy",
+    "response_len_mean",
+    "samples_per_s",
+    "bubble_ratio",
+    "time_generation",
+    "time_scoring_exposed",
+    "time_training",
+    "time_step",
 )
 
 
@@ -137,17 +150,21 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
     par, gen = cfg.parallelism, cfg.generation
     instances = world_size // par.gen_tp
     if cfg.ppo.batch_size % instances:
-        raise ConfigError(f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
-                          f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
-                          "equal share of the prompts)")
+        raise ConfigError(
+            f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
+            f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
+            "equal share of the prompts)"
+        )
     for key in neural_models(cfg):
         flavor = getattr(cfg.model, key)
         if flavor not in FLAVORS:
             raise ConfigError(f"model.{key} = {flavor!r}: unknown flavor; valid flavors: {', '.join(sorted(FLAVORS))}")
         layers = FLAVORS[flavor].num_layers
         if key != "reward" and layers < par.pp:
-            raise ConfigError(f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.pp = {par.pp} stages; "
-                              "lower pp or pick a deeper flavor")
+            raise ConfigError(
+                f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.pp = {par.pp} stages; "
+                "lower pp or pick a deeper flavor"
+            )
     for key, sharded in (("actor", "tp and gen_tp"), ("critic", "tp and gen_tp"), ("reward", "gen_tp")):
         if key not in neural_models(cfg):
             continue
@@ -155,34 +172,48 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
         for name, degree in (("parallelism.tp", par.tp), ("parallelism.gen_tp", par.gen_tp)):
             if name.endswith(".tp") and key == "reward":
                 continue
-            for what, value in (("attention heads", f.num_heads), ("KV heads", f.num_kv_heads), ("MLP width", f.intermediate_dim)):
+            for what, value in (
+                ("attention heads", f.num_heads),
+                ("KV heads", f.num_kv_heads),
+                ("MLP width", f.intermediate_dim),
+            ):
                 if value % degree:
-                    raise ConfigError(f"{name} = {degree}: does not divide the {what} of model.{key} = "
-                                      f"{getattr(cfg.model, key)!r} ({value}); tensor parallelism ({sharded}) splits them "
-                                      "evenly: choose a degree dividing it")
+                    raise ConfigError(
+                        f"{name} = {degree}: does not divide the {what} of model.{key} = "
+                        f"{getattr(cfg.model, key)!r} ({value}); tensor parallelism ({sharded}) splits them "
+                        "evenly: choose a degree dividing it"
+                    )
         path = getattr(cfg.model, f"{key}_path")
         if not path and random_init_params(getattr(cfg.model, key)) > RANDOM_INIT_MAX_PARAMS:
-            raise ConfigError(f"model.{key}_path is unset: a random initialisation builds the whole "
-                              f"{getattr(cfg.model, key)!r} model in host memory (allowed up to "
-                              f"{RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder")
+            raise ConfigError(
+                f"model.{key}_path is unset: a random initialisation builds the whole "
+                f"{getattr(cfg.model, key)!r} model in host memory (allowed up to "
+                f"{RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder"
+            )
     actor = FLAVORS[cfg.model.actor]
     if any(FLAVORS[getattr(cfg.model, k)].vocab_size != actor.vocab_size for k in neural_models(cfg)):
-        raise ConfigError(f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({actor.vocab_size}); "
-                          "all four models must share the tokenizer")
+        raise ConfigError(
+            f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({actor.vocab_size}); "
+            "all four models must share the tokenizer"
+        )
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
     limit = min(FLAVORS[getattr(cfg.model, k)].max_seq_len for k in neural_models(cfg))
     if longest > limit:
-        raise ConfigError(f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
-                          f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them")
+        raise ConfigError(
+            f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
+            f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them"
+        )
     try:
         device = select_device(cfg.training.device)
     except RuntimeError:
-        raise ConfigError("training.device = \"cuda\": no CUDA device is available; use --training.device=cpu (or auto)") from None
+        raise ConfigError('training.device = "cuda": no CUDA device is available; use --training.device=cpu (or auto)') from None
     if cfg.training.float8 and device.type != "cuda":
         raise ConfigError("training.float8 = true: float8 training needs CUDA; set --training.float8=false on CPU")
     if cfg.training.float8 and cfg.parallelism.tp > 1:
-        raise ConfigError("training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
-                          "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false")
+        raise ConfigError(
+            "training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
+            "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false"
+        )
     pending = debug.missing_assets(cfg)  # the debug task's assets, built by prepare() after these checks
     validate_paths(cfg, pending)
     if pending is None or cfg.model.tokenizer_path == "byte" or not Path(cfg.model.tokenizer_path).is_relative_to(pending):
@@ -194,15 +225,21 @@ def check_nodes(cfg: JobConfig, world_size: int, local_world_size: int) -> None:
     instance (gen_tp consecutive ranks) or a training TP group (tp consecutive ranks: the innermost mesh dim) must
     not span two nodes (raises ConfigError). Pipeline stages and FSDP shards may."""
     if local_world_size < 1 or world_size % local_world_size:
-        raise ConfigError(f"LOCAL_WORLD_SIZE = {local_world_size} (ranks per node): must divide the world size {world_size}; "
-                          "launch the same number of processes on every node")
-    for key, what in (("gen_tp", "a generation instance (gen_tp consecutive ranks)"),
-                      ("tp", "a tensor-parallel group (tp consecutive ranks)")):
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE = {local_world_size} (ranks per node): must divide the world size {world_size}; "
+            "launch the same number of processes on every node"
+        )
+    for key, what in (
+        ("gen_tp", "a generation instance (gen_tp consecutive ranks)"),
+        ("tp", "a tensor-parallel group (tp consecutive ranks)"),
+    ):
         degree = getattr(cfg.parallelism, key)
         if local_world_size % degree:
-            raise ConfigError(f"parallelism.{key} = {degree} ({source_of(cfg, f'parallelism.{key}')}): {what} would span "
-                              f"nodes (LOCAL_WORLD_SIZE = {local_world_size}: ranks per node); choose a {key} dividing "
-                              f"{local_world_size}, or launch a multiple of {degree} processes per node")
+            raise ConfigError(
+                f"parallelism.{key} = {degree} ({source_of(cfg, f'parallelism.{key}')}): {what} would span "
+                f"nodes (LOCAL_WORLD_SIZE = {local_world_size}: ranks per node); choose a {key} dividing "
+                f"{local_world_size}, or launch a multiple of {degree} processes per node"
+            )
 
 
 def resume_step(cfg: JobConfig, ckpt: CheckpointManager) -> int | None:
@@ -212,9 +249,11 @@ def resume_step(cfg: JobConfig, ckpt: CheckpointManager) -> int | None:
         return None
     step = ckpt.latest_step()
     if step is None and cfg.checkpoint.resume is True:
-        raise ConfigError(f"checkpoint.resume = true ({source_of(cfg, 'checkpoint.resume')}): no complete checkpoint in "
-                          f"{ckpt.folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
-                          "to start fresh when there is none")
+        raise ConfigError(
+            f"checkpoint.resume = true ({source_of(cfg, 'checkpoint.resume')}): no complete checkpoint in "
+            f"{ckpt.folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
+            "to start fresh when there is none"
+        )
     return step
 
 
@@ -228,8 +267,10 @@ def check_tokenizer(cfg: JobConfig) -> None:
     except (ValueError, OSError) as e:
         raise ConfigError(f"{where}: {e}") from None
     if cfg.data.chat_template and getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"data.chat_template = true, but the tokenizer ({where}) has no chat template; {CHAT_TEMPLATE_FIX}, "
-                          "or set --data.chat_template=false")
+        raise ConfigError(
+            f"data.chat_template = true, but the tokenizer ({where}) has no chat template; {CHAT_TEMPLATE_FIX}, "
+            "or set --data.chat_template=false"
+        )
 
 
 def neural_models(cfg: JobConfig) -> tuple[str, ...]:
@@ -247,14 +288,20 @@ def check_reward(cfg: JobConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"model.reward_fn = {m.reward_fn!r}: {e}") from None
     elif not m.uses_reward_model:
-        raise ConfigError('model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
-                          "--model.reward_fn=package.module:function or name a Reward model flavor")
+        raise ConfigError(
+            'model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
+            "--model.reward_fn=package.module:function or name a Reward model flavor"
+        )
     elif m.reward_fn_weight != 1.0:
-        raise ConfigError(f"model.reward_fn_weight = {m.reward_fn_weight} weighs no function: model.reward_fn is unset; set "
-                          "--model.reward_fn=package.module:function or drop the weight")
+        raise ConfigError(
+            f"model.reward_fn_weight = {m.reward_fn_weight} weighs no function: model.reward_fn is unset; set "
+            "--model.reward_fn=package.module:function or drop the weight"
+        )
     if not m.uses_reward_model and m.reward_path is not None:
-        raise ConfigError(f'model.reward_path = {m.reward_path!r} is set but model.reward = "none" builds no Reward model; '
-                          "unset it (--model.reward_path=) or name the Reward model's flavor")
+        raise ConfigError(
+            f'model.reward_path = {m.reward_path!r} is set but model.reward = "none" builds no Reward model; '
+            "unset it (--model.reward_path=) or name the Reward model's flavor"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- training layout
@@ -268,10 +315,10 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
     placement = Placement(cfg.parallelism.pp)
     n_mb = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
     if cfg.fusion.intra_stage:
-        costs = CostModel.from_flavors(placement, cfg.model.actor, cfg.model.critic,
-                                       tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len)
-        plan = fused_schedule(placement, costs, n_mb, n_mb, budget_s=cfg.fusion.schedule_search_budget_s,
-                              seed=cfg.job.seed)
+        costs = CostModel.from_flavors(
+            placement, cfg.model.actor, cfg.model.critic, tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len
+        )
+        plan = fused_schedule(placement, costs, n_mb, n_mb, budget_s=cfg.fusion.schedule_search_budget_s, seed=cfg.job.seed)
         schedule, method = plan.schedule, plan.method
     else:
         schedule, method = sequential_1f1b(placement, n_mb, n_mb), "sequential_1f1b"
@@ -287,17 +334,25 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
     # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)
-    actor_spec = StageModule(layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=head), actor.embed_dim, actor.embed_dim,
-                             compute)
+    actor_spec = StageModule(
+        layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=head), actor.embed_dim, actor.embed_dim, compute
+    )
     critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
     if layout.pp == 1:
         layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
-        layout.schedule = LocalSchedule(actor_spec, critic_spec, {ACTOR: layout.microbatches, CRITIC: layout.microbatches},
-                                        group=layout.pp_group, device=device)
+        layout.schedule = LocalSchedule(
+            actor_spec,
+            critic_spec,
+            {ACTOR: layout.microbatches, CRITIC: layout.microbatches},
+            group=layout.pp_group,
+            device=device,
+        )
         layout.plan_method = "none: pp = 1, Actor then Critic"
         if cfg.fusion.intra_stage and dist.get_rank() == 0:
-            log.info("fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
-                     "the Actor and the Critic train one after the other")
+            log.info(
+                "fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
+                "the Actor and the Critic train one after the other"
+            )
         return
     holder: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -314,8 +369,13 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
 def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:
     """One request per prompt; ids are global sample ids, sampling seeded by (job.seed, step, id)."""
     g = cfg.generation
-    params = SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
-                            stop_token_ids=tuple(dict.fromkeys((*stop_ids, *g.stop_token_ids))))
+    params = SamplingParams(
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        max_new_tokens=g.max_new_tokens,
+        stop_token_ids=tuple(dict.fromkeys((*stop_ids, *g.stop_token_ids))),
+    )
     seed = cfg.job.seed * 1_000_003 + step
     return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
 
@@ -331,25 +391,44 @@ def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -
     m = cfg.model
     rule = None
     if m.reward_fn is not None:
-        rule = RuleReward(load_reward_fn(m.reward_fn), tokenizer, weight=m.reward_fn_weight,
-                          on_failure=cfg.training.nan_policy, name=m.reward_fn, group=rollout.instance_group)
-    return Scorer(ScoringModels(rollout.reference, rollout.reward, rollout.critic), pad_id=tokenizer.pad_id, temperature=1.0,
-                  max_tokens=cfg.generation.scoring_max_tokens, reward_fn=rule)
+        rule = RuleReward(
+            load_reward_fn(m.reward_fn),
+            tokenizer,
+            weight=m.reward_fn_weight,
+            on_failure=cfg.training.nan_policy,
+            name=m.reward_fn,
+            group=rollout.instance_group,
+        )
+    return Scorer(
+        ScoringModels(rollout.reference, rollout.reward, rollout.critic),
+        pad_id=tokenizer.pad_id,
+        temperature=1.0,
+        max_tokens=cfg.generation.scoring_max_tokens,
+        reward_fn=rule,
+    )
 
 
-def build_controller(cfg: JobConfig, engine: GenerationEngine, scorer: Scorer,
-                     rollout: RolloutLayout) -> MigrationController[Experience]:
+def build_controller(
+    cfg: JobConfig, engine: GenerationEngine, scorer: Scorer, rollout: RolloutLayout
+) -> MigrationController[Experience]:
     """Generation + scoring of this instance's requests; ``fusion.inter_stage`` switches tail migration on/off.
 
     Scoring micro-batches hold at most ``generation.max_slots`` samples. Request states travel over the rollout
     layout's default-backend group, statistics and finished samples over its gloo groups."""
-    return MigrationController.from_config(engine, scorer.score, cfg.fusion, micro_batch_size=cfg.generation.max_slots,
-                                           group=rollout.group, control_group=rollout.control_group,
-                                           instance_group=rollout.instance_group)
+    return MigrationController.from_config(
+        engine,
+        scorer.score,
+        cfg.fusion,
+        micro_batch_size=cfg.generation.max_slots,
+        group=rollout.group,
+        control_group=rollout.control_group,
+        instance_group=rollout.instance_group,
+    )
 
 
-def rollout(controller: MigrationController[Experience], requests: list[Request],
-            pad_id: int) -> tuple[RolloutResult[Experience], Experience]:
+def rollout(
+    controller: MigrationController[Experience], requests: list[Request], pad_id: int
+) -> tuple[RolloutResult[Experience], Experience]:
     """Generate and score this rank's requests (collective); every rank receives the whole scored batch
     in sample-id order."""
     result = controller.run(requests, gather=True)
@@ -362,11 +441,22 @@ def migration_metrics(result: RolloutResult) -> dict[str, float]:
     """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank)."""
     m = result.migration
     if m is None:
-        return {"migration_moved": 0, "migration_bytes": 0, "migration_kept": 0, "migration_at_unfinished": 0,
-                "migration_at_s": 0.0, "migration_s": 0.0}
-    return {"migration_moved": m.moved, "migration_bytes": m.moved_bytes + m.sample_bytes,
-            "migration_kept": len(m.kept), "migration_at_unfinished": m.unfinished, "migration_at_s": m.time_s,
-            "migration_s": m.duration_s}
+        return {
+            "migration_moved": 0,
+            "migration_bytes": 0,
+            "migration_kept": 0,
+            "migration_at_unfinished": 0,
+            "migration_at_s": 0.0,
+            "migration_s": 0.0,
+        }
+    return {
+        "migration_moved": m.moved,
+        "migration_bytes": m.moved_bytes + m.sample_bytes,
+        "migration_kept": len(m.kept),
+        "migration_at_unfinished": m.unfinished,
+        "migration_at_s": m.time_s,
+        "migration_s": m.duration_s,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -376,8 +466,9 @@ def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dic
     """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it)."""
     ppo = cfg.ppo
     mask = exp.response_mask
-    assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, \
+    assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, (
         "compute_advantages needs a scored batch (Scorer.score sets scores, logprobs, ref_logprobs and values)"
+    )
     exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, ppo.kl_coef, ppo.kl_estimator)
     exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
@@ -465,8 +556,9 @@ def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> b
     return bool(bad.item())
 
 
-def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int, *,
-               record: bool = False) -> UpdateResult:
+def ppo_update(
+    cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int, *, record: bool = False
+) -> UpdateResult:
     """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model.
 
     ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
@@ -497,8 +589,10 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
                 for optimizer in (opt.actor, opt.critic):
                     optimizer.step()
             elif cfg.training.nan_policy == "stop":
-                raise FloatingPointError(f"step {step}: non-finite loss or gradient norm (actor {float(norms['actor'][-1])}, "
-                                         f"critic {float(norms['critic'][-1])}); stopping (training.nan_policy = \"stop\")")
+                raise FloatingPointError(
+                    f"step {step}: non-finite loss or gradient norm (actor {float(norms['actor'][-1])}, "
+                    f'critic {float(norms["critic"][-1])}); stopping (training.nan_policy = "stop")'
+                )
             else:
                 skipped += 1
                 if dist.get_rank() == 0:
@@ -519,24 +613,29 @@ def ppo_update(cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Exp
     return UpdateResult(sums, updates, figures, timeline)
 
 
-def reduce_iteration(sums: dict[str, torch.Tensor], phase_times: dict[str, float], peak_memory: float, *,
-                     divisor: float, device: torch.device) -> dict[str, float]:
+def reduce_iteration(
+    sums: dict[str, torch.Tensor], phase_times: dict[str, float], peak_memory: float, *, divisor: float, device: torch.device
+) -> dict[str, float]:
     """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
     ``divisor``; phase times and peak memory are the slowest / largest rank's. One ``all_gather`` of one
     float64 vector per rank (a sum and a max cannot share one all-reduce)."""
     keys = sorted(sums)
-    local = torch.cat([
-        torch.stack([sums[k].to(device, torch.float64) for k in keys]) if keys else torch.zeros(0, dtype=torch.float64, device=device),
-        torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
-    ])
+    local = torch.cat(
+        [
+            torch.stack([sums[k].to(device, torch.float64) for k in keys])
+            if keys
+            else torch.zeros(0, dtype=torch.float64, device=device),
+            torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
+        ]
+    )
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     gathered = torch.stack(parts)
     total = gathered[:, : len(keys)].sum(0) / divisor
-    largest = gathered[:, len(keys):].amax(0)
+    largest = gathered[:, len(keys) :].amax(0)
     values = total.tolist() + largest.tolist()
     out = dict(zip(keys, values))
-    out.update({f"time_{p}": v for p, v in zip(PHASES, values[len(keys):])})
+    out.update({f"time_{p}": v for p, v in zip(PHASES, values[len(keys) :])})
     out["peak_memory_gib"] = values[-1]
     return out
 
@@ -572,14 +671,24 @@ class Trainer:
         synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
         # every rank of an instance generates the same prompts: the loader shards over instances
-        self.loader = PromptLoader(self.dataset, cfg.ppo.batch_size // self.rollout.instances, rank=self.rollout.instance,
-                                   world_size=self.rollout.instances, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+        self.loader = PromptLoader(
+            self.dataset,
+            cfg.ppo.batch_size // self.rollout.instances,
+            rank=self.rollout.instance,
+            world_size=self.rollout.instances,
+            seed=cfg.job.seed,
+            shuffle=cfg.data.shuffle,
+        )
         self.max_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-        self.engine = GenerationEngine.from_config(self.rollout.actor, cfg.generation, max_len=self.max_len,
-                                                   seed=cfg.job.seed, kv_dtype=DTYPES[cfg.training.kv_cache_dtype])
+        self.engine = GenerationEngine.from_config(
+            self.rollout.actor,
+            cfg.generation,
+            max_len=self.max_len,
+            seed=cfg.job.seed,
+            kv_dtype=DTYPES[cfg.training.kv_cache_dtype],
+        )
         self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
-        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer),
-                                           self.rollout)
+        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer), self.rollout)
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
@@ -587,7 +696,8 @@ class Trainer:
         actor_name = f"actor_stage{self.layout.pp_rank}"
         critic_name = f"critic_stage{self.layout.pp - 1 - self.layout.pp_rank}"
         self.ckpt = CheckpointManager.from_config(
-            cfg.checkpoint, self.out,
+            cfg.checkpoint,
+            self.out,
             {actor_name: self.layout.actor_stage, critic_name: self.layout.critic_stage},
             {actor_name: self.opt.actor, critic_name: self.opt.critic},
             {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
@@ -599,9 +709,12 @@ class Trainer:
         if cfg.checkpoint.resume == "auto" and self.resume_from is None:
             log.info('checkpoint.resume = "auto": no complete checkpoint in %s; starting fresh', self.ckpt.folder)
         elif cfg.checkpoint.resume is False and self.rank == 0 and (earlier := self.ckpt.latest_step()) is not None:
-            log.warning("fresh run (checkpoint.resume = false), but %s holds checkpoints of an earlier run (latest: step %d): "
-                        "a later resume would take the newest of either run; use another job.output_dir or remove them",
-                        self.ckpt.folder, earlier)
+            log.warning(
+                "fresh run (checkpoint.resume = false), but %s holds checkpoints of an earlier run (latest: step %d): "
+                "a later resume would take the newest of either run; use another job.output_dir or remove them",
+                self.ckpt.folder,
+                earlier,
+            )
         old = self.out / "metrics.jsonl"
         if self.rank == 0 and cfg.metrics.jsonl and old.exists():
             if self.resume_from is None:  # a fresh run starts a fresh file
@@ -609,8 +722,11 @@ class Trainer:
                 old.rename(kept)
                 log.info("fresh run: the previous metrics were moved to %s", kept)
             elif dropped := drop_steps_after(old, self.resume_from):  # steps after the checkpoint run again
-                log.info("resuming from step %d: dropped %d metrics records of later steps from metrics.jsonl "
-                         "(those steps run again)", self.resume_from, dropped)
+                log.info(
+                    "resuming from step %d: dropped %d metrics records of later steps from metrics.jsonl (those steps run again)",
+                    self.resume_from,
+                    dropped,
+                )
         self.metrics = MetricsLogger.from_config(cfg.metrics, self.out, rank=self.rank, stdout_keys=STDOUT_KEYS)
         self.step = 0
         self.outside_s = 0.0  # the last iteration's logging and checkpointing, reported by the next one
@@ -622,10 +738,22 @@ class Trainer:
             self.ckpt.load(self.resume_from)
             self.step = self.resume_from
             log.info("resumed from %s (step %d)", self.ckpt.path(self.step), self.step)
-        log.info("%s: %d ranks (training pp=%d x dp_shard=%d x tp=%d; %d generation instances of gen_tp=%d), "
-                 "inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d", cfg.job.name, self.world, self.layout.pp,
-                 self.layout.dp, self.layout.tp, self.rollout.instances, self.rollout.gen_tp, cfg.fusion.inter_stage,
-                 cfg.fusion.intra_stage, self.layout.plan_method, self.step + 1, cfg.training.steps)
+        log.info(
+            "%s: %d ranks (training pp=%d x dp_shard=%d x tp=%d; %d generation instances of gen_tp=%d), "
+            "inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d",
+            cfg.job.name,
+            self.world,
+            self.layout.pp,
+            self.layout.dp,
+            self.layout.tp,
+            self.rollout.instances,
+            self.rollout.gen_tp,
+            cfg.fusion.inter_stage,
+            cfg.fusion.intra_stage,
+            self.layout.plan_method,
+            self.step + 1,
+            cfg.training.steps,
+        )
         history = []
         while self.step < cfg.training.steps:
             self.step += 1
@@ -675,8 +803,13 @@ class Trainer:
         timers.add("outside", self.outside_s)
 
         # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
-        record = reduce_iteration(update.stat_sums, timers.pop(), peak_memory_gib(self.device),
-                                  divisor=self.layout.dp * self.layout.tp * update.updates, device=self.device)
+        record = reduce_iteration(
+            update.stat_sums,
+            timers.pop(),
+            peak_memory_gib(self.device),
+            divisor=self.layout.dp * self.layout.tp * update.updates,
+            device=self.device,
+        )
         lengths = scored.response_mask.sum(1)
         record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
@@ -694,8 +827,9 @@ class Trainer:
             self._save_trace(step, trace, result.trace, rollout_start, update.timeline)
         return record
 
-    def _save_trace(self, step: int, trace: ChromeTrace, rollout_trace: ChromeTrace, rollout_start: float,
-                    timeline: Timeline | None) -> None:
+    def _save_trace(
+        self, step: int, trace: ChromeTrace, rollout_trace: ChromeTrace, rollout_start: float, timeline: Timeline | None
+    ) -> None:
         """One Chrome trace of the step: every rank's phase spans, the rollout's decode/migrate/score spans and
         the last minibatch's measured pipeline timeline, on rank 0's clock (exact on one host)."""
         parts: list[Any] = [None] * self.world
@@ -712,16 +846,22 @@ class Trainer:
             shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
             merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
         for a in timeline.events if timeline is not None else ():
-            merged.complete(f"{a.action.model} {a.action.kind}{a.action.microbatch}", a.start - t0 / 1e6,
-                            a.end - a.start, pid="training (last minibatch)", tid=f"pp rank {a.rank}")
+            merged.complete(
+                f"{a.action.model} {a.action.kind}{a.action.microbatch}",
+                a.start - t0 / 1e6,
+                a.end - a.start,
+                pid="training (last minibatch)",
+                tid=f"pp rank {a.rank}",
+            )
         path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
         log.info("trace of step %d written to %s", step, path)
 
     def export(self) -> Path | None:
         """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
         folder = self.out / "actor_hf"
-        path = export_hf(self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group,
-                         tokenizer=self.tokenizer)
+        path = export_hf(
+            self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group, tokenizer=self.tokenizer
+        )
         if path is None:
             return None
         log.info("Actor exported to %s", path)
@@ -801,9 +941,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         advice = ""
         if trainer is not None and trainer.step > 0 and trainer.ckpt.latest_step() is not None:
-            advice = ('; rerunning the same command (checkpoint.resume = "auto") continues from the last complete checkpoint'
-                      if cfg.checkpoint.resume == "auto" else
-                      "; restart with --checkpoint.resume=true to continue from the last complete checkpoint")
+            advice = (
+                '; rerunning the same command (checkpoint.resume = "auto") continues from the last complete checkpoint'
+                if cfg.checkpoint.resume == "auto"
+                else "; restart with --checkpoint.resume=true to continue from the last complete checkpoint"
+            )
         print(f"error: {describe_failure(e, dist.get_rank(), heartbeat)}{advice}", file=sys.stderr, flush=True)
         raise
     finally:

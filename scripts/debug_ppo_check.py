@@ -76,7 +76,9 @@ def main() -> None:
     for it in range(args.iters):
         prompts = sample_prompts(args.batch, seed=10_000 + it)
         exp, true = rollout(actor, ref, critic, reward, tok, prompts, args.max_new_tokens, seed=it)
-        exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, exp.response_mask, args.kl_coef, "k1")
+        exp.token_rewards, kl = kl_shaped_rewards(
+            exp.scores, exp.logprobs, exp.ref_logprobs, exp.response_mask, args.kl_coef, "k1"
+        )
         exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, exp.response_mask, 1.0, 0.95)
         exp.advantages = whiten(exp.advantages, exp.response_mask)
         g = torch.Generator().manual_seed(it)

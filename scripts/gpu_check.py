@@ -64,25 +64,60 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = Path(tempfile.mkdtemp(prefix="gpu_check."))
     if args.dry_run:
-        trainer_model, bench = "debug", ["--flavor", "debug", "--batch-sizes", "1,2", "--new-tokens", "8", "--no-compile",
-                                         "--repeats", "1"]
+        trainer_model, bench = (
+            "debug",
+            ["--flavor", "debug", "--batch-sizes", "1,2", "--new-tokens", "8", "--no-compile", "--repeats", "1"],
+        )
         device = ["--training.device=cpu", "--generation.compile=false"]
     else:
         trainer_model = "qwen2_5_0_5b"
-        bench = ["--device", "cuda", "--flavor", "llama3_2_1b", "--dtype", "bfloat16", "--compile-mode", "reduce-overhead",
-                 "--batch-sizes", "1,8,32,128", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "2"]
+        bench = [
+            "--device",
+            "cuda",
+            "--flavor",
+            "llama3_2_1b",
+            "--dtype",
+            "bfloat16",
+            "--compile-mode",
+            "reduce-overhead",
+            "--batch-sizes",
+            "1,8,32,128",
+            "--new-tokens",
+            "128",
+            "--prompt-len",
+            "128",
+            "--repeats",
+            "2",
+        ]
         device = ["--training.device=cuda", "--generation.compile=true", "--generation.compile_mode=reduce-overhead"]
     bf16 = [f"--training.{k}=bfloat16" for k in ("mixed_precision_param", "frozen_dtype", "rollout_dtype", "kv_cache_dtype")]
     steps = {
-        "pytest_gpu": _run("pytest -m gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rs"],
-                           300, env),
-        "trainer": _run("trainer, pp = 1, bf16", [
-            py, "-m", "fusedrl.train", "--job.config_file", "train_configs/debug_ppo_single.toml",
-            *(f"--model.{k}={trainer_model}" for k in ("actor", "critic", "reward")),
-            *(f"--model.{k}_path=" for k in ("actor", "critic", "reward", "reference")),
-            *device, *bf16, "--training.steps=3", "--checkpoint.interval=0", "--checkpoint.export_hf=false",
-            "--metrics.trace=[]", "--ppo.batch_size=32", "--ppo.minibatch_size=16", f"--job.output_dir={out / 'trainer'}",
-        ], 300, env),
+        "pytest_gpu": _run(
+            "pytest -m gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rs"], 300, env
+        ),
+        "trainer": _run(
+            "trainer, pp = 1, bf16",
+            [
+                py,
+                "-m",
+                "fusedrl.train",
+                "--job.config_file",
+                "train_configs/debug_ppo_single.toml",
+                *(f"--model.{k}={trainer_model}" for k in ("actor", "critic", "reward")),
+                *(f"--model.{k}_path=" for k in ("actor", "critic", "reward", "reference")),
+                *device,
+                *bf16,
+                "--training.steps=3",
+                "--checkpoint.interval=0",
+                "--checkpoint.export_hf=false",
+                "--metrics.trace=[]",
+                "--ppo.batch_size=32",
+                "--ppo.minibatch_size=16",
+                f"--job.output_dir={out / 'trainer'}",
+            ],
+            300,
+            env,
+        ),
         "generation_bench": _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], 300, env),
     }
     summary: dict = {"dry_run": args.dry_run}
@@ -95,8 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "trainer":
             metrics = out / "trainer" / "metrics.jsonl"
             records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-            keys = ("samples_per_s", "time_step", "time_weight_sync", "time_generation", "time_scoring", "time_training",
-                    "peak_memory_gib", "reward_mean")
+            keys = (
+                "samples_per_s",
+                "time_step",
+                "time_weight_sync",
+                "time_generation",
+                "time_scoring",
+                "time_training",
+                "peak_memory_gib",
+                "reward_mean",
+            )
             entry["iterations"] = [{k: r[k] for k in keys if k in r} for r in records]
             if result["exit"] == 0 and len(records) != 3:
                 entry["exit"] = 1

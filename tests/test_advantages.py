@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -130,8 +129,20 @@ def test_masked_mean_var_empty_mask():
 
 def test_experience_split_concat():
     torch.manual_seed(0)
-    a = Experience(torch.randint(0, 9, (4, 5)), _mask([(1, 3, 5)] * 4), logprobs=torch.randn(4, 5), scores=torch.randn(4), sample_ids=torch.arange(4))
-    b = Experience(torch.randint(0, 9, (2, 7)), _mask([(1, 6, 7)] * 2), logprobs=torch.randn(2, 7), scores=torch.randn(2), sample_ids=torch.arange(4, 6))
+    a = Experience(
+        torch.randint(0, 9, (4, 5)),
+        _mask([(1, 3, 5)] * 4),
+        logprobs=torch.randn(4, 5),
+        scores=torch.randn(4),
+        sample_ids=torch.arange(4),
+    )
+    b = Experience(
+        torch.randint(0, 9, (2, 7)),
+        _mask([(1, 6, 7)] * 2),
+        logprobs=torch.randn(2, 7),
+        scores=torch.randn(2),
+        sample_ids=torch.arange(4, 6),
+    )
     c = Experience.concat([a, b], pad_token_id=3)
     assert c.tokens.shape == (6, 7) and c.sample_ids.tolist() == list(range(6))
     assert (c.tokens[:4, 5:] == 3).all() and (c.response_mask[:4, 5:] == 0).all()

@@ -141,7 +141,13 @@ def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     kill_points = ("write", "commit")
     procs = {
-        k: subprocess.Popen([sys.executable, str(script), str(tmp_path / k), k], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        k: subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / k), k],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for k in kill_points
     }
     for kill_point, proc in procs.items():

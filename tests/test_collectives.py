@@ -31,12 +31,27 @@ def _checked_trainer_run(out: str) -> int:
     from fusedrl.config import load_config
     from fusedrl.train import Trainer
 
-    tiny = ["--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--ppo.batch_size=8",
-            "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1", "--generation.max_new_tokens=8",
-            "--generation.max_slots=4", "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-            "--fusion.migration_threshold=0.5", "--fusion.migration_check_interval=1", "--fusion.schedule_search_budget_s=0",
-            "--training.steps=2", "--checkpoint.interval=1", "--checkpoint.export_hf=true", "--metrics.trace=[2]",
-            "--parallelism.gen_tp=2", f"--job.output_dir={out}"]
+    tiny = [
+        "--model.actor_path=",
+        "--model.critic_path=",
+        "--model.reward_path=",
+        "--ppo.batch_size=8",
+        "--ppo.minibatch_size=8",
+        "--ppo.microbatch_size=2",
+        "--ppo.epochs=1",
+        "--generation.max_new_tokens=8",
+        "--generation.max_slots=4",
+        "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
+        "--fusion.migration_threshold=0.5",
+        "--fusion.migration_check_interval=1",
+        "--fusion.schedule_search_budget_s=0",
+        "--training.steps=2",
+        "--checkpoint.interval=1",
+        "--checkpoint.export_hf=true",
+        "--metrics.trace=[2]",
+        "--parallelism.gen_tp=2",
+        f"--job.output_dir={out}",
+    ]
     with checked_collectives():
         history = Trainer(load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_ppo.toml"), *tiny])).train()
     return len(history)

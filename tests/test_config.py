@@ -38,9 +38,7 @@ def _error(argv: list[str]) -> str:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fusedrl.config", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, "-m", "fusedrl.config", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_debug_config_has_every_section_and_key_and_fits_four_ranks():
@@ -67,14 +65,16 @@ def test_every_key_is_documented():
 
 def test_print_then_load_gives_an_equal_config(tmp_path):
     cfg = _load(
-        "--job.name", 'odd "name" \\ with\ttabs, ünïcode and \x01 control',
+        "--job.name",
+        'odd "name" \\ with\ttabs, ünïcode and \x01 control',
         "--optimizer.actor_lr=3e-7",
         "--fusion.migration_threshold=0.125",
         "--fusion.inter_stage=false",
         "--metrics.trace=1,5",
         "--generation.stop_token_ids=[7, 9]",
         "--model.actor_path=/some/folder",
-        "--data.format=jsonl", "--data.path=prompts.jsonl",
+        "--data.format=jsonl",
+        "--data.path=prompts.jsonl",
         "--ppo.kl_estimator=k3",
     )
     text = config_to_toml(cfg)
@@ -91,15 +91,18 @@ def test_print_then_load_gives_an_equal_config(tmp_path):
 
 def test_override_syntax_and_parsing():
     cfg = _load(
-        "--ppo.epochs", "3",                      # separate value
-        "--job.seed", "-0",                       # a value starting with '-' is still a value
-        "--checkpoint.resume",                    # bare bool flag -> true
+        "--ppo.epochs",
+        "3",  # separate value
+        "--job.seed",
+        "-0",  # a value starting with '-' is still a value
+        "--checkpoint.resume",  # bare bool flag -> true
         "--metrics.jsonl=FALSE",
-        "--optimizer.grad_clip=2",                # int text for a float key
-        "--generation.stop_token_ids=",           # empty list
+        "--optimizer.grad_clip=2",  # int text for a float key
+        "--generation.stop_token_ids=",  # empty list
         "--metrics.trace=[3, 4]",
         "--fusion.migration_threshold=auto",
-        "--ppo.clip_eps=0.1", "--ppo.clip_eps=0.3",  # the last one wins
+        "--ppo.clip_eps=0.1",
+        "--ppo.clip_eps=0.3",  # the last one wins
     )
     assert cfg.ppo.epochs == 3 and cfg.job.seed == 0
     assert cfg.checkpoint.resume is True and cfg.metrics.jsonl is False
@@ -134,7 +137,7 @@ def test_override_syntax_and_parsing():
         ("--generation.max_new_tokens=0", ["generation.max_new_tokens", ">= 1"]),
         ("--parallelism.dp_shard=0", ["parallelism.dp_shard", ">= 1"]),
         ("--parallelism.tp=-2", ["parallelism.tp", ">= 1"]),
-        ("--fusion.migration_threshold=1.0", ["fusion.migration_threshold", '(0, 1)', '"auto"']),
+        ("--fusion.migration_threshold=1.0", ["fusion.migration_threshold", "(0, 1)", '"auto"']),
         ("--ppo.batch_size=40", ["ppo.batch_size = 40", "command line", "ppo.minibatch_size = 32", DEBUG, "1, 2, 4, 5, 8"]),
         ("--ppo.microbatch_size=3", ["ppo.microbatch_size = 3", "= 32 / 2 = 16", "1, 2, 4, 8, 16"]),
         ("--ppo.minibatch_size=2", ["ppo.microbatch_size = 4", DEBUG, "ppo.minibatch_size / parallelism.dp_shard = 2 / 2 = 1"]),

@@ -173,11 +173,14 @@ def test_out_of_vocab_rows_are_counted_with_line_numbers_and_the_rest_kept(tmp_p
         def encode(self, text: str) -> list[int]:
             return [ord(c) for c in text]
 
-    path = _write(tmp_path / "v.jsonl", [b'{"prompt": "abc"}', json.dumps({"prompt": "caf\u00e9"}).encode(), b'{"prompt": "xyz"}'])
+    path = _write(
+        tmp_path / "v.jsonl", [b'{"prompt": "abc"}', json.dumps({"prompt": "caf\u00e9"}).encode(), b'{"prompt": "xyz"}']
+    )
     ds = load_prompts(path, CodePoints(), vocab_size=128)
     assert ds.prompts == ["abc", "xyz"] and ds.source_rows == [1, 3]
     assert [(b.where, b.reason) for b in ds.report.bad] == [
-        ("line 2", "token id 233 out of range for vocab size 128 (tokenizer does not match the model)")]
+        ("line 2", "token id 233 out of range for vocab size 128 (tokenizer does not match the model)")
+    ]
 
 
 def _msg(role: str, content) -> dict:
@@ -201,7 +204,11 @@ def test_jsonl_chat_rows_rendered_and_malformed_ones_reported(tmp_path, chat_tok
     path = _write(tmp_path / "c.jsonl", [json.dumps(r).encode() for r in rows])
     ds = load_prompts(path, chat_tok, prompt_key="messages")
     assert ds.source_rows == [1, 2, 11]
-    assert ds.token_ids == [_chat_ids(("system", "be brief"), ("user", "2+2?")), TOK.encode("plain"), _chat_ids(("user", "héllo"))]
+    assert ds.token_ids == [
+        _chat_ids(("system", "be brief"), ("user", "2+2?")),
+        TOK.encode("plain"),
+        _chat_ids(("user", "héllo")),
+    ]
     assert ds.prompts[2] == "<|bos|>" + _turn("user", "héllo") + "<|eot_id|>" + _turn("assistant", "")
     assert [(b.where, b.reason) for b in ds.report.bad] == [
         ("line 3", "prompt field 'messages' is a dict, not a string or a list of messages"),
@@ -223,15 +230,21 @@ def test_parquet_and_hf_disk_chat_rows(tmp_path, chat_tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    chats = [[_msg("user", "one")], None, [_msg("system", "s"), {"role": "user"}],
-             [_msg("user", "two"), _msg("assistant", "2"), _msg("user", "3?")]]
+    chats = [
+        [_msg("user", "one")],
+        None,
+        [_msg("system", "s"), {"role": "user"}],
+        [_msg("user", "two"), _msg("assistant", "2"), _msg("user", "3?")],
+    ]
     pq.write_table(pa.table({"messages": chats}), tmp_path / "c.parquet")  # a list<struct<role, content>> column
     ds = load_prompts(tmp_path / "c.parquet", chat_tok, format="parquet", prompt_key="messages")
     assert ds.source_rows == [1, 4]
     assert ds.token_ids == [_chat_ids(("user", "one")), _chat_ids(("user", "two"), ("assistant", "2"), ("user", "3?"))]
     # Parquet gives a struct field a message lacks as null
     assert [(b.where, b.reason) for b in ds.report.bad] == [
-        ("row 2", "prompt field 'messages' is null"), ("row 3", "message 2 content is null")]
+        ("row 2", "prompt field 'messages' is null"),
+        ("row 3", "message 2 content is null"),
+    ]
 
     datasets.Dataset.from_dict({"messages": [chats[0], chats[3]]}).save_to_disk(str(tmp_path / "hf"))
     hf = load_prompts(tmp_path / "hf", chat_tok, format="hf_disk", prompt_key="messages")
@@ -245,8 +258,10 @@ def test_chat_rows_need_a_chat_template(tmp_path):
         with pytest.raises(InputError) as e:
             load_prompts(path, tok, prompt_key="messages")
         message = str(e.value)
-        assert message == (f"{path} line 2 holds chat messages, but the tokenizer {name} has no chat template; use a tokenizer "
-                           "folder whose tokenizer_config.json has a chat_template (or with a chat_template.jinja next to "
-                           "tokenizer.json), or store plain-string prompts")
+        assert message == (
+            f"{path} line 2 holds chat messages, but the tokenizer {name} has no chat template; use a tokenizer "
+            "folder whose tokenizer_config.json has a chat_template (or with a chat_template.jinja next to "
+            "tokenizer.json), or store plain-string prompts"
+        )
         with pytest.raises(InputError, match=re.escape(f"data.chat_template = true, but the tokenizer {name} has no chat")):
             load_prompts(path, tok, prompt_key="messages", chat_template=True)

@@ -81,9 +81,7 @@ def test_init_distributed_without_launcher_builds_a_one_rank_mesh():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=repo_root, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
 
 

@@ -55,7 +55,7 @@ def make_batch(batch, seq, seed=1, device="cpu"):
 
 def _micro(tokens, targets, m):
     n = tokens.shape[0] // m
-    return [(tokens[i * n:(i + 1) * n], {k: v[i * n:(i + 1) * n] for k, v in targets.items()}) for i in range(m)]
+    return [(tokens[i * n : (i + 1) * n], {k: v[i * n : (i + 1) * n] for k, v in targets.items()}) for i in range(m)]
 
 
 def _program(kind, pp, ma, mc):
@@ -63,15 +63,18 @@ def _program(kind, pp, ma, mc):
     if kind == "sequential":
         schedule = sequential_1f1b(placement, ma, mc)
     elif kind == "split_backward":  # every B as an input backward I followed by a weight backward W
-        schedule = {r: [x for a in acts for x in ((replace(a, kind="I"), replace(a, kind="W")) if a.kind == "B" else (a,))]
-                    for r, acts in sequential_1f1b(placement, ma, mc).items()}
+        schedule = {
+            r: [x for a in acts for x in ((replace(a, kind="I"), replace(a, kind="W")) if a.kind == "B" else (a,))]
+            for r, acts in sequential_1f1b(placement, ma, mc).items()
+        }
     else:
         schedule = fused_schedule(placement, CostModel.uniform(placement, 1.0, 0.7), ma, mc, budget_s=0.2).schedule
     return lower(schedule, placement, {ACTOR: ma, CRITIC: mc})
 
 
-def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundaries=None, device="cpu", tp=1,
-                     flavor="debug", recompute=False):
+def _check_gradients(
+    programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundaries=None, device="cpu", tp=1, flavor="debug", recompute=False
+):
     rank = dist.get_rank()
     if device == "cpu":
         mesh = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=pp * dp * tp).build_mesh("cpu")
@@ -112,8 +115,9 @@ def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundarie
         for step, seq in enumerate(seq_lens):
             tokens, actor_t, critic_t = make_batch(per_dp_batch * dp, seq, seed=step + 1, device=device)
             mine = slice(dp_rank * per_dp_batch, (dp_rank + 1) * per_dp_batch)
-            result = ex.step(tokens[mine], tokens[mine], {k: v[mine] for k, v in actor_t.items()},
-                             {k: v[mine] for k, v in critic_t.items()})
+            result = ex.step(
+                tokens[mine], tokens[mine], {k: v[mine] for k, v in actor_t.items()}, {k: v[mine] for k, v in critic_t.items()}
+            )
             if tied is not None:
                 tied.sum_gradients()
             # reference: every dp shard's micro-batch losses, averaged over micro-batches and dp ranks
@@ -141,8 +145,9 @@ def _check_gradients(programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundarie
             assert got and set(got) <= set(want)
             for name, p in got.items():
                 g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                torch.testing.assert_close(g, want[name].grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda s: f"rank {rank} {kind} {m} {name}: {s}")
+                torch.testing.assert_close(
+                    g, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"rank {rank} {kind} {m} {name}: {s}"
+                )
 
 
 @pytest.mark.parametrize(
@@ -179,8 +184,7 @@ def test_activation_checkpointing_gives_the_reference_gradients():
     """training.activation_checkpointing = "full" on pp=2 x dp_shard=2 with FSDP2: layers recomputed in the
     backward give the single-process gradients, and parameter names are unchanged (checked in _check_gradients)."""
     programs = {"fused": _program("fused", 2, 2, 2)}
-    run_multirank(_check_gradients, 4, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True,
-                  timeout_s=240.0)
+    run_multirank(_check_gradients, 4, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True, timeout_s=240.0)
 
 
 def test_misordered_program_is_rejected_before_running():
@@ -234,8 +238,12 @@ def _chunked_head_gradients(program) -> None:
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 512, (4, SEQ), generator=g)
     mask = (torch.rand(4, SEQ, generator=g) > 0.3).float()
-    actor_t = {"tokens": tokens, "response_mask": mask, "logprobs": -6.0 + 0.1 * torch.randn(4, SEQ, generator=g),
-               "advantages": torch.randn(4, SEQ, generator=g)}
+    actor_t = {
+        "tokens": tokens,
+        "response_mask": mask,
+        "logprobs": -6.0 + 0.1 * torch.randn(4, SEQ, generator=g),
+        "advantages": torch.randn(4, SEQ, generator=g),
+    }
     critic_t = {"response_mask": mask, "values": torch.randn(4, SEQ, generator=g), "returns": torch.randn(4, SEQ, generator=g)}
     ex.step(tokens, tokens, actor_t, critic_t)
     for x, t in _micro(tokens, actor_t, 2):

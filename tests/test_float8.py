@@ -48,9 +48,7 @@ def test_float8_skips_head_and_unaligned_linears():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="float8 needs SM89+"
-)
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="float8 needs SM89+")
 def test_float8_debug_large_trains_a_step_on_cuda():
     torch.manual_seed(0)
     model = build_model("debug_large", device="cuda")

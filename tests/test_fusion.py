@@ -35,7 +35,10 @@ from fusedrl.testing import run_multirank
 
 
 def _stats(unfinished, remaining, slots=4):
-    return [InstanceStats(r, u, rem, slots, slots * 100, 10 * u + rem, 100 if u else 0) for r, (u, rem) in enumerate(zip(unfinished, remaining))]
+    return [
+        InstanceStats(r, u, rem, slots, slots * 100, 10 * u + rem, 100 if u else 0)
+        for r, (u, rem) in enumerate(zip(unfinished, remaining))
+    ]
 
 
 def test_plan_keeps_fewest_instances_with_most_work_and_verifies():
@@ -120,8 +123,10 @@ def test_auto_keeps_more_instances_when_the_tails_kv_reads_dominate():
     # one instance decode ~2x slower than the weights alone; keeping 4-8 instances is faster.
     instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 32)
     config = RolloutConfig(max_slots=256, kv_capacity_tokens=57_000, check_interval=8, micro_batch_size=8)
-    fewest = min((simulate_rollout(instances, PAPER_COSTS, config, fused=True, threshold=c) for c in (3, 5, 10, 26, 41)),
-                 key=lambda t: t.total_s)
+    fewest = min(
+        (simulate_rollout(instances, PAPER_COSTS, config, fused=True, threshold=c) for c in (3, 5, 10, 26, 41)),
+        key=lambda t: t.total_s,
+    )
     threshold, min_kept, best = best_migration(instances, PAPER_COSTS, config)
     assert min_kept > 1 and len(best.kept) >= min_kept
     assert best.total_s < 0.97 * fewest.total_s
@@ -142,7 +147,9 @@ def test_fit_recovers_costs():
     truth = RolloutCosts(2e-3, 1e-4, 1e-7, 5e-6, 3e-3, 2e-6, 1e-4, 1e9, 1000.0)
     decode = [(b, c, truth.decode_step_s(b, c)) for b, c in [(1, 10), (4, 300), (8, 100), (16, 2000), (3, 50)]]
     score = [(r, w, truth.score_base_s + truth.score_per_token_s * r * w) for r, w in [(1, 20), (8, 40), (4, 100)]]
-    fit = RolloutCosts.fit(decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0)
+    fit = RolloutCosts.fit(
+        decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0
+    )
     for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "score_base_s", "score_per_token_s"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     assert fit.transfer_bytes_per_s == pytest.approx(1e9, rel=1e-6)
@@ -152,7 +159,9 @@ def test_fit_recovers_costs():
 
 
 def test_bucketed_step_times_match_the_engine_padding():
-    costs = RolloutCosts(**{**SIM_COSTS.__dict__, "decode_per_row_s": 3e-5, "batch_buckets": (1, 2, 4, 8), "len_buckets": (8, 16, 32)})
+    costs = RolloutCosts(
+        **{**SIM_COSTS.__dict__, "decode_per_row_s": 3e-5, "batch_buckets": (1, 2, 4, 8), "len_buckets": (8, 16, 32)}
+    )
     reqs = [SimRequest(5, 3), SimRequest(7, 9), SimRequest(2, 12)]
     times = simulate_rollout([reqs], costs, PAPER_CONFIG, fused=False)
     want = costs.prefill_per_token_s * 14
@@ -163,19 +172,43 @@ def test_bucketed_step_times_match_the_engine_padding():
         attended = rows * next(b for b in (8, 16, 32) if b > longest)
         want += costs.decode_base_s + costs.decode_per_seq_s * len(active) + 3e-5 * rows + costs.decode_per_ctx_token_s * attended
         assert costs.decode_step_s(len(active), sum(r.ctx + step - 2 for r in active), longest) == pytest.approx(
-            costs.decode_base_s + costs.decode_per_seq_s * len(active) + 3e-5 * rows + costs.decode_per_ctx_token_s * attended)
+            costs.decode_base_s + costs.decode_per_seq_s * len(active) + 3e-5 * rows + costs.decode_per_ctx_token_s * attended
+        )
     assert times.decode_end_s == pytest.approx(want)
 
 
 def test_fit_recovers_bucketed_costs_and_the_attention_term():
-    truth = RolloutCosts(2e-3, 4e-5, 3e-8, 0.0, 3e-3, 2e-6, 0.0, float("inf"), 0.0, decode_per_row_s=1e-4, score_per_token_sq_s=4e-9,
-                       batch_buckets=(1, 2, 4, 8, 16), len_buckets=(64, 128, 256))
+    truth = RolloutCosts(
+        2e-3,
+        4e-5,
+        3e-8,
+        0.0,
+        3e-3,
+        2e-6,
+        0.0,
+        float("inf"),
+        0.0,
+        decode_per_row_s=1e-4,
+        score_per_token_sq_s=4e-9,
+        batch_buckets=(1, 2, 4, 8, 16),
+        len_buckets=(64, 128, 256),
+    )
     # Requests that started together share one context length, as in an unfused stage.
-    decode = [(n, n * c, truth.decode_step_s(n, n * c)) for n, c in [(16, 40), (13, 70), (9, 100), (5, 130), (3, 200), (2, 230), (1, 250), (7, 90)]]
+    decode = [
+        (n, n * c, truth.decode_step_s(n, n * c))
+        for n, c in [(16, 40), (13, 70), (9, 100), (5, 130), (3, 200), (2, 230), (1, 250), (7, 90)]
+    ]
     score = [(r, w, truth.score_s([w] * r, r)) for r, w in [(1, 20), (8, 40), (4, 100), (2, 300), (6, 10)]]
     fit = RolloutCosts.fit(decode, score, batch_buckets=truth.batch_buckets, len_buckets=truth.len_buckets)
-    for name in ("decode_base_s", "decode_per_seq_s", "decode_per_row_s", "decode_per_ctx_token_s", "score_base_s",
-                 "score_per_token_s", "score_per_token_sq_s"):
+    for name in (
+        "decode_base_s",
+        "decode_per_seq_s",
+        "decode_per_row_s",
+        "decode_per_ctx_token_s",
+        "score_base_s",
+        "score_per_token_s",
+        "score_per_token_sq_s",
+    ):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
 
 
@@ -192,9 +225,13 @@ def test_balanced_unfused_scoring_is_no_slower_and_tensor_parallel_costs_scale()
     lengths = lmsys_lengths(256, seed=2)
     inst = split_round_robin(lengths, 70, 8)
     own = simulate_rollout(inst, PAPER_COSTS, PAPER_CONFIG, fused=False)
-    balanced = simulate_rollout(inst, PAPER_COSTS, RolloutConfig(**{**PAPER_CONFIG.__dict__, "unfused_scoring": "balanced"}), fused=False)
+    balanced = simulate_rollout(
+        inst, PAPER_COSTS, RolloutConfig(**{**PAPER_CONFIG.__dict__, "unfused_scoring": "balanced"}), fused=False
+    )
     assert balanced.decode_end_s == own.decode_end_s and balanced.total_s <= own.total_s
-    tp4 = RolloutCosts.for_models(actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200, gpus_per_instance=4, actor_layers=40)
+    tp4 = RolloutCosts.for_models(
+        actor_params=13e9, scorer_params=79e9, kv_bytes_per_token=819200, gpus_per_instance=4, actor_layers=40
+    )
     assert tp4.score_per_token_s == pytest.approx(PAPER_COSTS.score_per_token_s / 4)
     assert tp4.transfer_bytes_per_s == pytest.approx(4 * PAPER_COSTS.transfer_bytes_per_s)
     weights_tp1 = PAPER_COSTS.decode_base_s - 2e-3
@@ -222,8 +259,9 @@ class Scenario:
 def _models():
     torch.manual_seed(0)
     actor = build_model("debug", "policy").eval()
-    scoring = ScoringModels(build_model("debug", "policy").eval(), build_model("debug", "value").eval(),
-                            build_model("debug", "value").eval())
+    scoring = ScoringModels(
+        build_model("debug", "policy").eval(), build_model("debug", "value").eval(), build_model("debug", "value").eval()
+    )
     return actor, scoring
 
 
@@ -244,15 +282,29 @@ def _run_scenarios(scenarios: dict) -> dict:
         for fusion in (False, True):
             engine = GenerationEngine(actor, max_slots=sc.max_slots or len(sc.lengths), max_len=64, seed=11)
             group = dist.new_group(backend="gloo") if sc.own_group else None
-            ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, fusion=fusion,
-                                      threshold=sc.threshold, mode=sc.mode, check_interval=sc.check_interval, costs=sc.costs,
-                                      group=group)
+            ctl = MigrationController(
+                engine,
+                Scorer(scoring).score,
+                micro_batch_size=3,
+                fusion=fusion,
+                threshold=sc.threshold,
+                mode=sc.mode,
+                check_interval=sc.check_interval,
+                costs=sc.costs,
+                group=group,
+            )
             r = ctl.run(_requests(sc.lengths, rank, world), gather=True)
             e = Experience.concat(r.scored)
             e = e.select(e.sample_ids.argsort())
             spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
-            res[fusion] = dict(exp={k: getattr(e, k) for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")},
-                               migration=None if r.migration is None else r.migration.as_dict(), spans=spans)
+            res[fusion] = dict(
+                exp={
+                    k: getattr(e, k)
+                    for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
+                },
+                migration=None if r.migration is None else r.migration.as_dict(),
+                spans=spans,
+            )
         out[name] = res
     return out
 
@@ -364,8 +416,9 @@ def _score_on_one_rank(lengths: list[int], micro_batch_size: int) -> tuple[list[
             calls.append([(s.id, s.num_tokens) for s in samples])
             return len(calls)
 
-        ctl = MigrationController(GenerationEngine(actor, max_slots=4, max_len=32), score,
-                                  micro_batch_size=micro_batch_size, fusion=False)
+        ctl = MigrationController(
+            GenerationEngine(actor, max_slots=4, max_len=32), score, micro_batch_size=micro_batch_size, fusion=False
+        )
         result = ctl.run([Request(i, [1, 2, 3], SamplingParams(target_len=n)) for i, n in enumerate(lengths)])
         return calls, result.measurements.score, result.scored
     finally:
@@ -411,14 +464,27 @@ def _tp_rollouts(gen_tp: int) -> dict:
     out = {}
     for name, fusion, mode in (("off", False, "kv"), ("kv", True, "kv"), ("reprefill", True, "reprefill")):
         engine = GenerationEngine(actor, max_slots=8, max_len=64, seed=11)
-        ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, fusion=fusion, threshold=0.4,
-                                  mode=mode, check_interval=2, group=mesh["gen_dp"].get_group(),
-                                  instance_group=mesh["gen_tp"].get_group())
+        ctl = MigrationController(
+            engine,
+            Scorer(scoring).score,
+            micro_batch_size=3,
+            fusion=fusion,
+            threshold=0.4,
+            mode=mode,
+            check_interval=2,
+            group=mesh["gen_dp"].get_group(),
+            instance_group=mesh["gen_tp"].get_group(),
+        )
         r = ctl.run(_requests(TP_LENGTHS, instance, instances), gather=True)
         e = Experience.concat(r.scored)
         e = e.select(e.sample_ids.argsort())
-        out[name] = dict(exp={k: getattr(e, k) for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")},
-                         migration=None if r.migration is None else r.migration.as_dict())
+        out[name] = dict(
+            exp={
+                k: getattr(e, k)
+                for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
+            },
+            migration=None if r.migration is None else r.migration.as_dict(),
+        )
     return out
 
 

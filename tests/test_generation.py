@@ -56,8 +56,7 @@ def test_sampled_output_does_not_depend_on_the_batch(model):
     target = Request("target", _prompt(6, 1), SAMPLED)
     alone = GenerationEngine(model, max_slots=4, max_len=64, seed=7).generate([target])[0]
     others = [
-        Request(f"o{i}", _prompt(3 + 5 * i, 10 + i), SamplingParams(temperature=1.3, max_new_tokens=4 + i))
-        for i in range(5)
+        Request(f"o{i}", _prompt(3 + 5 * i, 10 + i), SamplingParams(temperature=1.3, max_new_tokens=4 + i)) for i in range(5)
     ]
     batch = others[:2] + [Request("target", target.prompt, SAMPLED)] + others[2:]
     together = GenerationEngine(model, max_slots=4, max_len=64, seed=7).generate(batch)[2]
@@ -129,7 +128,11 @@ def test_bad_requests_get_an_error_and_do_not_disturb_the_others(model):
     for name in ("empty", "too_long", "big_id", "negative_id"):
         assert by_id[name].finish_reason == "error" and not by_id[name].ok and by_id[name].tokens == []
     for ref in clean:
-        assert by_id[ref.id].ok and by_id[ref.id].tokens == ref.tokens and by_id[ref.id].logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        assert (
+            by_id[ref.id].ok
+            and by_id[ref.id].tokens == ref.tokens
+            and by_id[ref.id].logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        )
 
 
 def test_invalid_engine_and_sampling_arguments(model):
@@ -299,11 +302,17 @@ def test_counter_based_sampling_is_per_request_and_follows_the_distribution():
     n = 20000
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0])).expand(n, 4)
     ones = torch.ones(n)
-    tokens, logprobs = sample_tokens(logits, ones, torch.zeros(n, dtype=torch.int64), ones,
-                                     torch.full((n,), 11), torch.arange(n))
+    tokens, logprobs = sample_tokens(logits, ones, torch.zeros(n, dtype=torch.int64), ones, torch.full((n,), 11), torch.arange(n))
     freq = torch.bincount(tokens, minlength=4).double() / n
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64), atol=0.015), freq
     assert torch.allclose(logprobs, logits.gather(-1, tokens[:, None]).squeeze(-1))
-    greedy, _ = sample_tokens(logits[:3], torch.zeros(3), torch.zeros(3, dtype=torch.int64), torch.ones(3),
-                              torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), any_sampled=False)
+    greedy, _ = sample_tokens(
+        logits[:3],
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.int64),
+        torch.ones(3),
+        torch.zeros(3, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int64),
+        any_sampled=False,
+    )
     assert greedy.tolist() == [0, 0, 0]

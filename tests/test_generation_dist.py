@@ -95,9 +95,11 @@ def test_weight_sync_from_pp2_dp_shard2_training_layout():
     tokens = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref_logits = reference(tokens)
-    ref_tokens = GenerationEngine(reference, max_slots=1, max_len=32).generate(
-        [Request("p", tokens[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=5))]
-    )[0].tokens
+    ref_tokens = (
+        GenerationEngine(reference, max_slots=1, max_len=32)
+        .generate([Request("p", tokens[0].tolist(), SamplingParams(temperature=0.0, max_new_tokens=5))])[0]
+        .tokens
+    )
     full_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     for out in run_multirank(_sync_from_pp2_dp2, 4, tokens, timeout_s=150):
         torch.testing.assert_close(torch.tensor(out["logits"]), ref_logits)

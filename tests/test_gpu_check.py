@@ -10,8 +10,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_passes_and_summarizes_every_step():
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["ok"] and summary["dry_run"]

@@ -78,34 +78,52 @@ def _as_rope_parameters(theta):  # the form transformers 5 writes
         c.pop("rope_theta")
         c.pop("rope_scaling")
         c["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+
     return edit
 
 
 CONFIG_EDITS = [
     ("debug", _set("rope_theta", 5e5), "config.json has rope_theta=500000.0 but flavor 'debug' has 10000.0"),
     ("debug", _set("rms_norm_eps", 1e-6), "config.json has rms_norm_eps=1e-06 but flavor 'debug' has 1e-05"),
-    ("debug", _drop("rms_norm_eps"),
-     "config.json does not set rms_norm_eps (transformers' default 1e-06) but flavor 'debug' has 1e-05"),
+    (
+        "debug",
+        _drop("rms_norm_eps"),
+        "config.json does not set rms_norm_eps (transformers' default 1e-06) but flavor 'debug' has 1e-05",
+    ),
     ("debug", _set("head_dim", 32), "config.json has head_dim=32 but flavor 'debug' has 16"),
     ("debug", _set("tie_word_embeddings", True), "config.json has tie_word_embeddings=True but flavor 'debug' has False"),
     ("debug", _set("hidden_act", "gelu"), "config.json has hidden_act='gelu' but flavor 'debug' has 'silu'"),
     ("debug", _set("attention_bias", True), "config.json has attention_bias=True but flavor 'debug' has False"),
     ("debug", _set("mlp_bias", True), "config.json has mlp_bias=True but flavor 'debug' has False"),
     ("debug", _set("partial_rotary_factor", 0.5), "config.json has partial_rotary_factor=0.5 but flavor 'debug' has 1.0"),
-    ("debug", _set("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
-     "config.json has rope_scaling.rope_type='linear' but flavor 'debug' has 'default'"),
+    (
+        "debug",
+        _set("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+        "config.json has rope_scaling.rope_type='linear' but flavor 'debug' has 'default'",
+    ),
     ("debug", _as_rope_parameters(5e5), "config.json has rope_parameters.rope_theta=500000.0 but flavor 'debug' has 10000.0"),
-    ("debug_qwen", _set("use_sliding_window", True),
-     "config.json has use_sliding_window=True but flavor 'debug_qwen' has False"),
-    ("debug_qwen", _drop("tie_word_embeddings"),
-     "config.json does not set tie_word_embeddings (transformers' default False) but flavor 'debug_qwen' has True"),
+    ("debug_qwen", _set("use_sliding_window", True), "config.json has use_sliding_window=True but flavor 'debug_qwen' has False"),
+    (
+        "debug_qwen",
+        _drop("tie_word_embeddings"),
+        "config.json does not set tie_word_embeddings (transformers' default False) but flavor 'debug_qwen' has True",
+    ),
     ("tiny_llama31", _set_rope("factor", 8.0), "config.json has rope_scaling.factor=8.0 but flavor 'tiny_llama31' has 32.0"),
-    ("tiny_llama31", _set_rope("high_freq_factor", 2.0),
-     "config.json has rope_scaling.high_freq_factor=2.0 but flavor 'tiny_llama31' has 4.0"),
-    ("tiny_llama31", _drop("rope_scaling"),
-     "config.json does not set rope_scaling.rope_type (transformers' default 'default') but flavor 'tiny_llama31' has 'llama3'"),
-    ("tiny_llama31", _set_rope("original_max_position_embeddings", 4096),
-     "config.json has rope_scaling.original_max_position_embeddings=4096 but flavor 'tiny_llama31' has 8192"),
+    (
+        "tiny_llama31",
+        _set_rope("high_freq_factor", 2.0),
+        "config.json has rope_scaling.high_freq_factor=2.0 but flavor 'tiny_llama31' has 4.0",
+    ),
+    (
+        "tiny_llama31",
+        _drop("rope_scaling"),
+        "config.json does not set rope_scaling.rope_type (transformers' default 'default') but flavor 'tiny_llama31' has 'llama3'",
+    ),
+    (
+        "tiny_llama31",
+        _set_rope("original_max_position_embeddings", 4096),
+        "config.json has rope_scaling.original_max_position_embeddings=4096 but flavor 'tiny_llama31' has 8192",
+    ),
 ]
 
 
@@ -122,8 +140,17 @@ def test_each_math_field_of_config_json_is_checked(tmp_path, tiny_llama31, flavo
 def test_absent_fields_take_transformers_defaults(tmp_path):
     folder = save_hf_checkpoint(_random_model("debug"), tmp_path / "ckpt", "debug")
     # debug's values equal transformers' LlamaConfig defaults for all of these: absent is fine
-    fields = ["head_dim", "hidden_act", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias", "mlp_bias",
-              "fusedrl_flavor", "fusedrl_role"]
+    fields = [
+        "head_dim",
+        "hidden_act",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "fusedrl_flavor",
+        "fusedrl_role",
+    ]
     _edit_config(folder, lambda c: [c.pop(k) for k in fields])
     load_hf_weights(build_model("debug"), folder, "debug")
     _edit_config(folder, _drop("num_key_value_heads"))  # LlamaConfig: num_attention_heads
@@ -232,7 +259,7 @@ def _greedy(model, ids, steps):
     with torch.no_grad():
         for _ in range(steps):
             out.append(int(model(torch.tensor([out]))[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 def _model_that_stops(tok, prompt_ids, steps):

@@ -69,7 +69,7 @@ def _cycle(edges) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -96,8 +96,11 @@ def test_the_package_graph_has_no_cycle():
 
 def test_packages_import_only_earlier_layers():
     layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
-    wrong = [f"{a} -> {b} at {', '.join(locs)}" for (a, b), locs in sorted(_edges().items())
-             if layer[b] >= layer[a] and not (a in LAYERS[-1] and b in LAYERS[-1])]
+    wrong = [
+        f"{a} -> {b} at {', '.join(locs)}"
+        for (a, b), locs in sorted(_edges().items())
+        if layer[b] >= layer[a] and not (a in LAYERS[-1] and b in LAYERS[-1])
+    ]
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
 
 
@@ -109,8 +112,12 @@ def test_library_code_never_imports_bench_or_testing():
 def test_the_checker_sees_function_local_imports_and_cycles(tmp_path, monkeypatch):
     """The checker itself: a function-local import closing a cycle is found."""
     pkg = tmp_path / "fusedrl"
-    for name, text in {"a/__init__.py": "", "a/m.py": "from fusedrl.b import x\n",
-                       "b/__init__.py": "", "b/m.py": "def f():\n    from fusedrl.a.m import y\n"}.items():
+    for name, text in {
+        "a/__init__.py": "",
+        "a/m.py": "from fusedrl.b import x\n",
+        "b/__init__.py": "",
+        "b/m.py": "def f():\n    from fusedrl.a.m import y\n",
+    }.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)

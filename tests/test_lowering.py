@@ -124,8 +124,9 @@ def test_consecutive_messages_with_one_peer_form_one_batch():
     from fusedrl.pipelining.lowering import comm_batches
 
     placement, counts = Placement(2), {ACTOR: 4, CRITIC: 4}
-    program = lower(fused_schedule(placement, CostModel.uniform(placement, 1.0, 0.7), 4, 4, budget_s=0.2).schedule,
-                    placement, counts)
+    program = lower(
+        fused_schedule(placement, CostModel.uniform(placement, 1.0, 0.7), 4, 4, budget_s=0.2).schedule, placement, counts
+    )
     for prog in program.programs.values():
         batches = comm_batches(prog, placement)
         assert sorted(i for b in batches for i in b) == [i for i, a in enumerate(prog) if a.kind in COMM_KINDS]

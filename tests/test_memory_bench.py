@@ -162,6 +162,14 @@ def test_measured_trainer_memory_matches_the_estimate(capsys):
     off = [c for c in result["comparison"] if c["gated"] and abs(c["ratio"] - 1) > memory.TOLERANCE]
     assert code == 0 and result["comparison_ok"] and not off, off
     categories = {c["category"].split(" (")[0].split(",")[0] for c in result["comparison"] if c["gated"]}
-    for name in ("train_params_actor", "optimizer_critic", "rollout_reference", "kv_cache", "pipeline_buffers",
-                 "gradients_actor", "unsharded_grads", "activations"):
+    for name in (
+        "train_params_actor",
+        "optimizer_critic",
+        "rollout_reference",
+        "kv_cache",
+        "pipeline_buffers",
+        "gradients_actor",
+        "unsharded_grads",
+        "activations",
+    ):
         assert name in categories, categories

@@ -24,12 +24,15 @@ def test_tensorboard_scalars_match_metrics_jsonl(tmp_path):
     section = MetricsSection(log_freq=2, jsonl=True, tensorboard=True)
     with MetricsLogger.from_config(section, tmp_path, rank=0) as logger:
         for step in range(1, 7):
-            logger.log(step, {
-                "loss": torch.tensor(1.0 / (3 * step)),  # a tensor
-                "samples": 10_000_019 * step,  # an int above 2**24: TensorBoard keeps it rounded to float32
-                "skipped": step == 4,  # a bool, logged as 0/1
-                "kl": float("nan") if step == 6 else 0.1 * step,  # a Python float, not exact in float32
-            })
+            logger.log(
+                step,
+                {
+                    "loss": torch.tensor(1.0 / (3 * step)),  # a tensor
+                    "samples": 10_000_019 * step,  # an int above 2**24: TensorBoard keeps it rounded to float32
+                    "skipped": step == 4,  # a bool, logged as 0/1
+                    "kl": float("nan") if step == 6 else 0.1 * step,  # a Python float, not exact in float32
+                },
+            )
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [2, 4, 6]

@@ -15,8 +15,15 @@ from fusedrl.fusion.plan import (
 
 
 def _stats(rank: int, unfinished: int, remaining: int, max_slots: int = 8) -> InstanceStats:
-    return InstanceStats(rank, unfinished, remaining, max_slots, kv_capacity_tokens=10_000, kv_reserved_tokens=unfinished * 50,
-                         largest_request_tokens=50 if unfinished else 0)
+    return InstanceStats(
+        rank,
+        unfinished,
+        remaining,
+        max_slots,
+        kv_capacity_tokens=10_000,
+        kv_reserved_tokens=unfinished * 50,
+        largest_request_tokens=50 if unfinished else 0,
+    )
 
 
 def test_queued_instance_is_kept_without_receiving_requests():
@@ -59,8 +66,9 @@ def test_kept_room_counts_whole_requests_not_summed_kv():
     # Ranks 0 and 1 have 150 free KV tokens each (300 in all) and ranks 2-3 hold three 100-token requests
     # (300 KV tokens): summed KV fits, but each of 0 and 1 takes only one request; rank 2 must stay too.
     def st(rank, unfinished, remaining, reserved, largest):
-        return InstanceStats(rank, unfinished, remaining, 8, kv_capacity_tokens=1000, kv_reserved_tokens=reserved,
-                             largest_request_tokens=largest)
+        return InstanceStats(
+            rank, unfinished, remaining, 8, kv_capacity_tokens=1000, kv_reserved_tokens=reserved, largest_request_tokens=largest
+        )
 
     stats = [st(0, 4, 900, 850, 300), st(1, 4, 800, 850, 300), st(2, 2, 100, 200, 100), st(3, 1, 50, 100, 100)]
     kept = choose_kept(stats)
@@ -70,5 +78,10 @@ def test_kept_room_counts_whole_requests_not_summed_kv():
     verify_plan(plan, stats, moved, kept_samples={})
     assert [t.dst for t in plan.transfers] == [2]
     with pytest.raises(PlanError, match="fits on no kept instance"):  # what the summed-KV rule led to
-        build_plan(stats, [0, 1], [MovedRequest(10, 3, 60, 40), MovedRequest(11, 2, 60, 40), MovedRequest(12, 2, 60, 40)],
-                   kept_samples={}, freed_load={})
+        build_plan(
+            stats,
+            [0, 1],
+            [MovedRequest(10, 3, 60, 40), MovedRequest(11, 2, 60, 40), MovedRequest(12, 2, 60, 40)],
+            kept_samples={},
+            freed_load={},
+        )

@@ -235,8 +235,11 @@ def test_every_problem_is_listed_at_once(good_folder):
     _edit(good_folder, edit)
     message = _load_error(good_folder)
     assert "3 problem(s)" in message
-    for part in ("missing tensors: model.norm.weight", "unexpected tensors: extra.weight",
-                 "model.layers.1.self_attn.o_proj.weight expected [64, 64], found [64, 32]"):
+    for part in (
+        "missing tensors: model.norm.weight",
+        "unexpected tensors: extra.weight",
+        "model.layers.1.self_attn.o_proj.weight expected [64, 64], found [64, 32]",
+    ):
         assert part in message
 
 

@@ -54,8 +54,10 @@ def _report(agents: list[Agent]) -> str:
     for a in agents:
         placed = {r: (w.get("GROUP_RANK"), w.get("LOCAL_RANK")) for r, w in sorted(a.workers.items())}
         errors = "\n".join(line for line in a.output.splitlines() if line.startswith("error:")) or "(none)"
-        blocks.append(f"===== {a.name}: exit status {a.proc.returncode}, workers RANK -> (GROUP_RANK, LOCAL_RANK) "
-                      f"{placed}\n--- its error lines ---\n{errors}\n--- the tail of its output ---\n{a.output[-2500:]}")
+        blocks.append(
+            f"===== {a.name}: exit status {a.proc.returncode}, workers RANK -> (GROUP_RANK, LOCAL_RANK) "
+            f"{placed}\n--- its error lines ---\n{errors}\n--- the tail of its output ---\n{a.output[-2500:]}"
+        )
     return "\n".join(blocks)
 
 
@@ -68,8 +70,19 @@ def _run_agents(out: Path, launches: list[list[str]]) -> list[Agent]:
         for i, args in enumerate(launches):
             log = out / f"agent{i}.log"
             with open(log, "w") as f:
-                cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "fusedrl.train",
-                       "--job.config_file", CONFIG, *TINY, *LAYOUT, f"--job.output_dir={out / 'run'}"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *args,
+                    "-m",
+                    "fusedrl.train",
+                    "--job.config_file",
+                    CONFIG,
+                    *TINY,
+                    *LAYOUT,
+                    f"--job.output_dir={out / 'run'}",
+                ]
                 proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             agents.append(Agent(f"agent {i}", log, proc))
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -96,8 +109,18 @@ def _layout_line(text: str) -> str:
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> tuple[list[Agent], list[dict]]:
     out = tmp_path_factory.mktemp("one_node")
-    agents = _run_agents(out, [["--nnodes=1", f"--nproc_per_node={NODES * PER_NODE}", "--master_addr=127.0.0.1",
-                                f"--master_port={free_port()}", "--max_restarts=0"]])
+    agents = _run_agents(
+        out,
+        [
+            [
+                "--nnodes=1",
+                f"--nproc_per_node={NODES * PER_NODE}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                "--max_restarts=0",
+            ]
+        ],
+    )
     assert agents[0].proc.returncode == 0, _report(agents)
     return agents, read_jsonl(out / "run" / "metrics.jsonl")
 
@@ -106,9 +129,15 @@ def test_two_agents_place_ranks_by_node_and_train_as_one_agent_does(tmp_path, on
     port = free_port()
     # c10d rendezvous: both agents name the same endpoint and --rdzv_id; the rendezvous assigns node ranks
     # (--node_rank is ignored), and the agent on the endpoint's host serves its store.
-    rdzv = [f"--nnodes={NODES}", f"--nproc_per_node={PER_NODE}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=fusedrl-test-{port}", "--local_addr=127.0.0.1",
-            "--max_restarts=0"]
+    rdzv = [
+        f"--nnodes={NODES}",
+        f"--nproc_per_node={PER_NODE}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        f"--rdzv_id=fusedrl-test-{port}",
+        "--local_addr=127.0.0.1",
+        "--max_restarts=0",
+    ]
     agents = _run_agents(tmp_path, [rdzv, rdzv])
     report = _report(agents)
     assert all(a.proc.returncode == 0 for a in agents), report
@@ -139,7 +168,8 @@ def test_two_agents_place_ranks_by_node_and_train_as_one_agent_does(tmp_path, on
         for key in (*COMPARED, "true_score", "lr_actor"):
             x, y = a[key], b[key]
             assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-6, abs=1e-9), (
-                f"step {a['step']}: {key} = {x} on two agents, {y} on one")
+                f"step {a['step']}: {key} = {x} on two agents, {y} on one"
+            )
     assert records[1]["grad_norm_actor"] > 0 and records[1]["lr_actor"] > 0  # it trained
     print(f"\n{_layout_line(first.output)}")
 
@@ -173,8 +203,9 @@ def test_node_check_refuses_exactly_the_layouts_with_a_group_across_nodes(pp, dp
 
     world = 8
     lines = _lines(world, pp, dp_shard, tp, gen_tp)
-    cfg = _cfg(f"--parallelism.pp={pp}", f"--parallelism.dp_shard={dp_shard}", f"--parallelism.tp={tp}",
-               f"--parallelism.gen_tp={gen_tp}")
+    cfg = _cfg(
+        f"--parallelism.pp={pp}", f"--parallelism.dp_shard={dp_shard}", f"--parallelism.tp={tp}", f"--parallelism.gen_tp={gen_tp}"
+    )
     for local in (1, 2, 4, 8):
         spanning = [key for key in ("gen_tp", "tp") if any(len({r // local for r in g}) > 1 for g in lines[key])]
         if not spanning:
@@ -187,11 +218,17 @@ def test_node_check_refuses_exactly_the_layouts_with_a_group_across_nodes(pp, dp
 
 
 NODE_REFUSALS = [
-    ({"LOCAL_WORLD_SIZE": "1"}, ["--parallelism.gen_tp=2"],
-     "parallelism.gen_tp = 2 (command line): a generation instance (gen_tp consecutive ranks) would span nodes "
-     "(LOCAL_WORLD_SIZE = 1: ranks per node); choose a gen_tp dividing 1, or launch a multiple of 2 processes per node"),
-    ({"LOCAL_WORLD_SIZE": "1"}, ["--parallelism.dp_shard=1", "--parallelism.tp=2"],
-     "parallelism.tp = 2 (command line): a tensor-parallel group (tp consecutive ranks) would span nodes"),
+    (
+        {"LOCAL_WORLD_SIZE": "1"},
+        ["--parallelism.gen_tp=2"],
+        "parallelism.gen_tp = 2 (command line): a generation instance (gen_tp consecutive ranks) would span nodes "
+        "(LOCAL_WORLD_SIZE = 1: ranks per node); choose a gen_tp dividing 1, or launch a multiple of 2 processes per node",
+    ),
+    (
+        {"LOCAL_WORLD_SIZE": "1"},
+        ["--parallelism.dp_shard=1", "--parallelism.tp=2"],
+        "parallelism.tp = 2 (command line): a tensor-parallel group (tp consecutive ranks) would span nodes",
+    ),
     ({"LOCAL_WORLD_SIZE": "3"}, [], "LOCAL_WORLD_SIZE = 3 (ranks per node): must divide the world size 4"),
 ]
 
@@ -233,8 +270,9 @@ def test_config_cli_runs_the_node_checks_with_local_world_size(monkeypatch, caps
 def test_resume_accepts_true_false_and_auto():
     assert [_cfg(f"--checkpoint.resume={v}").checkpoint.resume for v in ("true", "false", "auto")] == [True, False, "auto"]
     assert _cfg("--checkpoint.resume").checkpoint.resume is True  # a bare flag still means true
-    with pytest.raises(ConfigError, match='checkpoint.resume \\(command line\\): expected bool \\(true/false\\) or "auto", '
-                                          "got 'maybe'"):
+    with pytest.raises(
+        ConfigError, match="checkpoint.resume \\(command line\\): expected bool \\(true/false\\) or \"auto\", got 'maybe'"
+    ):
         _cfg("--checkpoint.resume=maybe")
 
 
@@ -250,9 +288,11 @@ def test_resume_true_needs_a_checkpoint_and_auto_does_not(tmp_path, monkeypatch)
     (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)  # a writer died before the marker
     with pytest.raises(ConfigError) as err:
         prepare([*argv, "--checkpoint.resume=true"])
-    assert str(err.value) == (f"checkpoint.resume = true (command line): no complete checkpoint in {tmp_path / 'checkpoints'}; "
-                              "check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto to start fresh "
-                              "when there is none")
+    assert str(err.value) == (
+        f"checkpoint.resume = true (command line): no complete checkpoint in {tmp_path / 'checkpoints'}; "
+        "check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto to start fresh "
+        "when there is none"
+    )
     assert not dist.is_initialized()
     assert prepare([*argv, "--checkpoint.resume=auto"]).checkpoint.resume == "auto"
     (tmp_path / "checkpoints" / "step-00000002").mkdir()

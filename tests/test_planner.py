@@ -54,8 +54,11 @@ def test_sequential_makespan_with_latency_by_hand():
 
 def test_single_rank_is_sum_of_work_and_memory_counts_in_flight():
     placement, costs, _, _ = _problem(1, 1, 3, 2, f_critic=0.5, mem_actor=2.0, mem_critic=1.0)
-    sched = {0: [Action(ACTOR, 0, m, "F") for m in range(3)] + [Action(ACTOR, 0, m, "B") for m in range(3)]
-             + [Action(CRITIC, 0, m, k) for m in range(2) for k in "FB"]}
+    sched = {
+        0: [Action(ACTOR, 0, m, "F") for m in range(3)]
+        + [Action(ACTOR, 0, m, "B") for m in range(3)]
+        + [Action(CRITIC, 0, m, k) for m in range(2) for k in "FB"]
+    }
     res = simulate(sched, placement, costs, 3, 2)
     assert res.makespan == pytest.approx(3 * 3.0 + 2 * 1.5)
     assert res.bubble_ratio == pytest.approx(0.0)
@@ -101,8 +104,11 @@ def test_deadlock_is_named():
     critic_f = Action(CRITIC, 1, 0, "F")
     sched[0] = [critic_f] + [a for a in sched[0] if a != critic_f]
     assert sched[1][0] == Action(ACTOR, 1, 0, "F")
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 at critic:F1\.mb0 waits for critic:F0\.mb0; "
-                                            r"rank 1 at actor:F1\.mb0 waits for actor:F0\.mb0"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"deadlock: rank 0 at critic:F1\.mb0 waits for critic:F0\.mb0; "
+        r"rank 1 at actor:F1\.mb0 waits for actor:F0\.mb0",
+    ):
         simulate(sched, placement, costs, ma, mc)
 
 
@@ -162,8 +168,12 @@ def test_generated_schedules_valid_and_bounded(pp, pc, ma, mc, fc):
     assert res.max_peak_memory <= plan.memory_limit + 1e-9
     # The critic replicas each ran all their micro-batches on their own ranks.
     for replica in range(placement.critic_replicas):
-        done = {(a.stage, a.microbatch, a.kind) for acts in plan.schedule.values() for a in acts
-                if a.model == CRITIC and a.replica == replica}
+        done = {
+            (a.stage, a.microbatch, a.kind)
+            for acts in plan.schedule.values()
+            for a in acts
+            if a.model == CRITIC and a.replica == replica
+        }
         assert len(done) == 2 * pc * mc
 
 
@@ -173,8 +183,17 @@ def test_every_greedy_variant_valid():
     limit = 6.0
     rng = random.Random(0)
     for extra, bias, active, pressure in search_mod.RESTART_VARIANTS:
-        order = greedy_order(problem, limit, extra_in_flight=extra, backward_bias=bias, active=active,
-                             memory_pressure=pressure, critic_weight=rng.uniform(0.5, 2), noise=0.1, rng=rng)
+        order = greedy_order(
+            problem,
+            limit,
+            extra_in_flight=extra,
+            backward_bias=bias,
+            active=active,
+            memory_pressure=pressure,
+            critic_weight=rng.uniform(0.5, 2),
+            noise=0.1,
+            rng=rng,
+        )
         res = simulate(problem.to_schedule(order), placement, costs, ma, mc)
         assert res.makespan >= lower_bound(placement, costs, ma, mc) - 1e-9
     with pytest.raises(ValueError, match="needs an rng"):
@@ -236,8 +255,9 @@ def test_justify_order_respects_a_tight_memory_limit():
 
 @pytest.mark.parametrize("pp,pc,ma,mc,fc", CONFIGS)
 def test_time_reversed_greedy_is_a_valid_schedule_with_the_same_peak(pp, pc, ma, mc, fc):
-    placement, costs, _, _ = _problem(pp, pc, ma, mc, f_critic=fc, mem_critic=0.5, p2p_latency=0.1,
-                                      b_actor=1.5, b_critic=2.5 * fc)
+    placement, costs, _, _ = _problem(
+        pp, pc, ma, mc, f_critic=fc, mem_critic=0.5, p2p_latency=0.1, b_actor=1.5, b_critic=2.5 * fc
+    )
     problem = Problem(placement, costs, ma, mc)
     reversal = search_mod._TimeReversal(problem)
     rev = reversal.reversed
@@ -265,8 +285,7 @@ def test_same_seed_same_schedule(monkeypatch):
 def test_lower_bound_below_exhaustive_optimum():
     # pp=2, 2 actor micro-batches, 1 critic micro-batch, uneven costs: try every valid per-rank order.
     placement = Placement(2)
-    costs = CostModel.from_profile({ACTOR: {"f": [1.0, 2.0], "b": [2.5, 3.0]}, CRITIC: {"f": [0.7, 1.3]}},
-                                   p2p_latency=0.2)
+    costs = CostModel.from_profile({ACTOR: {"f": [1.0, 2.0], "b": [2.5, 3.0]}, CRITIC: {"f": [0.7, 1.3]}}, p2p_latency=0.2)
     ma, mc = 2, 1
     base = sequential_1f1b(placement, ma, mc)
     per_rank = []
@@ -274,16 +293,27 @@ def test_lower_bound_below_exhaustive_optimum():
         orders = []
         for perm in itertools.permutations(base[r]):
             pos = {a: i for i, a in enumerate(perm)}
-            ok = all(pos[a] < pos[b] for a in perm for b in perm
-                     if (a.model, a.stage) == (b.model, b.stage)
-                     and ((a.kind == b.kind and a.microbatch < b.microbatch)
-                          or (a.kind == "F" and b.kind == "B" and a.microbatch == b.microbatch)))
+            ok = all(
+                pos[a] < pos[b]
+                for a in perm
+                for b in perm
+                if (a.model, a.stage) == (b.model, b.stage)
+                and (
+                    (a.kind == b.kind and a.microbatch < b.microbatch)
+                    or (a.kind == "F" and b.kind == "B" and a.microbatch == b.microbatch)
+                )
+            )
             if ok:
                 orders.append(list(perm))
         per_rank.append(orders)
     best = min(
-        (res.makespan for o0 in per_rank[0] for o1 in per_rank[1]
-         for res in [_try(simulate, {0: o0, 1: o1}, placement, costs, ma, mc)] if res is not None),
+        (
+            res.makespan
+            for o0 in per_rank[0]
+            for o1 in per_rank[1]
+            for res in [_try(simulate, {0: o0, 1: o1}, placement, costs, ma, mc)]
+            if res is not None
+        ),
     )
     bound = lower_bound(placement, costs, ma, mc)
     plan = fused_schedule(placement, costs, ma, mc, budget_s=0.5, seed=0, memory_limit=1e9)
@@ -316,13 +346,43 @@ def test_cost_model_constructors():
 
 def test_cli_json_and_trace(tmp_path, capsys):
     trace = tmp_path / "t.json"
-    rc = plan_main(["--pp-actor", "4", "--pp-critic", "2", "--mb-actor", "8", "--mb-critic", "4", "--f-actor", "5",
-                    "--f-critic", "4", "--mem-actor", "1.95", "--mem-critic", "2", "--budget-s", "0.3", "--json",
-                    "--trace", str(trace)])
+    rc = plan_main(
+        [
+            "--pp-actor",
+            "4",
+            "--pp-critic",
+            "2",
+            "--mb-actor",
+            "8",
+            "--mb-critic",
+            "4",
+            "--f-actor",
+            "5",
+            "--f-critic",
+            "4",
+            "--mem-actor",
+            "1.95",
+            "--mem-critic",
+            "2",
+            "--budget-s",
+            "0.3",
+            "--json",
+            "--trace",
+            str(trace),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("makespan", "lower_bound", "sequential_1f1b_makespan", "speedup_vs_sequential", "bubble_ratio",
-                "peak_memory", "peak_memory_1f1b_single", "search_seconds"):
+    for key in (
+        "makespan",
+        "lower_bound",
+        "sequential_1f1b_makespan",
+        "speedup_vs_sequential",
+        "bubble_ratio",
+        "peak_memory",
+        "peak_memory_1f1b_single",
+        "search_seconds",
+    ):
         assert key in out
     assert out["lower_bound"] <= out["makespan"] <= out["sequential_1f1b_makespan"]
     assert out["peak_memory_1f1b_single"] == pytest.approx(4 * 1.95)
@@ -333,12 +393,35 @@ def test_cli_json_and_trace(tmp_path, capsys):
 def test_cli_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "g.png"
-    assert plan_main(["--pp-actor", "2", "--mb-actor", "2", "--mb-critic", "2", "--f-actor", "1", "--f-critic", "1",
-                      "--budget-s", "0.1", "--png", str(png)]) == 0
+    assert (
+        plan_main(
+            [
+                "--pp-actor",
+                "2",
+                "--mb-actor",
+                "2",
+                "--mb-critic",
+                "2",
+                "--f-actor",
+                "1",
+                "--f-critic",
+                "1",
+                "--budget-s",
+                "0.1",
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_bad_input_exits_with_message(capsys):
-    assert plan_main(["--pp-actor", "4", "--pp-critic", "3", "--mb-actor", "4", "--mb-critic", "4",
-                      "--f-actor", "1", "--f-critic", "1"]) == 2
+    assert (
+        plan_main(
+            ["--pp-actor", "4", "--pp-critic", "3", "--mb-actor", "4", "--mb-critic", "4", "--f-actor", "1", "--f-critic", "1"]
+        )
+        == 2
+    )
     assert "must divide pp" in capsys.readouterr().err

@@ -16,13 +16,30 @@ from fusedrl.testing import run_multirank
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
-SMALL = ["--ppo.batch_size=16", "--ppo.minibatch_size=16", "--ppo.microbatch_size=4", "--ppo.epochs=1",
-         "--generation.max_new_tokens=48", "--generation.temperature=0", "--training.steps=3", "--checkpoint.interval=0",
-         "--checkpoint.export_hf=false", "--metrics.trace=[]", "--fusion.schedule_search_budget_s=0",
-         "--metrics.jsonl=false", *(f"--model.{k}={ROOT / 'assets' / 'debug' / v}" for k, v in
-                                     (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward")))]
-BF16 = ["--training.mixed_precision_param=bfloat16", "--training.frozen_dtype=bfloat16",
-        "--training.rollout_dtype=bfloat16", "--training.kv_cache_dtype=bfloat16"]
+SMALL = [
+    "--ppo.batch_size=16",
+    "--ppo.minibatch_size=16",
+    "--ppo.microbatch_size=4",
+    "--ppo.epochs=1",
+    "--generation.max_new_tokens=48",
+    "--generation.temperature=0",
+    "--training.steps=3",
+    "--checkpoint.interval=0",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--fusion.schedule_search_budget_s=0",
+    "--metrics.jsonl=false",
+    *(
+        f"--model.{k}={ROOT / 'assets' / 'debug' / v}"
+        for k, v in (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward"))
+    ),
+]
+BF16 = [
+    "--training.mixed_precision_param=bfloat16",
+    "--training.frozen_dtype=bfloat16",
+    "--training.rollout_dtype=bfloat16",
+    "--training.kv_cache_dtype=bfloat16",
+]
 
 
 def _train(out: str, extra: list[str]) -> list[dict]:

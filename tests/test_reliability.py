@@ -109,8 +109,9 @@ def _experience(batch: int, bad_score: float | None):
     )
 
 
-def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, poison: str | None = None,
-              models: dict | None = None):
+def _ppo_step(
+    monkeypatch, nan_policy: str, bad_score: float | None = None, poison: str | None = None, models: dict | None = None
+):
     """One real ppo_update (config, advantages, clipping, optimizers, schedulers) on two Linear "stages".
 
     The pipeline executor is replaced by a loss that depends on the minibatch's advantages and returns, so a
@@ -139,11 +140,14 @@ def _ppo_step(monkeypatch, nan_policy: str, bad_score: float | None = None, pois
             actor.weight.grad[0, 1] = float("inf")
         reported = torch.tensor(float("nan")) if poison == "loss" else policy_loss.detach()
         return {k: torch.zeros(()) for keys in (train.POLICY_STATS, train.VALUE_STATS) for k in keys} | {
-            "policy_loss": reported, "value_loss": value_loss.detach()}
+            "policy_loss": reported,
+            "value_loss": value_loss.detach(),
+        }
 
     monkeypatch.setattr(train, "train_minibatch", fake_minibatch)
-    layout = SimpleNamespace(dp=1, pp_group=None, actor_stage=actor, critic_stage=critic,
-                             tied=SimpleNamespace(sum_gradients=lambda: None))
+    layout = SimpleNamespace(
+        dp=1, pp_group=None, actor_stage=actor, critic_stage=critic, tied=SimpleNamespace(sum_gradients=lambda: None)
+    )
     opts = []
     for m in (actor, critic):
         o = build_optimizer(m, 1e-2, 0.0)
@@ -163,8 +167,11 @@ def test_finite_update_is_applied(single_rank_group, monkeypatch):
     assert out["skipped_updates"] == 0 and changed and math.isfinite(stats["reward_mean"])
 
 
-@pytest.mark.parametrize("bad, poison", [(float("nan"), None), (float("inf"), None), (None, "grad"), (None, "loss")],
-                         ids=["nan-reward", "inf-reward", "inf-gradient", "nan-loss"])
+@pytest.mark.parametrize(
+    "bad, poison",
+    [(float("nan"), None), (float("inf"), None), (None, "grad"), (None, "loss")],
+    ids=["nan-reward", "inf-reward", "inf-gradient", "nan-loss"],
+)
 def test_non_finite_update_is_skipped_with_a_logged_reason(single_rank_group, monkeypatch, caplog, bad, poison):
     with caplog.at_level(logging.WARNING, logger="fusedrl"):
         out, _, changed, opt = _ppo_step(monkeypatch, "skip", bad_score=bad, poison=poison)
@@ -218,11 +225,21 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
 
     script = tmp_path / "job.py"
     script.write_text(_KILLED_RANK_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0", str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "--max_restarts=0",
+        str(script),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -232,7 +249,7 @@ def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert "rank 0 iteration 2 done" in out and "rank 1 iteration 3 done" not in out, out[-3000:]
     # torchrun's failure summary names the dead rank as the root cause, with its signal.
-    root_cause = out[out.index("Root Cause"):] if "Root Cause" in out else ""
+    root_cause = out[out.index("Root Cause") :] if "Root Cause" in out else ""
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", root_cause), out[-3000:]
 
 
@@ -249,9 +266,19 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
     from fusedrl.testing.stress import SMALL
     from fusedrl.train import Trainer
 
-    cfg = load_config(["--job.config_file", DEBUG, *SMALL, f"--job.output_dir={out}", "--training.steps=3",
-                       *(f"--model.{k}={ROOT / 'assets' / 'debug' / v}" for k, v in
-                         (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward")))])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            DEBUG,
+            *SMALL,
+            f"--job.output_dir={out}",
+            "--training.steps=3",
+            *(
+                f"--model.{k}={ROOT / 'assets' / 'debug' / v}"
+                for k, v in (("actor_path", "actor"), ("critic_path", "reward"), ("reward_path", "reward"))
+            ),
+        ]
+    )
     trainer = Trainer(cfg)
     run_rollout, train_step = trainer.controller.run, trainer.train_step
 

@@ -56,19 +56,31 @@ def _reshard_case(flavor: str, role: str, pp: int, dp: int, tp: int, gen_tp: int
     received = reshard(plan, src_params, dst_params)
     reshard(plan, src_params, dst_params)  # a second sync writes the same values
     ref = dict(_reference(flavor, role).named_parameters())
-    mismatched = [name for name, p in dst_params.items()
-                  if not torch.equal(p.full_tensor() if isinstance(p, DTensor) else p.detach(), ref[name].detach().to(dtype))]
+    mismatched = [
+        name
+        for name, p in dst_params.items()
+        if not torch.equal(p.full_tensor() if isinstance(p, DTensor) else p.detach(), ref[name].detach().to(dtype))
+    ]
     local_bytes = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in dst_params.values())
-    return {"mismatched": mismatched, "received": received, "planned": plan.bytes_received(dist.get_rank()),
-            "local_bytes": local_bytes, "max_unit_bytes": max(sum(t.box.numel for t in u) for u in plan.units)}
+    return {
+        "mismatched": mismatched,
+        "received": received,
+        "planned": plan.bytes_received(dist.get_rank()),
+        "local_bytes": local_bytes,
+        "max_unit_bytes": max(sum(t.box.numel for t in u) for u in plan.units),
+    }
 
 
-@pytest.mark.parametrize("case", [
-    ("debug", "policy", 2, 2, 1, 2, torch.float32),   # pp2 x FSDP2 -> 2 instances of TP2
-    ("debug", "policy", 2, 2, 1, 1, torch.bfloat16),  # -> 4 full replicas, bf16 on the wire
-    ("debug_qwen", "policy", 1, 2, 2, 2, torch.float32),  # FSDP2 x TP2 training (strided shards) -> TP2, tied head
-    ("debug_large", "value", 4, 1, 1, 2, torch.bfloat16),  # 4 stages, FSDP over 1 -> TP2 value model
-], ids=["pp2-dp2-to-gentp2", "pp2-dp2-to-replicas-bf16", "dp2-tp2-to-gentp2-qwen", "pp4-to-gentp2-value-bf16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("debug", "policy", 2, 2, 1, 2, torch.float32),  # pp2 x FSDP2 -> 2 instances of TP2
+        ("debug", "policy", 2, 2, 1, 1, torch.bfloat16),  # -> 4 full replicas, bf16 on the wire
+        ("debug_qwen", "policy", 1, 2, 2, 2, torch.float32),  # FSDP2 x TP2 training (strided shards) -> TP2, tied head
+        ("debug_large", "value", 4, 1, 1, 2, torch.bfloat16),  # 4 stages, FSDP over 1 -> TP2 value model
+    ],
+    ids=["pp2-dp2-to-gentp2", "pp2-dp2-to-replicas-bf16", "dp2-tp2-to-gentp2-qwen", "pp4-to-gentp2-value-bf16"],
+)
 def test_reshard_fills_every_rollout_shard_exactly(four_ranks, case):
     results = four_ranks.run(_reshard_case, *case)
     for rank, r in enumerate(results):

@@ -52,12 +52,16 @@ def test_load_reward_fn_imports_the_named_callable():
     assert load_reward_fn("fusedrl.components:ByteTokenizer.decode") is ByteTokenizer.decode  # dotted attribute
 
 
-@pytest.mark.parametrize("path, message", [
-    ("no_such_package.rewards:score", "cannot import module 'no_such_package.rewards' (ModuleNotFoundError"),
-    ("fusedrl.tasks.debug:no_such_fn", "module 'fusedrl.tasks.debug' has no attribute 'no_such_fn'"),
-    ("fusedrl.tasks.debug:ALPHABET", "fusedrl.tasks.debug:ALPHABET is a str, not a callable"),
-    ("fusedrl.tasks.debug.reward_fn", "is not an import path"),
-], ids=["bad-module", "missing-attribute", "not-callable", "no-colon"])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("no_such_package.rewards:score", "cannot import module 'no_such_package.rewards' (ModuleNotFoundError"),
+        ("fusedrl.tasks.debug:no_such_fn", "module 'fusedrl.tasks.debug' has no attribute 'no_such_fn'"),
+        ("fusedrl.tasks.debug:ALPHABET", "fusedrl.tasks.debug:ALPHABET is a str, not a callable"),
+        ("fusedrl.tasks.debug.reward_fn", "is not an import path"),
+    ],
+    ids=["bad-module", "missing-attribute", "not-callable", "no-colon"],
+)
 def test_load_reward_fn_refuses_bad_paths_in_one_line(path, message):
     with pytest.raises(ValueError) as err:
         load_reward_fn(path)
@@ -76,7 +80,7 @@ def test_the_function_gets_decoded_texts_ids_and_finished_flags():
 
     samples = [_sample(4, "repeat ab 2 times:", "abab"), _sample(9, "repeat c 3 times:", "ccccc", finished=False)]
     Scorer(_models(), reward_fn=RuleReward(record, TOK)).score(samples)
-    (prompts, responses, prompt_ids, response_ids, finished), = calls
+    ((prompts, responses, prompt_ids, response_ids, finished),) = calls
     assert prompts == ["repeat ab 2 times:", "repeat c 3 times:"]  # BOS skipped
     assert responses == ["abab", "ccccc"]  # the stop token is not part of the text
     assert prompt_ids == [[TOK.bos_id, *b"repeat ab 2 times:"], [TOK.bos_id, *b"repeat c 3 times:"]]
@@ -89,8 +93,11 @@ def _by_length(prompts, responses, *, prompt_ids, response_ids, finished):
 
 
 def test_scores_add_the_weighted_function_value_to_the_reward_model():
-    samples = [_sample(0, "repeat ab 1 times:", "ab"), _sample(1, "repeat ab 2 times:", "abab"),
-               _sample(2, "repeat x 9 times:", "x", finished=False)]
+    samples = [
+        _sample(0, "repeat ab 1 times:", "ab"),
+        _sample(1, "repeat ab 2 times:", "abab"),
+        _sample(2, "repeat x 9 times:", "x", finished=False),
+    ]
     models = _models()
     plain = Scorer(models).score(samples)
     exp = Scorer(models, reward_fn=RuleReward(_by_length, TOK, weight=0.5)).score(samples)
@@ -107,8 +114,11 @@ def test_scores_add_the_weighted_function_value_to_the_reward_model():
 
 
 def test_debug_reward_fn_is_the_true_score():
-    samples = [_sample(0, "repeat ab 2 times:", "abab"), _sample(1, "repeat ab 2 times:", "aba"),
-               _sample(2, "repeat ab 2 times:", "ababab", finished=False)]
+    samples = [
+        _sample(0, "repeat ab 2 times:", "abab"),
+        _sample(1, "repeat ab 2 times:", "aba"),
+        _sample(2, "repeat ab 2 times:", "ababab", finished=False),
+    ]
     exp = Scorer(_models(reward=False), reward_fn=RuleReward(debug.reward_fn, TOK)).score(samples)
     assert exp.scores.tolist() == [1.0, 0.75 - 0.25, -1.0]  # exact; 3 of 4 characters right, 1 of 4 missing; unfinished
 
@@ -146,8 +156,11 @@ FAILURES = {
 
 
 def _with_failure(kind: str) -> list[RequestResult]:
-    return [_sample(3, "repeat ab 2 times:", "abab"), _sample(7, f"{kind}: bad sample", "zz"),
-            _sample(5, "repeat q 3 times:", "qqq", finished=False)]
+    return [
+        _sample(3, "repeat ab 2 times:", "abab"),
+        _sample(7, f"{kind}: bad sample", "zz"),
+        _sample(5, "repeat q 3 times:", "qqq", finished=False),
+    ]
 
 
 @pytest.mark.parametrize("kind", FAILURES)
@@ -178,16 +191,27 @@ def test_stop_raises_naming_the_sample_and_the_reason(kind):
 def test_grouping_of_samples_changes_no_value():
     """Inter-stage fusion hands the scorer different subsets of the batch: any grouping gives the same scores,
     failures included."""
-    samples = [_sample(i, p, r, f) for i, (p, r, f) in enumerate([
-        ("repeat ab 2 times:", "abab", True), ("raise: x", "a", True), ("repeat c 4 times:", "cc", False),
-        ("nan: y", "bb", True), ("drop: z", "zz", False), ("repeat d 1 times:", "d", True)])]
+    samples = [
+        _sample(i, p, r, f)
+        for i, (p, r, f) in enumerate(
+            [
+                ("repeat ab 2 times:", "abab", True),
+                ("raise: x", "a", True),
+                ("repeat c 4 times:", "cc", False),
+                ("nan: y", "bb", True),
+                ("drop: z", "zz", False),
+                ("repeat d 1 times:", "d", True),
+            ]
+        )
+    ]
     scorer = Scorer(_models(reward=False), reward_fn=RuleReward(_misbehaving, TOK, weight=0.5, on_failure="skip"))
     whole = scorer.score(samples)
     for groups in ([samples[:2], samples[2:]], [samples[:3], samples[3:]], [[s] for s in samples]):
         parts = [scorer.score(g) for g in groups]
         for name in ("scores", "reward_fn_scores"):
-            torch.testing.assert_close(torch.cat([getattr(p, name) for p in parts]), getattr(whole, name),
-                                       rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(
+                torch.cat([getattr(p, name) for p in parts]), getattr(whole, name), rtol=0, atol=0, equal_nan=True
+            )
     assert reward_fn_metrics(whole)["reward_fn_failures"] == 3
 
 
@@ -231,8 +255,11 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("overrides, message", BAD_CONFIGS,
-                         ids=["bad-module", "not-callable", "bad-format", "nothing-scores", "stray-reward-path", "weight-alone"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    BAD_CONFIGS,
+    ids=["bad-module", "not-callable", "bad-format", "nothing-scores", "stray-reward-path", "weight-alone"],
+)
 def test_bad_reward_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError
     from fusedrl.train import prepare
@@ -250,8 +277,16 @@ def test_a_function_alone_passes_the_config_checks(monkeypatch):
     from fusedrl.config import load_config
     from fusedrl.train import check_config
 
-    cfg = load_config(["--job.config_file", CONFIG, "--model.reward=none", f"--model.reward_fn={DEBUG_FN}",
-                       "--model.reward_path=", "--model.reward_fn_weight=2.0"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            CONFIG,
+            "--model.reward=none",
+            f"--model.reward_fn={DEBUG_FN}",
+            "--model.reward_path=",
+            "--model.reward_fn_weight=2.0",
+        ]
+    )
     monkeypatch.chdir(ROOT)
     check_config(cfg, 4)
     assert not dist.is_initialized()
@@ -281,13 +316,29 @@ def test_memory_estimate_counts_no_reward_model_when_the_function_scores_alone()
 
 TINY = [
     "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-    "--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--model.reference_path=",
-    "--parallelism.pp=2", "--parallelism.dp_shard=1",
-    "--ppo.batch_size=8", "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1",
-    "--generation.max_new_tokens=10", "--generation.max_slots=4", "--data.max_prompt_len=32",
-    "--fusion.schedule_search_budget_s=0", "--fusion.migration_threshold=0.5", "--fusion.migration_check_interval=1",
-    "--checkpoint.interval=0", "--checkpoint.export_hf=false", "--metrics.trace=[]", "--metrics.jsonl=false",
-    "--lr_scheduler.warmup_steps=0", "--optimizer.actor_lr=1e-3", "--optimizer.critic_lr=1e-3",
+    "--model.actor_path=",
+    "--model.critic_path=",
+    "--model.reward_path=",
+    "--model.reference_path=",
+    "--parallelism.pp=2",
+    "--parallelism.dp_shard=1",
+    "--ppo.batch_size=8",
+    "--ppo.minibatch_size=8",
+    "--ppo.microbatch_size=2",
+    "--ppo.epochs=1",
+    "--generation.max_new_tokens=10",
+    "--generation.max_slots=4",
+    "--data.max_prompt_len=32",
+    "--fusion.schedule_search_budget_s=0",
+    "--fusion.migration_threshold=0.5",
+    "--fusion.migration_check_interval=1",
+    "--checkpoint.interval=0",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--metrics.jsonl=false",
+    "--lr_scheduler.warmup_steps=0",
+    "--optimizer.actor_lr=1e-3",
+    "--optimizer.critic_lr=1e-3",
 ]
 ALONE = ["--model.reward=none", f"--model.reward_fn={DEBUG_FN}"]
 
@@ -297,8 +348,9 @@ def _trainer_runs(out: str) -> dict:
     from fusedrl.train import Trainer, run
 
     def cfg(name: str, steps: int, *extra: str):
-        return load_config(["--job.config_file", CONFIG, *TINY, f"--training.steps={steps}",
-                            f"--job.output_dir={out}/{name}", *extra])
+        return load_config(
+            ["--job.config_file", CONFIG, *TINY, f"--training.steps={steps}", f"--job.output_dir={out}/{name}", *extra]
+        )
 
     alone = Trainer(cfg("alone_on", 2, *ALONE, "--fusion.inter_stage=true", "--fusion.intra_stage=true"))
     built = {"rollout_reward": alone.rollout.reward, "scorer_reward": alone.controller.score.__self__.models.reward}
@@ -311,8 +363,7 @@ def _trainer_runs(out: str) -> dict:
     }
 
 
-COMPARED = ("reward_mean", "reward_fn_mean", "policy_loss", "value_loss", "kl", "grad_norm_actor",
-            "response_len_mean")
+COMPARED = ("reward_mean", "reward_fn_mean", "policy_loss", "value_loss", "kl", "grad_norm_actor", "response_len_mean")
 
 
 def test_trainer_with_the_debug_reward_function_alone_and_added(tmp_path):
@@ -350,12 +401,20 @@ def _failing_runs(out: str) -> dict:
     data = Path(out, "prompts.jsonl")
     prompts = debug.sample_prompts(6, seed=3) + FAILING
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    common = [*TINY, "--parallelism.pp=1", "--training.steps=1", "--data.format=jsonl", f"--data.path={data}",
-              "--model.reward=none", f"--model.reward_fn={__name__}:_misbehaving"]
+    common = [
+        *TINY,
+        "--parallelism.pp=1",
+        "--training.steps=1",
+        "--data.format=jsonl",
+        f"--data.path={data}",
+        "--model.reward=none",
+        f"--model.reward_fn={__name__}:_misbehaving",
+    ]
 
     def cfg(name: str, policy: str):
-        return load_config(["--job.config_file", SINGLE, *common, f"--training.nan_policy={policy}",
-                            f"--job.output_dir={out}/{name}"])
+        return load_config(
+            ["--job.config_file", SINGLE, *common, f"--training.nan_policy={policy}", f"--job.output_dir={out}/{name}"]
+        )
 
     (skipped,) = run(cfg("skip", "skip"))
     try:

@@ -11,8 +11,9 @@ from fusedrl.testing import run_multirank
 
 def _models(flavor: str = "debug") -> ScoringModels:
     torch.manual_seed(0)
-    return ScoringModels(build_model(flavor, "policy").eval(), build_model(flavor, "value").eval(),
-                         build_model(flavor, "value").eval())
+    return ScoringModels(
+        build_model(flavor, "policy").eval(), build_model(flavor, "value").eval(), build_model(flavor, "value").eval()
+    )
 
 
 def _sample(sid: int, prompt: list[int], response: list[int], logprobs: list[float] = ()) -> RequestResult:
@@ -32,8 +33,14 @@ def _samples() -> list[RequestResult]:
 # (11 > 9 forms its own micro-batch); logits_budget_bytes=1 applies the LM head one position at a time
 @pytest.mark.parametrize(
     "flavor, micro_batch_size, max_tokens, budget",
-    [("debug", 1, None, None), ("debug", 2, None, None), ("debug", 8, None, None), ("debug", 8, 20, None),
-     ("debug", 8, 9, 1), ("debug_qwen", 3, 20, 2 * 512 * 4 * 3)],
+    [
+        ("debug", 1, None, None),
+        ("debug", 2, None, None),
+        ("debug", 8, None, None),
+        ("debug", 8, 20, None),
+        ("debug", 8, 9, 1),
+        ("debug_qwen", 3, 20, 2 * 512 * 4 * 3),
+    ],
 )
 def test_scores_equal_direct_forward(flavor, micro_batch_size, max_tokens, budget):
     models = _models(flavor)

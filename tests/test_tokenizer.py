@@ -177,8 +177,12 @@ LAYOUT_STYLE = """\
 [ASSISTANT]
 {% endif %}
 """
-CHAT = [{"role": "system", "content": "be <brief> é"}, {"role": "user", "content": " hi "},
-        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "cut by break"}]
+CHAT = [
+    {"role": "system", "content": "be <brief> é"},
+    {"role": "user", "content": " hi "},
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": "cut by break"},
+]
 
 
 def _with_template(folder, template, *, jinja_file=False):
@@ -193,8 +197,10 @@ def _with_template(folder, template, *, jinja_file=False):
 def test_hf_chat_template_renders_like_hand_written_text(byte_folder):
     tok = HFTokenizer(_with_template(byte_folder, LLAMA3_STYLE))
     assert tok.chat_template == LLAMA3_STYLE
-    expected = ("<|bos|><|start_header_id|>system<|end_header_id|>\n\nbe <brief> é<|eot_id|>"
-                "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    expected = (
+        "<|bos|><|start_header_id|>system<|end_header_id|>\n\nbe <brief> é<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert tok.render_chat(CHAT[:2]) == expected
     with pytest.raises(ValueError, match="the chat template rejected the messages: unknown role tool"):
         tok.render_chat([{"role": "tool", "content": "x"}])
@@ -220,7 +226,9 @@ def test_hf_chat_template_matches_transformers(byte_folder):
 def test_hf_chat_template_sources_and_errors(byte_folder):
     tok = HFTokenizer(byte_folder)
     assert tok.chat_template is None
-    with pytest.raises(ValueError, match=rf"tokenizer {re.escape(str(byte_folder / 'tokenizer.json'))} has no chat template; use"):
+    with pytest.raises(
+        ValueError, match=rf"tokenizer {re.escape(str(byte_folder / 'tokenizer.json'))} has no chat template; use"
+    ):
         tok.render_chat(CHAT[:1])
     _with_template(byte_folder, [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}])
     assert HFTokenizer(byte_folder).render_chat(CHAT[:1]) == "D<|eos|>"
@@ -234,8 +242,9 @@ def test_hf_chat_template_sources_and_errors(byte_folder):
     with pytest.raises(ValueError, match=r"chat template in .*chat_template.jinja does not parse \(line 1: "):
         HFTokenizer(byte_folder)
     # No clock in the sandbox: a prompt must not depend on the day it is rendered.
-    _with_template(byte_folder, "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}26 Jul 2024{% endif %}",
-                   jinja_file=True)
+    _with_template(
+        byte_folder, "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}26 Jul 2024{% endif %}", jinja_file=True
+    )
     assert HFTokenizer(byte_folder).render_chat(CHAT[:1]) == "26 Jul 2024"
     # The sandbox refuses to mutate the caller's messages.
     _with_template(byte_folder, "{{ messages.append(1) }}", jinja_file=True)
@@ -248,7 +257,11 @@ def test_hf_tokenizer_save_carries_its_files(byte_folder, tmp_path):
     tok = HFTokenizer(_with_template(byte_folder, LAYOUT_STYLE, jinja_file=True))
     saved = HFTokenizer(tok.save(tmp_path / "export"))
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
-        "chat_template.jinja", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert saved.encode("héllo <|eos|>") == tok.encode("héllo <|eos|>")
     assert (saved.bos_id, saved.eos_id, saved.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
     assert saved.render_chat(CHAT) == tok.render_chat(CHAT)

@@ -21,17 +21,45 @@ CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
 # the vocabulary stops a response, so lengths vary and the tail migrates at the threshold.
 TINY = [
     "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-    "--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--model.reference_path=",
-    "--ppo.batch_size=8", "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1",
-    "--generation.max_new_tokens=10", "--generation.max_slots=4", "--data.max_prompt_len=32",
-    "--fusion.schedule_search_budget_s=0.2", "--fusion.migration_threshold=0.5", "--fusion.migration_check_interval=1",
-    "--training.steps=2", "--checkpoint.keep=0", "--checkpoint.export_hf=false", "--metrics.trace=[]",
+    "--model.actor_path=",
+    "--model.critic_path=",
+    "--model.reward_path=",
+    "--model.reference_path=",
+    "--ppo.batch_size=8",
+    "--ppo.minibatch_size=8",
+    "--ppo.microbatch_size=2",
+    "--ppo.epochs=1",
+    "--generation.max_new_tokens=10",
+    "--generation.max_slots=4",
+    "--data.max_prompt_len=32",
+    "--fusion.schedule_search_budget_s=0.2",
+    "--fusion.migration_threshold=0.5",
+    "--fusion.migration_check_interval=1",
+    "--training.steps=2",
+    "--checkpoint.keep=0",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
     "--metrics.timeline_interval=2",
-    "--lr_scheduler.warmup_steps=0", "--optimizer.actor_lr=1e-3", "--optimizer.critic_lr=1e-3",
+    "--lr_scheduler.warmup_steps=0",
+    "--optimizer.actor_lr=1e-3",
+    "--optimizer.critic_lr=1e-3",
 ]
 # Figures that must not depend on when work runs (timings, bubbles and migration counts do).
-COMPARED = ("policy_loss", "value_loss", "kl", "reward_mean", "reward_std", "clip_frac", "entropy", "approx_kl",
-            "explained_variance", "grad_norm_actor", "grad_norm_critic", "response_len_mean", "return_mean")
+COMPARED = (
+    "policy_loss",
+    "value_loss",
+    "kl",
+    "reward_mean",
+    "reward_std",
+    "clip_frac",
+    "entropy",
+    "approx_kl",
+    "explained_variance",
+    "grad_norm_actor",
+    "grad_norm_critic",
+    "response_len_mean",
+    "return_mean",
+)
 
 
 def _runs(out: str) -> dict[str, list[dict]]:
@@ -47,16 +75,24 @@ def _runs(out: str) -> dict[str, list[dict]]:
         "on": run(cfg("on", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.interval=1")),
         # the memory savers change no result either: the unfused run also recomputes layers in the backward and
         # keeps the Reference and Reward in host memory outside the rollout
-        "off": run(cfg("off", "--fusion.inter_stage=false", "--fusion.intra_stage=false",
-                       "--training.activation_checkpointing=full", "--training.offload_frozen=true")),
+        "off": run(
+            cfg(
+                "off",
+                "--fusion.inter_stage=false",
+                "--fusion.intra_stage=false",
+                "--training.activation_checkpointing=full",
+                "--training.offload_frozen=true",
+            )
+        ),
     }
     if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint of "on" exists in its folder
         src = Path(out, "on", "checkpoints")
         step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
         shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
     dist.barrier()
-    histories["resumed"] = run(cfg("resumed", "--fusion.inter_stage=true", "--fusion.intra_stage=true",
-                                   "--checkpoint.resume=true"))
+    histories["resumed"] = run(
+        cfg("resumed", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.resume=true")
+    )
     return histories
 
 
@@ -105,10 +141,28 @@ def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-         "-m", "fusedrl.train", "--job.config_file", CONFIG, *TINY, "--training.steps=1", "--checkpoint.export_hf=true",
-         f"--job.output_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "4",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "fusedrl.train",
+            "--job.config_file",
+            CONFIG,
+            *TINY,
+            "--training.steps=1",
+            "--checkpoint.export_hf=true",
+            f"--job.output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "step 1: true_score=" in proc.stdout
@@ -129,16 +183,31 @@ BAD_CONFIGS = [
     (["--model.actor_path=/no/such/folder", "--model.critic_path=", "--model.reward_path="], "folder not found"),
     (["--parallelism.gen_tp=4"], "parallelism.gen_tp = 4: does not divide the KV heads of model.actor = 'debug' (2)"),
     (["--parallelism.gen_tp=3"], "parallelism.gen_tp = 3"),
-    ([f"--model.{k}=llama3_1_8b" for k in ("actor", "critic", "reward")] + ["--model.actor_path=", "--model.critic_path=",
-                                                                           "--model.reward_path="],
-     "model.actor_path is unset: a random initialisation builds the whole 'llama3_1_8b' model in host memory"),
+    (
+        [f"--model.{k}=llama3_1_8b" for k in ("actor", "critic", "reward")]
+        + ["--model.actor_path=", "--model.critic_path=", "--model.reward_path="],
+        "model.actor_path is unset: a random initialisation builds the whole 'llama3_1_8b' model in host memory",
+    ),
     (["--data.chat_template=true"], "data.chat_template = true, but the tokenizer (model.tokenizer_path = "),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", BAD_CONFIGS,
-                         ids=["world-size", "batch-divisibility", "typo", "too-long", "float8-cpu", "missing-weights",
-                              "kv-heads-gen-tp", "gen-tp-world", "random-init-8b", "no-chat-template"])
+@pytest.mark.parametrize(
+    "overrides,message",
+    BAD_CONFIGS,
+    ids=[
+        "world-size",
+        "batch-divisibility",
+        "typo",
+        "too-long",
+        "float8-cpu",
+        "missing-weights",
+        "kv-heads-gen-tp",
+        "gen-tp-world",
+        "random-init-8b",
+        "no-chat-template",
+    ],
+)
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError
     from fusedrl.train import prepare
@@ -167,10 +236,27 @@ def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank_without_trace
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "fusedrl.train", "--job.config_file", CONFIG, *TINY, "--parallelism.dp_shard=1",
-         f"--model.actor_path={bad}", f"--job.output_dir={tmp_path / 'out'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "fusedrl.train",
+            "--job.config_file",
+            CONFIG,
+            *TINY,
+            "--parallelism.dp_shard=1",
+            f"--model.actor_path={bad}",
+            f"--job.output_dir={tmp_path / 'out'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "hidden_size" in errors[0], proc.stderr[-4000:]
@@ -182,11 +268,21 @@ def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank_without_trace
 
 def test_cli_refuses_a_bad_config_with_one_line_and_exit_status_2():
     # Rank 0 of 4 with a rendezvous nobody else joins: starting a process group would hang until the timeout.
-    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "4",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "fusedrl.train", "--job.config_file", "train_configs/debug_ppo.toml", "--parallelism.dp_shard=1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -199,6 +295,10 @@ def test_ppo_doc_covers_every_config_key():
     from fusedrl.config.loader import section_keys, section_types
 
     doc = (ROOT / "docs" / "ppo.md").read_text()
-    missing = [f"{s}.{k}" for s in section_types() for k in section_keys(s)
-               if (s, k) != ("job", "config_file") and f"`{s}.{k}`" not in doc]
+    missing = [
+        f"{s}.{k}"
+        for s in section_types()
+        for k in section_keys(s)
+        if (s, k) != ("job", "config_file") and f"`{s}.{k}`" not in doc
+    ]
     assert not missing, f"docs/ppo.md does not explain {missing}"

@@ -38,22 +38,55 @@ KILLED_IN_STEP = 4
 # The shipped SFT Actor and Reward model; a batch of 64 prompts and 4 PPO epochs make one iteration last about a
 # second on a shared CPU core, so the kill sent right after step 3 is logged lands inside iteration 4.
 OVERRIDES = [
-    "--parallelism.pp=2", "--parallelism.dp_shard=1",
-    f"--model.actor_path={ASSETS / 'actor'}", f"--model.critic_path={ASSETS / 'reward'}",
+    "--parallelism.pp=2",
+    "--parallelism.dp_shard=1",
+    f"--model.actor_path={ASSETS / 'actor'}",
+    f"--model.critic_path={ASSETS / 'reward'}",
     f"--model.reward_path={ASSETS / 'reward'}",
-    "--ppo.batch_size=64", "--ppo.minibatch_size=16", "--ppo.microbatch_size=4", "--ppo.epochs=4",
-    "--generation.max_new_tokens=32", "--generation.max_slots=16", "--data.max_prompt_len=32",
-    "--fusion.schedule_search_budget_s=0.2", "--lr_scheduler.warmup_steps=0",
-    f"--training.steps={STEPS}", "--checkpoint.interval=2", "--checkpoint.keep=0", "--checkpoint.export_hf=false",
-    "--metrics.jsonl=true", "--metrics.trace=[]",
+    "--ppo.batch_size=64",
+    "--ppo.minibatch_size=16",
+    "--ppo.microbatch_size=4",
+    "--ppo.epochs=4",
+    "--generation.max_new_tokens=32",
+    "--generation.max_slots=16",
+    "--data.max_prompt_len=32",
+    "--fusion.schedule_search_budget_s=0.2",
+    "--lr_scheduler.warmup_steps=0",
+    f"--training.steps={STEPS}",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep=0",
+    "--checkpoint.export_hf=false",
+    "--metrics.jsonl=true",
+    "--metrics.trace=[]",
 ]
 # Figures that depend only on the weights, the data and the RNG states (the checkpoint restores all three); times,
 # throughput, bubbles, migration decisions and memory do not.
 DETERMINISTIC = (
-    "true_score", "reward_mean", "reward_std", "kl", "kl_per_token", "return_mean", "return_std",
-    "policy_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio_mean", "value_mean", "entropy", "approx_kl",
-    "explained_variance", "grad_norm_actor", "grad_norm_critic", "lr_actor", "lr_critic", "skipped_updates",
-    "response_len_mean", "response_len_p50", "response_len_p99", "response_len_max",
+    "true_score",
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "kl_per_token",
+    "return_mean",
+    "return_std",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "value_clip_frac",
+    "ratio_mean",
+    "value_mean",
+    "entropy",
+    "approx_kl",
+    "explained_variance",
+    "grad_norm_actor",
+    "grad_norm_critic",
+    "lr_actor",
+    "lr_critic",
+    "skipped_updates",
+    "response_len_mean",
+    "response_len_p50",
+    "response_len_p99",
+    "response_len_max",
 )
 JOB_TIMEOUT_S = 120.0
 
@@ -69,17 +102,32 @@ class Job:
 def _command(out: Path, *extra: str, max_restarts: int = 0) -> list[str]:
     # A job that may restart uses the c10d rendezvous without a shared store (see _launch): the static one keeps its
     # store across restarts, so the restarted workers' gloo group reads the previous attempt's addresses and fails.
-    rendezvous = (["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--max_restarts={max_restarts}"]
-                  if max_restarts else ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0"])
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", *rendezvous,
-            f"--log-dir={out / 'torchrun_logs'}", "--tee=3",
-            "-m", "fusedrl.train", "--job.config_file", str(ROOT / "train_configs" / "debug_ppo.toml"),
-            *OVERRIDES, f"--job.output_dir={out}", *extra]
+    rendezvous = (
+        ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--max_restarts={max_restarts}"]
+        if max_restarts
+        else ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        *rendezvous,
+        f"--log-dir={out / 'torchrun_logs'}",
+        "--tee=3",
+        "-m",
+        "fusedrl.train",
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_ppo.toml"),
+        *OVERRIDES,
+        f"--job.output_dir={out}",
+        *extra,
+    ]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def _rank0_log(out: Path, runs_before: set[Path]) -> str:
@@ -93,15 +141,23 @@ def _rank0_log(out: Path, runs_before: set[Path]) -> str:
     return "".join(parts)
 
 
-def _launch(out: Path, *extra: str, kill_rank1_after_step: int | None = None, max_restarts: int = 0,
-            timeout_s: float = JOB_TIMEOUT_S) -> Job:
+def _launch(
+    out: Path, *extra: str, kill_rank1_after_step: int | None = None, max_restarts: int = 0, timeout_s: float = JOB_TIMEOUT_S
+) -> Job:
     """Run the trainer under torchrun; optionally SIGKILL rank 1 as soon as ``kill_rank1_after_step`` is logged."""
     logs_before = set((out / "torchrun_logs").glob("*"))
     # torch shares the rendezvous store with the workers by default and their process group does not prefix its keys
     # per attempt; unshared, every rendezvous round (every restart) gets a fresh store (docs/multinode.md)
     env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else _env()
-    proc = subprocess.Popen(_command(out, *extra, max_restarts=max_restarts), cwd=out, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _command(out, *extra, max_restarts=max_restarts),
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     logged = threading.Event()
     marker = re.compile(rf"\bstep {kill_rank1_after_step}: ") if kill_rank1_after_step is not None else None
@@ -181,10 +237,11 @@ def test_killed_rank_ends_the_job_naming_it_and_leaves_the_last_complete_checkpo
     # The kill landed inside iteration 4: step 3 was logged, step 4 never was.
     assert [r["step"] for r in metrics] == list(range(1, KILLED_IN_STEP)), tail
     assert re.search(rf"\bstep {KILLED_IN_STEP - 1}: ", job.rank0_log) and not re.search(
-        rf"\bstep {KILLED_IN_STEP}: ", job.output), tail
+        rf"\bstep {KILLED_IN_STEP}: ", job.output
+    ), tail
     # torchrun's failure summary names the dead rank as the root cause, with its signal.
     assert "Root Cause" in job.output, tail
-    root_cause = job.output[job.output.index("Root Cause"):]
+    root_cause = job.output[job.output.index("Root Cause") :]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*exitcode\s*:\s*-9", root_cause), tail
     # Step 2 is the last complete checkpoint; iteration 4 never reached its save, so no step-4 folder exists
     # (not even the writer's temporary one), and the resume logic sees exactly step 2.
@@ -227,8 +284,13 @@ def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed, 
 def test_torchrun_restart_resumes_by_itself_with_resume_auto(tmp_path, uninterrupted):
     """The kill of the first test in a job that torchrun may restart once: the restarted workers find the step-2
     checkpoint (checkpoint.resume = "auto") and finish the run as the uninterrupted one did."""
-    job = _launch(tmp_path, "--checkpoint.resume=auto", kill_rank1_after_step=KILLED_IN_STEP - 1, max_restarts=1,
-                  timeout_s=2 * JOB_TIMEOUT_S)
+    job = _launch(
+        tmp_path,
+        "--checkpoint.resume=auto",
+        kill_rank1_after_step=KILLED_IN_STEP - 1,
+        max_restarts=1,
+        timeout_s=2 * JOB_TIMEOUT_S,
+    )
     tail = job.output[-6000:]
     assert job.returncode == 0, tail
     # rank 0's log, attempt by attempt: a fresh start, then the restart's resume
@@ -257,14 +319,31 @@ def test_without_an_agent_the_surviving_rank_names_the_dead_one(tmp_path, fault)
     procs, logs = [], []
     try:
         for rank in (0, 1):
-            env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **_env(),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             log = open(tmp_path / f"rank{rank}.log", "w+")
             logs.append(log)
-            cmd = [sys.executable, "-m", "fusedrl.train", "--job.config_file", str(ROOT / "train_configs" / "debug_ppo.toml"),
-                   *OVERRIDES, f"--job.output_dir={tmp_path / 'out'}", "--training.collective_timeout_s=15"]
-            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
+            cmd = [
+                sys.executable,
+                "-m",
+                "fusedrl.train",
+                "--job.config_file",
+                str(ROOT / "train_configs" / "debug_ppo.toml"),
+                *OVERRIDES,
+                f"--job.output_dir={tmp_path / 'out'}",
+                "--training.collective_timeout_s=15",
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+                )
+            )
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while not re.search(rf"\bstep {KILLED_IN_STEP - 1}: ", (tmp_path / "rank0.log").read_text()):
             if time.monotonic() > deadline or procs[0].poll() is not None:
@@ -308,8 +387,10 @@ def test_heartbeat_tells_a_silent_rank_from_one_that_reported_its_failure():
         beats[1].stop()  # rank 1 stops too, but said why
         assert beats[0].peer_report() == ([2], {1: "rank 1 stopped: ValueError: bad batch"})
         line = describe_failure(RuntimeError("Connection reset by peer\nmore"), 0, beats[0])
-        assert line == ("rank 0 stopped: RuntimeError: Connection reset by peer; rank 2 stopped answering (no heartbeat "
-                        "for 0.15 s: killed or hung); also rank 1 stopped: ValueError: bad batch")
+        assert line == (
+            "rank 0 stopped: RuntimeError: Connection reset by peer; rank 2 stopped answering (no heartbeat "
+            "for 0.15 s: killed or hung); also rank 1 stopped: ValueError: bad batch"
+        )
     finally:
         for b in beats:
             b.stop()

@@ -118,7 +118,8 @@ def test_row_permutation_formula():
 def test_low_precision_checkpoint_loads_into_fp32_and_bf16_models(folders, tmp_path, file_dtype):
     folder = save_hf_checkpoint(
         {k: v.to(file_dtype) for k, v in _random_model("debug", "policy", 3).state_dict().items()},
-        tmp_path / "low", "debug",
+        tmp_path / "low",
+        "debug",
     )
     stored = hf_to_tune_state(load_file(folder / "model.safetensors"), "debug")
     assert all(t.dtype == file_dtype for t in stored.values())
@@ -178,7 +179,10 @@ def test_load_state_slices_checks_before_writing():
     state = _random_model("debug", "policy", 2).state_dict()
     state.pop("norm.scale")
     state["layers.1.mlp.w2.weight"] = torch.zeros(64, 100)
-    with pytest.raises(ValueError, match=r"layers.1.mlp.w2.weight has shape \[64, 100\], the module's is \[64, 192\]; norm.scale is missing. Fix:"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers.1.mlp.w2.weight has shape \[64, 100\], the module's is \[64, 192\]; norm.scale is missing. Fix:",
+    ):
         load_state_slices(model, state)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -189,12 +193,21 @@ def test_load_state_slices_checks_before_writing():
 @pytest.mark.parametrize(
     ("tensor", "edit", "message"),
     [
-        ("model.layers.1.mlp.up_proj.weight", lambda t: t.to(torch.float8_e4m3fn),
-         "unsupported dtype: model.layers.1.mlp.up_proj.weight is torch.float8_e4m3fn"),
-        ("model.layers.0.self_attn.q_proj.weight", lambda t: t.to(torch.int8),
-         "unsupported dtype: model.layers.0.self_attn.q_proj.weight is torch.int8"),
-        ("model.layers.0.self_attn.k_proj.weight", lambda t: t[:16],
-         "wrong shape: model.layers.0.self_attn.k_proj.weight expected [32, 64], found [16, 64]"),
+        (
+            "model.layers.1.mlp.up_proj.weight",
+            lambda t: t.to(torch.float8_e4m3fn),
+            "unsupported dtype: model.layers.1.mlp.up_proj.weight is torch.float8_e4m3fn",
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            lambda t: t.to(torch.int8),
+            "unsupported dtype: model.layers.0.self_attn.q_proj.weight is torch.int8",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            lambda t: t[:16],
+            "wrong shape: model.layers.0.self_attn.k_proj.weight expected [32, 64], found [16, 64]",
+        ),
     ],
 )
 def test_bad_tensor_raises_before_any_parameter_changes(folders, tmp_path, tensor, edit, message):
@@ -272,8 +285,9 @@ def _assert_layout_matches(model: torch.nn.Module, full: dict[str, torch.Tensor]
     return n_dtensors
 
 
-def _load_sharded(layout: str, folders: dict, flavor: str, role: str = "policy", source: str = "hf",
-                  init_value_head_from_lm: bool = False) -> set[str]:
+def _load_sharded(
+    layout: str, folders: dict, flavor: str, role: str = "policy", source: str = "hf", init_value_head_from_lm: bool = False
+) -> set[str]:
     """Build on meta, shard as ``layout`` ("tp", "fsdp", "tp_fsdp"), to_empty, load; compare to a full load."""
     dp_shard, tp = {"tp": (1, 2), "fsdp": (2, 1), "tp_fsdp": (2, 2)}[layout]
     dims = ParallelDims(dp_shard=dp_shard, tp=tp)

@@ -45,15 +45,26 @@ def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list
     so that a drifting machine load biases neither mode."""
     trainers = {}
     for mode, (inter, intra) in MODES.items():
-        cfg = load_config([*argv, f"--fusion.inter_stage={inter}", f"--fusion.intra_stage={intra}",
-                           f"--training.steps={warmup + steps}", f"--job.output_dir={out}/{mode}",
-                           "--checkpoint.interval=0", "--checkpoint.resume=false", "--checkpoint.export_hf=false",
-                           "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false",
-                           "--metrics.timeline_interval=1"])
+        cfg = load_config(
+            [
+                *argv,
+                f"--fusion.inter_stage={inter}",
+                f"--fusion.intra_stage={intra}",
+                f"--training.steps={warmup + steps}",
+                f"--job.output_dir={out}/{mode}",
+                "--checkpoint.interval=0",
+                "--checkpoint.resume=false",
+                "--checkpoint.export_hf=false",
+                "--metrics.trace=[]",
+                "--metrics.jsonl=false",
+                "--metrics.tensorboard=false",
+                "--metrics.timeline_interval=1",
+            ]
+        )
         trainers[mode] = Trainer(cfg)
     histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for step in range(1, warmup + steps + 1):
-        for mode in (list(MODES) if step % 2 else list(MODES)[::-1]):
+        for mode in list(MODES) if step % 2 else list(MODES)[::-1]:
             record = trainers[mode].train_step(step)
             if step > warmup:
                 histories[mode].append(record)
@@ -78,14 +89,15 @@ def _samples_per_s(records: list[dict]) -> float:
     return sum(r["samples_per_s"] * r["time_step"] for r in records) / total
 
 
-def _fusions(config_argv: list[str], world: int, warmup: int, steps: int, config: str, batch: int,
-             as_json: bool) -> None:
+def _fusions(config_argv: list[str], world: int, warmup: int, steps: int, config: str, batch: int, as_json: bool) -> None:
     with tempfile.TemporaryDirectory() as out:
         histories = run_multirank(_bench, world, config_argv, out, warmup, steps, timeout_s=3600.0)[0]
     result = summarize(histories)
     result.update(config=config, world_size=world, batch_size=batch, measured_steps_per_mode=steps)
-    print(f"end-to-end PPO, {config}, {world} CPU ranks, batch {batch}: {warmup} warm-up + "
-          f"{steps} measured iterations per mode, the modes taking turns (off, on, on, off, ...)")
+    print(
+        f"end-to-end PPO, {config}, {world} CPU ranks, batch {batch}: {warmup} warm-up + "
+        f"{steps} measured iterations per mode, the modes taking turns (off, on, on, off, ...)"
+    )
     print(f"{'phase (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
     for p in PHASES:
         off, on = result["phases"]["off"][p], result["phases"]["on"][p]
@@ -103,8 +115,14 @@ def _run_tree(tree: Path, config: str, overrides: list[str], world: int, warmup:
     with tempfile.TemporaryDirectory() as out:
         spec = {"config": config, "overrides": overrides, "world": world, "warmup": warmup, "steps": steps, "out": out}
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("tree_worker.py")), json.dumps(spec)],
-                              cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("tree_worker.py")), json.dumps(spec)],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
     if proc.returncode:
         raise RuntimeError(f"the trainer run of {tree} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -112,8 +130,10 @@ def _run_tree(tree: Path, config: str, overrides: list[str], world: int, warmup:
 
 def _tree_figures(ranks: list[dict]) -> dict[str, float]:
     """samples/s of the run and, averaged over ranks, the executor's overhead per program entry."""
-    per_rank = [((r["executor_s"] - r["compute_s"]) / r["actions"], (r["executor_s"] - r["compute_s"] - r["wait_s"]) / r["actions"])
-                for r in ranks]
+    per_rank = [
+        ((r["executor_s"] - r["compute_s"]) / r["actions"], (r["executor_s"] - r["compute_s"] - r["wait_s"]) / r["actions"])
+        for r in ranks
+    ]
     return {
         "samples_per_s": _samples_per_s(ranks[0]["records"]),
         "overhead_us_per_action": 1e6 * statistics.fmean(o for o, _ in per_rank),
@@ -122,22 +142,39 @@ def _tree_figures(ranks: list[dict]) -> dict[str, float]:
     }
 
 
-def _trees(baseline: Path, config: str, overrides: list[str], pp: int, layouts: list[int], rounds: int, warmup: int,
-           steps: int, as_json: bool) -> None:
+def _trees(
+    baseline: Path,
+    config: str,
+    overrides: list[str],
+    pp: int,
+    layouts: list[int],
+    rounds: int,
+    warmup: int,
+    steps: int,
+    as_json: bool,
+) -> None:
     trees = {"baseline": baseline.resolve(), "this": ROOT}
     runs: dict[int, dict[str, list[dict]]] = {w: {name: [] for name in trees} for w in layouts}
     order = list(trees)
     for r in range(rounds):
         for world in layouts:
-            for name in (order if r % 2 == 0 else order[::-1]):
+            for name in order if r % 2 == 0 else order[::-1]:
                 layout = [f"--parallelism.pp={pp}", f"--parallelism.dp_shard={world // pp}"]
-                runs[world][name].append(_tree_figures(_run_tree(trees[name], config, [*overrides, *layout], world,
-                                                                 warmup, steps)))
+                runs[world][name].append(
+                    _tree_figures(_run_tree(trees[name], config, [*overrides, *layout], world, warmup, steps))
+                )
                 print(f"round {r + 1}/{rounds}, {world} ranks, {name}: {runs[world][name][-1]}", flush=True)
-    result: dict = {"config": config, "baseline": str(trees["baseline"]), "rounds": rounds, "measured_steps": steps,
-                    "layouts": {}}
-    print(f"\nend-to-end PPO, {config}: this tree vs {trees['baseline']}, {rounds} runs each (medians), "
-          f"{warmup} warm-up + {steps} measured iterations per run")
+    result: dict = {
+        "config": config,
+        "baseline": str(trees["baseline"]),
+        "rounds": rounds,
+        "measured_steps": steps,
+        "layouts": {},
+    }
+    print(
+        f"\nend-to-end PPO, {config}: this tree vs {trees['baseline']}, {rounds} runs each (medians), "
+        f"{warmup} warm-up + {steps} measured iterations per run"
+    )
     print(f"{'layout':<22}{'figure':<36}{'baseline':>12}{'this':>12}{'this/base':>11}")
     for world in layouts:
         row = {}
@@ -157,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="train_configs/debug_ppo.toml", help="TOML job config (CPU debug config)")
     parser.add_argument("--steps", type=int, default=6, help="measured iterations per mode (per run with --baseline)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per mode, before the measured ones")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="another fusedrl source tree (e.g. a git worktree of the starting commit): compare trees")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another fusedrl source tree (e.g. a git worktree of the starting commit): compare trees",
+    )
     parser.add_argument("--layouts", default="4,2", help="with --baseline: world sizes to run (pp as configured)")
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout")
     args, overrides = parser.parse_known_args(argv)
@@ -177,13 +218,24 @@ def main(argv: list[str] | None = None) -> int:
         _fusions(config_argv, world, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json)
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():
-        parser.error(f"--baseline {args.baseline}: not a fusedrl source tree (no fusedrl/train.py); "
-                     "make one with `git worktree add <dir> <commit>`")
+        parser.error(
+            f"--baseline {args.baseline}: not a fusedrl source tree (no fusedrl/train.py); "
+            "make one with `git worktree add <dir> <commit>`"
+        )
     layouts = [int(w) for w in args.layouts.split(",")]
     if any(w % par.pp for w in layouts):
         parser.error(f"--layouts {args.layouts}: every world size must be a multiple of parallelism.pp = {par.pp}")
-    _trees(args.baseline, args.config, [*overrides, "--training.device=cpu"], par.pp, layouts, args.rounds, args.warmup,
-           args.steps, args.json)
+    _trees(
+        args.baseline,
+        args.config,
+        [*overrides, "--training.device=cpu"],
+        par.pp,
+        layouts,
+        args.rounds,
+        args.warmup,
+        args.steps,
+        args.json,
+    )
     return 0
 
 

@@ -64,8 +64,9 @@ PRIMARY = ("H100 SXM", "13B actor+ref, 33B reward/critic")  # sim_speedup: best 
 def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_interval: int, seed: int) -> dict:
     torch.manual_seed(0)
     actor = build_model("debug", "policy").eval()
-    scoring = ScoringModels(build_model("debug", "policy").eval(), build_model("debug", "value").eval(),
-                            build_model("debug", "value").eval())
+    scoring = ScoringModels(
+        build_model("debug", "policy").eval(), build_model("debug", "value").eval(), build_model("debug", "value").eval()
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     lengths = lmsys_lengths(batch, seed=seed, max_len=max_new)
     g = torch.Generator().manual_seed(seed)
@@ -75,8 +76,16 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
 
     def rollout(fusion: bool, costs: RolloutCosts | None) -> RolloutResult:
         engine = GenerationEngine(actor, max_slots=batch, max_len=prompt_len + max_new, seed=seed)
-        ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=8, fusion=fusion, threshold="auto",
-                                  mode="kv", check_interval=check_interval, costs=costs)
+        ctl = MigrationController(
+            engine,
+            Scorer(scoring).score,
+            micro_batch_size=8,
+            fusion=fusion,
+            threshold="auto",
+            mode="kv",
+            check_interval=check_interval,
+            costs=costs,
+        )
         return ctl.run(mine)
 
     def gathered(res: RolloutResult, name: str) -> list:
@@ -86,8 +95,9 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
 
     def fitted(runs: list[RolloutResult], engine: GenerationEngine, check_s: float = 0.0) -> RolloutCosts:
         decode, score, prefill = (sum((gathered(r, name) for r in runs), []) for name in ("decode", "score", "prefill"))
-        return RolloutCosts.fit(decode, score, prefill,
-                                check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets)
+        return RolloutCosts.fit(
+            decode, score, prefill, check_s=check_s, batch_buckets=engine.batch_buckets, len_buckets=engine.len_buckets
+        )
 
     def check_cost(res: RolloutResult) -> float:
         per_rank: list = [None] * world
@@ -150,20 +160,41 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] =
     for hw, hbm_bw, flops, hbm, link in HARDWARE:
         for name, actor, scorer, kvb, layers in PAPER_MODELS:
             for tp in PAPER_TP:
-                costs = RolloutCosts.for_models(actor_params=actor, scorer_params=scorer, kv_bytes_per_token=kvb,
-                                              gpus_per_instance=tp, actor_layers=layers, hbm_bytes_per_s=hbm_bw,
-                                              flops_per_s=flops, link_bytes_per_s=link)
+                costs = RolloutCosts.for_models(
+                    actor_params=actor,
+                    scorer_params=scorer,
+                    kv_bytes_per_token=kvb,
+                    gpus_per_instance=tp,
+                    actor_layers=layers,
+                    hbm_bytes_per_s=hbm_bw,
+                    flops_per_s=flops,
+                    link_bytes_per_s=link,
+                )
                 kv_tokens = int((tp * hbm * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
-                config = RolloutConfig(max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8,
-                                     unfused_scoring=baseline)
+                config = RolloutConfig(
+                    max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8, unfused_scoring=baseline
+                )
                 n = PAPER_GPUS // tp
                 instances = split_round_robin(lengths, PAPER_PROMPT, n)
                 unfused = simulate_rollout(instances, costs, config, fused=False)
                 threshold, _, fused = best_migration(instances, costs, config, batch_size=batch)
-                rows.append(dict(hardware=hw, models=name, tp=tp, instances=n, unfused_s=unfused.total_s,
-                                 decode_s=unfused.decode_end_s, scoring_s=unfused.total_s - unfused.decode_end_s,
-                                 fused_s=fused.total_s, speedup=unfused.total_s / fused.total_s, threshold=threshold,
-                                 kept=len(fused.kept), moved=fused.moved, migration_s=fused.migration_s))
+                rows.append(
+                    dict(
+                        hardware=hw,
+                        models=name,
+                        tp=tp,
+                        instances=n,
+                        unfused_s=unfused.total_s,
+                        decode_s=unfused.decode_end_s,
+                        scoring_s=unfused.total_s - unfused.decode_end_s,
+                        fused_s=fused.total_s,
+                        speedup=unfused.total_s / fused.total_s,
+                        threshold=threshold,
+                        kept=len(fused.kept),
+                        moved=fused.moved,
+                        migration_s=fused.migration_s,
+                    )
+                )
     return rows
 
 
@@ -178,26 +209,34 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
 def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> float:
     """Print (b) and return sim_speedup."""
     rows = paper_scale(batch, baseline)
-    print(f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
-          f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
-          "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring "
-          f"{'balanced over all instances' if baseline == 'balanced' else 'on each instance for its own samples'}, "
-          "best threshold and kept count; bound = unfused / decode, the most any fusion can gain while the tail decodes "
-          "no faster")
-    print(f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
-          f"{'fused s':>8s} {'speedup':>8s} {'bound':>6s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}")
+    print(
+        f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
+        f"{PAPER_GPUS} GPUs as {PAPER_GPUS}/TP instances of TP GPUs, roofline costs (decode 60% of HBM bandwidth + 2 ms "
+        "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring "
+        f"{'balanced over all instances' if baseline == 'balanced' else 'on each instance for its own samples'}, "
+        "best threshold and kept count; bound = unfused / decode, the most any fusion can gain while the tail decodes "
+        "no faster"
+    )
+    print(
+        f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
+        f"{'fused s':>8s} {'speedup':>8s} {'bound':>6s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}"
+    )
     for r in rows:
-        print(f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
-              f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x "
-              f"{r['unfused_s'] / r['decode_s']:5.2f}x {r['threshold']:6d} "
-              f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}")
+        print(
+            f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
+            f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x "
+            f"{r['unfused_s'] / r['decode_s']:5.2f}x {r['threshold']:6d} "
+            f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}"
+        )
     for hw, _, _, _, _ in HARDWARE:
         for name, *_ in PAPER_MODELS:
             u, f, x = best_vs_best(rows, hw, name)
             mark = "  <- sim_speedup" if (hw, name) == PRIMARY else ""
             bound = u["unfused_s"] / min(r["decode_s"] for r in rows if r["hardware"] == hw and r["models"] == name)
-            print(f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
-                  f"(TP {f['tp']}) = {x:.3f}x (bound {bound:.2f}x){mark}")
+            print(
+                f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
+                f"(TP {f['tp']}) = {x:.3f}x (bound {bound:.2f}x){mark}"
+            )
     return best_vs_best(rows, *PRIMARY)[2]
 
 
@@ -211,17 +250,30 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
     base["kv_bytes_per_token"] = real["kv_bytes_per_token"]
     costs = RolloutCosts(**base)
     batch = len(real["lengths"])
-    instances = [[SimRequest(real["prompt_len"], real["lengths"][i]) for i in range(batch) if i % world == r] for r in range(world)]
-    config = RolloutConfig(max_slots=batch, kv_capacity_tokens=batch * (real["prompt_len"] + max(real["lengths"])),
-                         check_interval=check_interval, micro_batch_size=8)
+    instances = [
+        [SimRequest(real["prompt_len"], real["lengths"][i]) for i in range(batch) if i % world == r] for r in range(world)
+    ]
+    config = RolloutConfig(
+        max_slots=batch,
+        kv_capacity_tokens=batch * (real["prompt_len"] + max(real["lengths"])),
+        check_interval=check_interval,
+        micro_batch_size=8,
+    )
     mig = real["migration"][rep]
     threshold = mig["threshold"] if mig else 0
     fused = simulate_rollout(instances, costs, config, fused=True, threshold=threshold, min_kept=len(mig["kept"]) if mig else 1)
     unfused = simulate_rollout(instances, costs, config, fused=False)
     measured = real["on"][rep][0]
     measured_off = statistics.fmean(real["off"][i][0] for i in (rep, rep + 1))
-    return dict(costs=costs, threshold=threshold, fused=fused, unfused=unfused, measured=measured, measured_off=measured_off,
-                error=abs(fused.total_s - measured) / measured)
+    return dict(
+        costs=costs,
+        threshold=threshold,
+        fused=fused,
+        unfused=unfused,
+        measured=measured,
+        measured_off=measured_off,
+        error=abs(fused.total_s - measured) / measured,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- trace picture
@@ -240,8 +292,15 @@ def save_trace_png(events: list[dict], path: Path, title: str) -> None:
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], list(colors), ncol=3,
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+        list(colors),
+        ncol=3,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title, loc="left", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,9 +320,13 @@ def main() -> None:
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces and PNG timelines here")
     ap.add_argument("--paper-batch", type=int, default=PAPER_BATCH, help="global batch of the paper-scale simulation (b)")
     ap.add_argument("--sim-only", action="store_true", help="run only (b); --json then prints only sim_speedup")
-    ap.add_argument("--baseline", choices=("balanced", "own"), default="balanced",
-                    help="(b)'s unfused scoring: all samples balanced over all instances, or each instance its own "
-                         "(what MigrationController does with fusion off)")
+    ap.add_argument(
+        "--baseline",
+        choices=("balanced", "own"),
+        default="balanced",
+        help="(b)'s unfused scoring: all samples balanced over all instances, or each instance its own "
+        "(what MigrationController does with fusion off)",
+    )
     args = ap.parse_args()
     world = 2
     if args.sim_only:
@@ -272,8 +335,9 @@ def main() -> None:
             print(json.dumps({"sim_speedup": round(sim_speedup, 4)}))
         return
 
-    real = run_multirank(_real_rank, world, args.batch, args.prompt_len, args.max_new, args.repeats,
-                         args.check_interval, args.seed, timeout_s=1800)[0]
+    real = run_multirank(
+        _real_rank, world, args.batch, args.prompt_len, args.max_new, args.repeats, args.check_interval, args.seed, timeout_s=1800
+    )[0]
     # Fused run i against the mean of its two neighbouring unfused runs.
     speedups = [statistics.fmean(real["off"][i][0] for i in (r, r + 1)) / real["on"][r][0] for r in range(args.repeats)]
     rep = sorted(range(args.repeats), key=lambda i: speedups[i])[args.repeats // 2]  # the median one
@@ -281,17 +345,21 @@ def main() -> None:
     on, real_speedup = real["on"][rep], speedups[rep]
     mig = real["migration"][rep]
     lengths = torch.tensor(real["lengths"], dtype=torch.float64)
-    print(f"(a) real: 2 ranks x 1 thread, debug models, batch {args.batch}, prompt {args.prompt_len}, LMSYS-shaped "
-          f"lengths (median {lengths.median():.0f}, p99.9 {torch.quantile(lengths, 0.999):.0f}, max {lengths.max():.0f}), "
-          f"k={args.check_interval}, runs off/on/off/.../off, each fused run vs the mean of its two unfused neighbours, "
-          f"median of {args.repeats} (speedups {', '.join(f'{x:.2f}' for x in speedups)})")
+    print(
+        f"(a) real: 2 ranks x 1 thread, debug models, batch {args.batch}, prompt {args.prompt_len}, LMSYS-shaped "
+        f"lengths (median {lengths.median():.0f}, p99.9 {torch.quantile(lengths, 0.999):.0f}, max {lengths.max():.0f}), "
+        f"k={args.check_interval}, runs off/on/off/.../off, each fused run vs the mean of its two unfused neighbours, "
+        f"median of {args.repeats} (speedups {', '.join(f'{x:.2f}' for x in speedups)})"
+    )
     print(f"    fusion off: rollout {off[0]:.3f}s (decode ends {off[1]:.3f}s, scoring exposed {off[2]:.3f}s)")
     print(f"    fusion on : rollout {on[0]:.3f}s (decode ends {on[1]:.3f}s, scoring exposed {on[2]:.3f}s)")
     print(f"    real_speedup {real_speedup:.3f}x")
     if mig:
-        print(f"    migration: step {mig['step']} at {mig['time_s']:.3f}s, threshold {mig['threshold']} (auto), "
-              f"{mig['unfinished']} unfinished, moved {mig['moved']} requests / {mig['moved_bytes']} B KV+state, "
-              f"{mig['sample_bytes']} B finished samples, kept ranks {mig['kept']}, transfers {mig['duration_s'] * 1e3:.1f} ms")
+        print(
+            f"    migration: step {mig['step']} at {mig['time_s']:.3f}s, threshold {mig['threshold']} (auto), "
+            f"{mig['unfinished']} unfinished, moved {mig['moved']} requests / {mig['moved_bytes']} B KV+state, "
+            f"{mig['sample_bytes']} B finished samples, kept ranks {mig['kept']}, transfers {mig['duration_s'] * 1e3:.1f} ms"
+        )
     else:
         print("    migration: none (auto found no threshold worth migrating at)")
 
@@ -307,15 +375,21 @@ def main() -> None:
     check = checks[errors.index(err)]
     c = check["costs"]
     m = real["migration"][checks.index(check)]
-    print(f"(c) simulator with costs fitted to the two unfused runs around each fused run (median shown): decode "
-          f"{c.decode_base_s * 1e3:.2f} ms + {c.decode_per_seq_s * 1e6:.1f} us/seq + {c.decode_per_row_s * 1e6:.1f} us/padded row "
-          f"+ {c.decode_per_ctx_token_s * 1e9:.2f} ns/attended token (engine buckets), scoring {c.score_base_s * 1e3:.2f} ms + "
-          f"{c.score_per_token_s * 1e6:.2f} us/token, check {c.check_s * 1e3:.2f} ms (trace gaps of the fused run)")
-    print(f"    unfused: predicted {check['unfused'].total_s:.3f}s vs measured {check['measured_off']:.3f}s; fused (threshold "
-          f"{check['threshold']}): predicted {check['fused'].total_s:.3f}s vs measured {check['measured']:.3f}s")
+    print(
+        f"(c) simulator with costs fitted to the two unfused runs around each fused run (median shown): decode "
+        f"{c.decode_base_s * 1e3:.2f} ms + {c.decode_per_seq_s * 1e6:.1f} us/seq + {c.decode_per_row_s * 1e6:.1f} us/padded row "
+        f"+ {c.decode_per_ctx_token_s * 1e9:.2f} ns/attended token (engine buckets), scoring {c.score_base_s * 1e3:.2f} ms + "
+        f"{c.score_per_token_s * 1e6:.2f} us/token, check {c.check_s * 1e3:.2f} ms (trace gaps of the fused run)"
+    )
+    print(
+        f"    unfused: predicted {check['unfused'].total_s:.3f}s vs measured {check['measured_off']:.3f}s; fused (threshold "
+        f"{check['threshold']}): predicted {check['fused'].total_s:.3f}s vs measured {check['measured']:.3f}s"
+    )
     if m and check["fused"].migration_start_s is not None:
-        print(f"    per phase (predicted / measured): migration at {check['fused'].migration_start_s:.3f} / {m['time_s']:.3f}s, "
-              f"transfers {check['fused'].migration_s * 1e3:.1f} / {m['duration_s'] * 1e3:.1f} ms")
+        print(
+            f"    per phase (predicted / measured): migration at {check['fused'].migration_start_s:.3f} / {m['time_s']:.3f}s, "
+            f"transfers {check['fused'].migration_s * 1e3:.1f} / {m['duration_s'] * 1e3:.1f} ms"
+        )
     print(f"    real_vs_sim_error per fused run {', '.join(f'{e:.1%}' for e in errors)} -> median {err:.1%}")
 
     if args.trace_dir is not None:
@@ -329,8 +403,16 @@ def main() -> None:
         print(f"    traces: {args.trace_dir}/fusion_{{off,on}}.json and .png")
 
     if args.json:
-        print(json.dumps({"real_speedup": round(real_speedup, 4), "sim_speedup": round(sim_speedup, 4),
-                          "real_vs_sim_error": round(err, 4), "migration": mig}))
+        print(
+            json.dumps(
+                {
+                    "real_speedup": round(real_speedup, 4),
+                    "sim_speedup": round(sim_speedup, 4),
+                    "real_vs_sim_error": round(err, 4),
+                    "migration": mig,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

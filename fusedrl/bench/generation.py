@@ -94,8 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quantize", action="store_true", help="also run the int8 weight-only engine")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
-                   help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)")
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "reduce-overhead", "max-autotune"),
+        help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)",
+    )
     p.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12, help="memory bandwidth of the roofline (GPU only)")
     args = p.parse_args(argv)
     if args.device == "cpu":

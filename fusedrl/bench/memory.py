@@ -171,15 +171,32 @@ EXPERIENCE_BYTES_PER_TOKEN = 40
 TOLERANCE = 0.10
 MEASURE_CONFIG = "train_configs/debug_ppo.toml"
 MEASURE_OVERRIDES: tuple[str, ...] = (
-    "--model.actor=debug_large", "--model.critic=debug_large", "--model.reward=debug_large",
-    "--model.actor_path=", "--model.critic_path=", "--model.reward_path=", "--model.reference_path=",
-    "--ppo.batch_size=8", "--ppo.minibatch_size=8", "--ppo.microbatch_size=2", "--ppo.epochs=1",
-    "--data.max_prompt_len=32", "--generation.max_new_tokens=24", "--generation.max_slots=4",
-    "--generation.stop_token_ids=[]", "--fusion.schedule_search_budget_s=0.2",
+    "--model.actor=debug_large",
+    "--model.critic=debug_large",
+    "--model.reward=debug_large",
+    "--model.actor_path=",
+    "--model.critic_path=",
+    "--model.reward_path=",
+    "--model.reference_path=",
+    "--ppo.batch_size=8",
+    "--ppo.minibatch_size=8",
+    "--ppo.microbatch_size=2",
+    "--ppo.epochs=1",
+    "--data.max_prompt_len=32",
+    "--generation.max_new_tokens=24",
+    "--generation.max_slots=4",
+    "--generation.stop_token_ids=[]",
+    "--fusion.schedule_search_budget_s=0.2",
 )
 _RUN_OVERRIDES: tuple[str, ...] = (
-    "--training.steps=2", "--checkpoint.interval=0", "--checkpoint.resume=false", "--checkpoint.export_hf=false",
-    "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false", "--metrics.timeline_interval=0",
+    "--training.steps=2",
+    "--checkpoint.interval=0",
+    "--checkpoint.resume=false",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--metrics.jsonl=false",
+    "--metrics.tensorboard=false",
+    "--metrics.timeline_interval=0",
     "--training.device=cpu",
 )
 
@@ -205,8 +222,19 @@ def layer_activation_bytes(f: ModelFlavor, tokens: int, c: int, tp: int) -> int:
     return tokens * per_token
 
 
-def stage_activation_bytes(f: ModelFlavor, layers: int, first: bool, last: bool, role: str, rows: int, seq: int,
-                           c: int, tp: int, head_in_loss: bool = False, recompute: bool = False) -> int:
+def stage_activation_bytes(
+    f: ModelFlavor,
+    layers: int,
+    first: bool,
+    last: bool,
+    role: str,
+    rows: int,
+    seq: int,
+    c: int,
+    tp: int,
+    head_in_loss: bool = False,
+    recompute: bool = False,
+) -> int:
     """Bytes one in-flight micro-batch holds on a training stage, the Actor's full logits excluded.
 
     ``head_in_loss``: the stage returns its final hidden states (float32) and the policy loss applies the LM head
@@ -253,19 +281,23 @@ def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
     return body_peak_bytes(f, rows * width, r, g, engine=True) + rows * f.vocab_size * (r + 4)
 
 
-def scoring_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int,
-                  budget: int = DEFAULT_LOGITS_BUDGET_BYTES) -> tuple[int, int]:
+def scoring_bytes(
+    f: ModelFlavor, rows: int, width: int, r: int, g: int, budget: int = DEFAULT_LOGITS_BUDGET_BYTES
+) -> tuple[int, int]:
     """(body peak, Reference hidden states + chunked-head logits) of one scoring micro-batch of ``rows x width``."""
     entries = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), max(1, width - 1)) * f.vocab_size
     # the head's own output before the float32 copy (none in float32), and with vocabulary-parallel heads
     # (g > 1) this rank's slice of it, which lives until the gathered logits are made
     head_out = (r * entries if r != 4 else 0) + (r * entries // g if g > 1 else 0)
-    return (body_peak_bytes(f, rows * width, r, g),
-            r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out)
+    return (
+        body_peak_bytes(f, rows * width, r, g),
+        r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out,
+    )
 
 
-def worst_scoring_bytes(cfg: JobConfig, f: ModelFlavor, r: int, g: int,
-                        others: Sequence[ModelFlavor] = ()) -> tuple[int, int, tuple[int, int]]:
+def worst_scoring_bytes(
+    cfg: JobConfig, f: ModelFlavor, r: int, g: int, others: Sequence[ModelFlavor] = ()
+) -> tuple[int, int, tuple[int, int]]:
     """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width)).
     ``f``: the Reference (policy head); ``others``: the Critic's and Reward's flavors (their bodies run too)."""
     gen = cfg.generation
@@ -351,8 +383,18 @@ def describe(module: nn.Module) -> list[TensorInfo]:
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             assert mesh.mesh_dim_names is not None  # fusedrl's meshes name their dimensions
-            out.append(TensorInfo(name, tuple(p.shape), p.to_local().numel(), p.element_size(), tuple(p.placements),
-                                  tuple(mesh.mesh_dim_names), tuple(mesh.shape), local_box(p)))
+            out.append(
+                TensorInfo(
+                    name,
+                    tuple(p.shape),
+                    p.to_local().numel(),
+                    p.element_size(),
+                    tuple(p.placements),
+                    tuple(mesh.mesh_dim_names),
+                    tuple(mesh.shape),
+                    local_box(p),
+                )
+            )
         else:
             out.append(TensorInfo(name, tuple(p.shape), p.numel(), p.element_size(), box=local_box(p)))
     return out
@@ -386,8 +428,13 @@ def rank_coords(cfg: JobConfig, rank: int) -> dict[str, int]:
     """Coordinates of ``rank`` in the training mesh ``(pp, dp_shard, tp)`` and the generation mesh
     ``(gen_dp, gen_tp)`` (both row-major over the ranks, as ``init_device_mesh`` lays them out)."""
     p = cfg.parallelism
-    return {"pp": rank // (p.dp_shard * p.tp), "dp_shard": rank // p.tp % p.dp_shard, "tp": rank % p.tp,
-            "gen_dp": rank // p.gen_tp, "gen_tp": rank % p.gen_tp}
+    return {
+        "pp": rank // (p.dp_shard * p.tp),
+        "dp_shard": rank // p.tp % p.dp_shard,
+        "tp": rank % p.tp,
+        "gen_dp": rank // p.gen_tp,
+        "gen_tp": rank % p.gen_tp,
+    }
 
 
 def distinct_ranks(cfg: JobConfig) -> list[int]:
@@ -413,16 +460,31 @@ def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
         training = build_training_layout(cfg, device, materialize=False)
         rollout = build_rollout_layout(cfg, device, materialize=False)
         stages = {}
-        for model, module, index in ((ACTOR, training.actor_stage, training.pp_rank),
-                                     (CRITIC, training.critic_stage, training.pp - 1 - training.pp_rank)):
+        for model, module, index in (
+            (ACTOR, training.actor_stage, training.pp_rank),
+            (CRITIC, training.critic_stage, training.pp - 1 - training.pp_rank),
+        ):
             last = module.output is not None
-            stages[model] = StageInfo(model, index, len(module.layers), module.tok_embeddings is not None, last,
-                                      describe(module), rope_bytes(module),
-                                      last and not getattr(module, "apply_head", True))
+            stages[model] = StageInfo(
+                model,
+                index,
+                len(module.layers),
+                module.tok_embeddings is not None,
+                last,
+                describe(module),
+                rope_bytes(module),
+                last and not getattr(module, "apply_head", True),
+            )
         models = {name: m for name in ROLLOUT_MODELS if (m := getattr(rollout, name)) is not None}
         kv_heads = models["actor"].layers[0].attn.num_kv_heads  # apply_tp divided it by gen_tp
-        return RankBuild(rank, rank_coords(cfg, rank), stages, {n: describe(m) for n, m in models.items()},
-                         {n: rope_bytes(m) for n, m in models.items()}, kv_heads)
+        return RankBuild(
+            rank,
+            rank_coords(cfg, rank),
+            stages,
+            {n: describe(m) for n, m in models.items()},
+            {n: rope_bytes(m) for n, m in models.items()},
+            kv_heads,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -451,8 +513,12 @@ def _box_at(t: TensorInfo, coords: dict[str, int]) -> Box | None:
     return _BOX_CACHE[key]
 
 
-def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], model: str,
-                   ) -> list[tuple[dict, dict]]:
+def all_rank_boxes(
+    cfg: JobConfig,
+    world: int,
+    builds: dict[int, RankBuild],
+    model: str,
+) -> list[tuple[dict, dict]]:
     """Per rank, ``({name: (shape, box)} of its training stage of ``model``, {name: (shape, box, dtype)} of its
     rollout copy)``: what :func:`fusedrl.distributed.plan_reshard` gathers from every rank."""
     by_pp: dict[int, RankBuild] = {}
@@ -465,8 +531,7 @@ def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], mod
         coords = rank_coords(cfg, rank)
         stage = by_pp[coords["pp"]].stages[model]
         src = {t.name: (t.shape, box) for t in stage.tensors if (box := _box_at(t, coords)) is not None}
-        dst = {t.name: (t.shape, box, dtype) for t in reference.rollout[model]
-               if (box := _box_at(t, coords)) is not None}
+        dst = {t.name: (t.shape, box, dtype) for t in reference.rollout[model] if (box := _box_at(t, coords)) is not None}
         everyone.append((src, dst))
     for b in builds.values():  # the arithmetic must agree with the DTensors the built ranks hold
         mine_src, mine_dst = everyone[b.rank]
@@ -475,8 +540,7 @@ def all_rank_boxes(cfg: JobConfig, world: int, builds: dict[int, RankBuild], mod
                 raise RuntimeError(f"rank {b.rank} {t.name}: computed box {mine_src[t.name][1]} != built {t.box}")
         for t in b.rollout[model]:
             if t.local_numel and mine_dst[t.name][1] != t.box:
-                raise RuntimeError(f"rank {b.rank} rollout {t.name}: computed box {mine_dst[t.name][1]} != "
-                                   f"built {t.box}")
+                raise RuntimeError(f"rank {b.rank} rollout {t.name}: computed box {mine_dst[t.name][1]} != built {t.box}")
     return everyone
 
 
@@ -496,8 +560,9 @@ def _contiguous_within(box: Box, outer: Box) -> bool:
     return not partial or all(box.sizes[d] == 1 for d in range(partial[-1]))
 
 
-def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_itemsize: int,
-                    ranks: Iterable[int]) -> dict[int, dict[str, int]]:
+def sync_transients(
+    plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_itemsize: int, ranks: Iterable[int]
+) -> dict[int, dict[str, int]]:
     """Per rank in ``ranks``: the largest bytes :func:`fusedrl.distributed.reshard` holds at once beyond the two
     layouts' own tensors, replaying its loop over ``plan``: receive buffers and send blocks (a cast, or the
     ``contiguous()`` copy of a strided slice) live until the next unit starts, a block the rank keeps itself until
@@ -546,9 +611,16 @@ def sync_transients(plan: ReshardPlan, everyone: list[tuple[dict, dict]], src_it
 # ---------------------------------------------------------------------------------------------- the estimate
 
 
-def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int], logits_mb: int,
-                  params: dict[str, int], grads: dict[str, int], loss_transient: int,
-                  recompute: dict[str, int]) -> tuple[dict[str, int], dict[str, int], int]:
+def training_walk(
+    program: LoweredProgram,
+    pp_rank: int,
+    per_mb: dict[str, int],
+    logits_mb: int,
+    params: dict[str, int],
+    grads: dict[str, int],
+    loss_transient: int,
+    recompute: dict[str, int],
+) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
     A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
@@ -569,12 +641,14 @@ def training_walk(program: LoweredProgram, pp_rank: int, per_mb: dict[str, int],
     held = 0
 
     def moment(transient: int, rebuilt: int) -> dict[str, int]:
-        return {"unsharded_params": sum(params[x] for x in gathered),
-                "unsharded_grads": sum(grads[x] for x in graded),
-                "activations": sum(count[x] * per_mb[x] for x in count),
-                "actor_logits": count[ACTOR] * logits_mb,
-                "logits_transient": transient,
-                "recompute": rebuilt}
+        return {
+            "unsharded_params": sum(params[x] for x in gathered),
+            "unsharded_grads": sum(grads[x] for x in graded),
+            "activations": sum(count[x] * per_mb[x] for x in count),
+            "actor_logits": count[ACTOR] * logits_mb,
+            "logits_transient": transient,
+            "recompute": rebuilt,
+        }
 
     for a in program.programs[pp_rank]:
         if a.kind not in ("F", "B", "I", "W"):
@@ -639,13 +713,23 @@ class Estimate:
         return max(((r.phases[phase].get(category, 0), r.rank) for r in self.ranks), key=lambda x: (x[0], -x[1]))
 
 
-def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, sync: dict[str, int],
-                  pipeline_seqs: Sequence[int], seq_len: int | None = None) -> RankEstimate:
+def estimate_rank(
+    cfg: JobConfig,
+    build: RankBuild,
+    program: LoweredProgram,
+    sync: dict[str, int],
+    pipeline_seqs: Sequence[int],
+    seq_len: int | None = None,
+) -> RankEstimate:
     """The figures of one built rank (module docstring); ``seq_len``: the training micro-batch length (default
     :func:`training_seq_len`)."""
     t, par, gen = cfg.training, cfg.parallelism, cfg.generation
-    c, r, frozen, kv = (_itemsize(t.mixed_precision_param), _itemsize(t.rollout_dtype), _itemsize(t.frozen_dtype),
-                        _itemsize(t.kv_cache_dtype))
+    c, r, frozen, kv = (
+        _itemsize(t.mixed_precision_param),
+        _itemsize(t.rollout_dtype),
+        _itemsize(t.frozen_dtype),
+        _itemsize(t.kv_cache_dtype),
+    )
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
     rows, seq = cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg)
     flavors = {ACTOR: FLAVORS[cfg.model.actor], CRITIC: FLAVORS[cfg.model.critic]}
@@ -670,20 +754,41 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
     persistent["pipeline_buffers"] = pipe
 
     ac = t.activation_checkpointing == "full"
-    per_mb = {m: stage_activation_bytes(flavors[m], st.layers, st.first, st.last, "policy" if m == ACTOR else "value",
-                                        rows, seq, c, par.tp, st.head_in_loss, ac) for m, st in build.stages.items()}
-    recompute = {m: layer_activation_bytes(flavors[m], rows * seq, c, par.tp) if ac and st.layers else 0
-                 for m, st in build.stages.items()}
+    per_mb = {
+        m: stage_activation_bytes(
+            flavors[m],
+            st.layers,
+            st.first,
+            st.last,
+            "policy" if m == ACTOR else "value",
+            rows,
+            seq,
+            c,
+            par.tp,
+            st.head_in_loss,
+            ac,
+        )
+        for m, st in build.stages.items()
+    }
+    recompute = {
+        m: layer_activation_bytes(flavors[m], rows * seq, c, par.tp) if ac and st.layers else 0 for m, st in build.stages.items()
+    }
     actor_stage = build.stages[ACTOR]
     chunked = actor_stage.last and actor_stage.head_in_loss
     logits_mb = actor_logits_bytes(actor, rows, seq) if actor_stage.last and not chunked else 0
     chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), seq - 1) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     stage_grads = {m: accum * sum(_grad_numel(x) for x in st.tensors) for m, st in build.stages.items()}
-    loss_transient = (CHUNKED_HEAD_MULTIPLE * chunk if chunked else
-                      LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size if actor_stage.last else 0)
-    most, compute, held = training_walk(program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads,
-                                        loss_transient, recompute)
+    loss_transient = (
+        CHUNKED_HEAD_MULTIPLE * chunk
+        if chunked
+        else LOGITS_TRANSIENT_MULTIPLE * 4 * rows * (seq - 1) * actor.vocab_size
+        if actor_stage.last
+        else 0
+    )
+    most, compute, held = training_walk(
+        program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads, loss_transient, recompute
+    )
     groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
     for st in build.stages.values():
         for x in st.tensors:
@@ -732,11 +837,20 @@ def estimate_rank(cfg: JobConfig, build: RankBuild, program: LoweredProgram, syn
         "scoring": {**persistent, **offloaded, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **training_moment},
     }
-    details = {"in_flight_max": most, "training_compute_peak": compute, "activation_peak": held,
-               "activation_bytes_per_microbatch": per_mb,
-               "actor_logits_bytes_per_microbatch": logits_mb, "microbatches": n_mb, "seq_len": seq,
-               "gradients": gradients, "weight_sync_unit": sync, "scoring_microbatch": list(shape),
-               "stage_layers": {m: st.layers for m, st in build.stages.items()}, "host": offloaded}
+    details = {
+        "in_flight_max": most,
+        "training_compute_peak": compute,
+        "activation_peak": held,
+        "activation_bytes_per_microbatch": per_mb,
+        "actor_logits_bytes_per_microbatch": logits_mb,
+        "microbatches": n_mb,
+        "seq_len": seq,
+        "gradients": gradients,
+        "weight_sync_unit": sync,
+        "scoring_microbatch": list(shape),
+        "stage_layers": {m: st.layers for m, st in build.stages.items()},
+        "host": offloaded,
+    }
     return RankEstimate(build.rank, build.coords, persistent, transients, phases, details)
 
 
@@ -744,10 +858,18 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "", ranks: Sequence[int] | None = None,
-             program: LoweredProgram | None = None, pipeline_seqs: Sequence[int] | None = None,
-             pipeline_shapes: int = 1, seq_len: int | None = None,
-             progress: Callable[[str], None] | None = _progress) -> Estimate:
+def estimate(
+    cfg: JobConfig,
+    world: int | None = None,
+    *,
+    config_name: str = "",
+    ranks: Sequence[int] | None = None,
+    program: LoweredProgram | None = None,
+    pipeline_seqs: Sequence[int] | None = None,
+    pipeline_shapes: int = 1,
+    seq_len: int | None = None,
+    progress: Callable[[str], None] | None = _progress,
+) -> Estimate:
     """Build the distinct ranks (or ``ranks``) of a ``world``-rank job on meta and estimate their memory.
 
     ``program``: the lowered training program (default: :func:`fusedrl.train.plan_program`, the schedule search with
@@ -760,8 +882,10 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
     world = par.pp * par.dp_shard * par.tp if world is None else world
     validate_world_size(cfg, world)
     if dist.is_initialized():
-        raise RuntimeError("the memory estimate plays every rank under its own fake process group; call it in a "
-                           "process without an initialised default process group")
+        raise RuntimeError(
+            "the memory estimate plays every rank under its own fake process group; call it in a "
+            "process without an initialised default process group"
+        )
     say = progress or (lambda _: None)
     wanted = list(ranks) if ranks is not None else distinct_ranks(cfg)
     to_build = sorted(set(wanted) | {(pp * par.dp_shard) * par.tp for pp in range(par.pp)})
@@ -769,8 +893,10 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
     builds: dict[int, RankBuild] = {}
     for i, rank in enumerate(to_build, 1):
         c = rank_coords(cfg, rank)
-        say(f"[memory] building rank {rank} ({i}/{len(to_build)}: pp={c['pp']} dp_shard={c['dp_shard']} tp={c['tp']}) "
-            f"of {world}, {time.perf_counter() - start:.1f}s")
+        say(
+            f"[memory] building rank {rank} ({i}/{len(to_build)}: pp={c['pp']} dp_shard={c['dp_shard']} tp={c['tp']}) "
+            f"of {world}, {time.perf_counter() - start:.1f}s"
+        )
         builds[rank] = build_rank(cfg, rank, world)
     syncs: dict[int, dict[str, Any]] = {r: {"total": 0, "unit": 0} for r in wanted}
     fake_group(0, world)
@@ -791,15 +917,23 @@ def estimate(cfg: JobConfig, world: int | None = None, *, config_name: str = "",
         program, _ = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
     if pipeline_seqs is None:
         longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-        pipeline_seqs = list(evenly_spaced(longest))[-max(1, pipeline_shapes):]  # the last one is training_seq_len
+        pipeline_seqs = list(evenly_spaced(longest))[-max(1, pipeline_shapes) :]  # the last one is training_seq_len
     results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs, seq_len) for r in wanted]
     say(f"[memory] done in {time.perf_counter() - start:.1f}s")
-    notes = [] if ranks is not None else [
-        (f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP "
-         "rank 0; the other ranks of a stage differ only by uneven FSDP2 chunks, and every rank holds the same rollout "
-         "shares)")]
-    notes.append(f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (one stage pair is cached per "
-                 "trained bucket)")
+    notes = (
+        []
+        if ranks is not None
+        else [
+            (
+                f"ranks built: {', '.join(map(str, wanted))} (every pipeline rank with its first and last dp_shard rank, TP "
+                "rank 0; the other ranks of a stage differ only by uneven FSDP2 chunks, and every rank holds the same rollout "
+                "shares)"
+            )
+        ]
+    )
+    notes.append(
+        f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (one stage pair is cached per trained bucket)"
+    )
     return Estimate(config_name, world, results, notes)
 
 
@@ -840,14 +974,17 @@ def format_table(est: Estimate, device_gib: float) -> str:
         peaks.append(f"{_gib(value):>8.3f} r{rank:<4}")
     lines.append(f"{'phase peak':<22}" + "".join(f"{c:>{width}}" for c in peaks))
     lines.append("")
-    lines.append(f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'persistent':>11} {'peak':>8}  {'phase':<12} "
-                 "in flight (actor, critic)")
+    lines.append(
+        f"{'rank':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'persistent':>11} {'peak':>8}  {'phase':<12} in flight (actor, critic)"
+    )
     for r in est.ranks:
         value, phase = r.peak
         flight = r.details["in_flight_max"]
-        lines.append(f"{r.rank:>5} {r.coords['pp']:>3} {r.coords['dp_shard']:>3} {r.coords['tp']:>3} "
-                     f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} "
-                     f"{flight[ACTOR]}, {flight[CRITIC]}")
+        lines.append(
+            f"{r.rank:>5} {r.coords['pp']:>3} {r.coords['dp_shard']:>3} {r.coords['tp']:>3} "
+            f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} "
+            f"{flight[ACTOR]}, {flight[CRITIC]}"
+        )
     persistent = max(r.persistent_total for r in est.ranks)
     peak, worst = max((r.peak[0], r.rank) for r in est.ranks)
     lines.append("")
@@ -855,11 +992,15 @@ def format_table(est: Estimate, device_gib: float) -> str:
     verdict = "fits" if _gib(peak) <= device_gib else "does NOT fit"
     host = max(r.host_total for r in est.ranks)
     if host:
-        lines.append(f"host memory per rank {_gib(host):.2f} GiB (Reference and Reward, training.offload_frozen): "
-                     f"copying them in adds {offload_seconds(host):.2f} s per iteration at an assumed "
-                     f"{H2D_GB_PER_S:g} GB/s")
-    lines.append(f"per-rank persistent {_gib(persistent):.2f} GiB, per-rank peak {_gib(peak):.2f} GiB (rank {worst}, "
-                 f"{est.ranks[[r.rank for r in est.ranks].index(worst)].peak[1]}): {verdict} in {device_gib:g} GiB")
+        lines.append(
+            f"host memory per rank {_gib(host):.2f} GiB (Reference and Reward, training.offload_frozen): "
+            f"copying them in adds {offload_seconds(host):.2f} s per iteration at an assumed "
+            f"{H2D_GB_PER_S:g} GB/s"
+        )
+    lines.append(
+        f"per-rank persistent {_gib(persistent):.2f} GiB, per-rank peak {_gib(peak):.2f} GiB (rank {worst}, "
+        f"{est.ranks[[r.rank for r in est.ranks].index(worst)].peak[1]}): {verdict} in {device_gib:g} GiB"
+    )
     return "\n".join(lines)
 
 
@@ -868,22 +1009,41 @@ def to_json(est: Estimate, device_gib: float) -> dict:
     phases = {}
     for phase in PHASES:
         value, rank = max((r.phase_peak(phase), r.rank) for r in est.ranks)
-        phases[phase] = {"peak_gib": round(_gib(value), 3), "rank": rank,
-                         "categories_gib": {n: round(_gib(est.max_over_ranks(phase, n)[0]), 3)
-                                            for n in categories(est) if est.max_over_ranks(phase, n)[0]}}
+        phases[phase] = {
+            "peak_gib": round(_gib(value), 3),
+            "rank": rank,
+            "categories_gib": {
+                n: round(_gib(est.max_over_ranks(phase, n)[0]), 3) for n in categories(est) if est.max_over_ranks(phase, n)[0]
+            },
+        }
     peak = max(r.peak[0] for r in est.ranks)
-    ranks = {str(r.rank): {"coords": r.coords, "persistent_gib": round(_gib(r.persistent_total), 3),
-                           "peak_gib": round(_gib(r.peak[0]), 3), "peak_phase": r.peak[1],
-                           "persistent": r.persistent, "transients": r.transients,
-                           "phase_peaks_gib": {p: round(_gib(r.phase_peak(p)), 3) for p in PHASES},
-                           "in_flight_max": r.details["in_flight_max"],
-                           "host_gib": round(_gib(r.host_total), 3)} for r in est.ranks}
+    ranks = {
+        str(r.rank): {
+            "coords": r.coords,
+            "persistent_gib": round(_gib(r.persistent_total), 3),
+            "peak_gib": round(_gib(r.peak[0]), 3),
+            "peak_phase": r.peak[1],
+            "persistent": r.persistent,
+            "transients": r.transients,
+            "phase_peaks_gib": {p: round(_gib(r.phase_peak(p)), 3) for p in PHASES},
+            "in_flight_max": r.details["in_flight_max"],
+            "host_gib": round(_gib(r.host_total), 3),
+        }
+        for r in est.ranks
+    }
     host = max(r.host_total for r in est.ranks)
-    return {"config": est.config, "world": est.world, "device_gib": device_gib,
-            "per_rank_persistent_gib": round(_gib(max(r.persistent_total for r in est.ranks)), 3),
-            "per_rank_peak_gib": round(_gib(peak), 3), "fits": _gib(peak) <= device_gib, "phases": phases,
-            "per_rank_host_gib": round(_gib(host), 3), "offload_s_per_iteration": round(offload_seconds(host), 3),
-            "ranks": ranks}
+    return {
+        "config": est.config,
+        "world": est.world,
+        "device_gib": device_gib,
+        "per_rank_persistent_gib": round(_gib(max(r.persistent_total for r in est.ranks)), 3),
+        "per_rank_peak_gib": round(_gib(peak), 3),
+        "fits": _gib(peak) <= device_gib,
+        "phases": phases,
+        "per_rank_host_gib": round(_gib(host), 3),
+        "offload_s_per_iteration": round(offload_seconds(host), 3),
+        "ranks": ranks,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- --measure
@@ -953,8 +1113,7 @@ def _profile_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
     running = peak = 0
     for e in events:
         running += e.nbytes()
@@ -1041,6 +1200,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
                 result, peak = _profile_peak(original)
             got["profiled"][f"weight_sync_{model}"] = max(got["profiled"].get(f"weight_sync_{model}", 0), peak)
             return result
+
         sync.sync = wrapped
 
     for sync, model in zip(trainer.syncs, (ACTOR, CRITIC)):
@@ -1048,14 +1208,20 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
 
     # training: unsharded params / grads before the reduction; saved tensors per micro-batch
     saved = _SavedTensors()
-    real_reduce, real_forward, real_backward = (PipelineStage.perform_reduce_grad, PipelineStage.forward_one_chunk,
-                                                PipelineStage.backward_one_chunk)
+    real_reduce, real_forward, real_backward = (
+        PipelineStage.perform_reduce_grad,
+        PipelineStage.forward_one_chunk,
+        PipelineStage.backward_one_chunk,
+    )
 
     def reduce(self: PipelineStage, *args: Any, **kwargs: Any) -> Any:
         model = names[id(self.submod)]
         # all-gathered: plain tensors, or DTensors left on the TP mesh only
-        params = [p for p in self.submod.parameters()
-                  if not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ())]
+        params = [
+            p
+            for p in self.submod.parameters()
+            if not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ())
+        ]
         figures = {"params": _storage_bytes(params), "grads": _storage_bytes(_fsdp_unsharded_grads(self.submod))}
         old = got["unsharded"].get(model, {"params": 0, "grads": 0})
         got["unsharded"][model] = {k: max(old[k], v) for k, v in figures.items()}
@@ -1083,8 +1249,12 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         steps_seen[0] += 1
         _SavedTensors.__init__(saved)
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-        with hooks, mock.patch.multiple(PipelineStage, perform_reduce_grad=reduce, forward_one_chunk=forward,
-                                        backward_one_chunk=backward):
+        with (
+            hooks,
+            mock.patch.multiple(
+                PipelineStage, perform_reduce_grad=reduce, forward_one_chunk=forward, backward_one_chunk=backward
+            ),
+        ):
             if steps_seen[0] == 2:  # the second minibatch: stages already built
                 result, peak = _profile_peak(lambda: schedule_step(*args, **kwargs))
                 got["profiled"]["training_step"] = peak
@@ -1095,14 +1265,17 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             largest = {m: max((v for (model, _), v in sizes.items() if model == m), default=0) for m in (ACTOR, CRITIC)}
             got["activations"] = {"peak": peak, "per_microbatch": largest}
         return result
+
     layout.schedule.step = step  # type: ignore[method-assign]  # measurement: wraps this instance's step
 
     # gradients at the optimizer step
     for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
+
         def opt_step(*args: Any, _opt: Any = opt, _model: str = model, _original: Any = opt.step, **kwargs: Any) -> Any:
             key = f"gradients_{_model}"
             got[key] = max(got.get(key, 0), _storage_bytes(p.grad for p in stage_modules[_model].parameters()))
             return _original(*args, **kwargs)
+
         opt.step = opt_step  # type: ignore[method-assign]  # measurement: wraps this optimizer's step
 
     # generation and scoring transients (profiled)
@@ -1138,6 +1311,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         if best is None or peak > best["peak"]:
             got["profiled"]["decode"] = {"peak": peak, "rows": b}
         return result
+
     # measurement: wraps these instances' methods
     scorer._score_micro_batch, engine._prefill, engine._decode_step = score_mb, prefill, decode_step  # type: ignore[method-assign]
 
@@ -1148,8 +1322,9 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     for model, module in stage_modules.items():
         persistent[f"train_params_{model}"] = _storage_bytes(module.parameters())
     for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
-        persistent[f"optimizer_{model}"] = _storage_bytes(v for s in opt.state.values() for k, v in s.items()
-                                                          if k != "step" and isinstance(v, torch.Tensor))
+        persistent[f"optimizer_{model}"] = _storage_bytes(
+            v for s in opt.state.values() for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor)
+        )
     rollout_models = {name: m for name in ROLLOUT_MODELS if (m := getattr(rollout, name)) is not None}
     for name in ROLLOUT_MODELS:
         persistent[f"rollout_{name}"] = _storage_bytes(rollout_models[name].parameters() if name in rollout_models else ())
@@ -1202,43 +1377,77 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
     for m, e in zip(measured, est.ranks):
         for name, value in m["persistent"].items():
             offloaded = name in e.details["host"]  # freed on the device outside the rollout: 0 expected
-            out.append(Comparison(e.rank, f"{name} (device, after training)" if offloaded else name, value,
-                                  e.persistent.get(name, 0), True))
+            out.append(
+                Comparison(
+                    e.rank, f"{name} (device, after training)" if offloaded else name, value, e.persistent.get(name, 0), True
+                )
+            )
         if e.details["host"]:
             out.append(Comparison(e.rank, "host copies (training.offload_frozen)", m["host"], e.host_total, True))
         for model in (ACTOR, CRITIC):
-            out.append(Comparison(e.rank, f"gradients_{model}", m.get(f"gradients_{model}", 0),
-                                  e.details["gradients"][f"gradients_{model}"], True))
+            out.append(
+                Comparison(
+                    e.rank,
+                    f"gradients_{model}",
+                    m.get(f"gradients_{model}", 0),
+                    e.details["gradients"][f"gradients_{model}"],
+                    True,
+                )
+            )
         unsharded = {k: sum(v[k] for v in m["unsharded"].values()) for k in ("params", "grads")}
         out.append(Comparison(e.rank, "unsharded_params", unsharded["params"], e.transients["unsharded_params"], True))
         out.append(Comparison(e.rank, "unsharded_grads", unsharded["grads"], e.transients["unsharded_grads"], True))
-        out.append(Comparison(e.rank, "activations (+ logits), in-flight peak", m["activations"]["peak"],
-                              e.details["activation_peak"], True))
-        out.append(Comparison(e.rank, "weight sync: largest unit's send+recv", max(m["sync"].values(), default=0),
-                              e.details["weight_sync_unit"]["unit"], True))
+        out.append(
+            Comparison(
+                e.rank, "activations (+ logits), in-flight peak", m["activations"]["peak"], e.details["activation_peak"], True
+            )
+        )
+        out.append(
+            Comparison(
+                e.rank,
+                "weight sync: largest unit's send+recv",
+                max(m["sync"].values(), default=0),
+                e.details["weight_sync_unit"]["unit"],
+                True,
+            )
+        )
         prof = m["profiled"]
         if "scoring" in prof:
             rows, width = prof["scoring"]["shape"]
             body, head = scoring_bytes(actor, rows, width, r, g)
-            out.append(Comparison(e.rank, f"scoring micro-batch {rows}x{width} (profiled)", prof["scoring"]["peak"],
-                                  max(body, head), True))
+            out.append(
+                Comparison(
+                    e.rank, f"scoring micro-batch {rows}x{width} (profiled)", prof["scoring"]["peak"], max(body, head), True
+                )
+            )
         if "prefill" in prof:
             rows, width = prof["prefill"]["shape"]
-            out.append(Comparison(e.rank, f"prefill {rows}x{width} (profiled)", prof["prefill"]["peak"],
-                                  prefill_bytes(actor, rows, width, r, g), True))
+            out.append(
+                Comparison(
+                    e.rank,
+                    f"prefill {rows}x{width} (profiled)",
+                    prof["prefill"]["peak"],
+                    prefill_bytes(actor, rows, width, r, g),
+                    True,
+                )
+            )
         if "decode" in prof:
             rows = prof["decode"]["rows"]
-            out.append(Comparison(e.rank, f"decode step, {rows} rows (profiled)", prof["decode"]["peak"],
-                                  decode_logits_bytes(actor, rows), True))
+            out.append(
+                Comparison(
+                    e.rank, f"decode step, {rows} rows (profiled)", prof["decode"]["peak"], decode_logits_bytes(actor, rows), True
+                )
+            )
         if "training_step" in prof:
             tr = e.transients
-            step = max(sum(e.details["training_compute_peak"].values()),
-                       tr["unsharded_params"] + tr["unsharded_grads"] + tr["reduce_scatter"])
+            step = max(
+                sum(e.details["training_compute_peak"].values()),
+                tr["unsharded_params"] + tr["unsharded_grads"] + tr["reduce_scatter"],
+            )
             out.append(Comparison(e.rank, "training step (profiled)", prof["training_step"], step, True))
         sync_peak = max((v for k, v in prof.items() if k.startswith("weight_sync")), default=None)
         if sync_peak is not None:
-            out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"],
-                                  False))
+            out.append(Comparison(e.rank, "weight sync (profiled)", sync_peak, e.transients["weight_sync_buffers"], False))
     return out
 
 
@@ -1246,8 +1455,9 @@ def format_comparison(rows: list[Comparison]) -> str:
     lines = [f"{'rank':>4}  {'category':<44}{'measured MiB':>14}{'estimated MiB':>15}{'ratio':>8}  check"]
     for c in rows:
         check = ("ok" if c.ok else "OFF BY >10%") if c.gated else "informational"
-        lines.append(f"{c.rank:>4}  {c.category:<44}{c.measured / 2**20:>14.3f}{c.estimated / 2**20:>15.3f}"
-                     f"{c.ratio:>8.3f}  {check}")
+        lines.append(
+            f"{c.rank:>4}  {c.category:<44}{c.measured / 2**20:>14.3f}{c.estimated / 2**20:>15.3f}{c.ratio:>8.3f}  {check}"
+        )
     return "\n".join(lines)
 
 
@@ -1256,15 +1466,23 @@ def format_comparison(rows: list[Comparison]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedrl.bench.memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="TOML job config (default with --measure: a debug_large run "
-                        f"of {MEASURE_CONFIG})")
+    parser.add_argument(
+        "--config", default=None, help=f"TOML job config (default with --measure: a debug_large run of {MEASURE_CONFIG})"
+    )
     parser.add_argument("--world", type=int, default=None, help="ranks (default pp * dp_shard * tp; 4 with --measure)")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
-    parser.add_argument("--measure", action="store_true", help="run the config through the real trainer on CPU ranks "
-                        "and compare with the estimate")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the config through the real trainer on CPU ranks and compare with the estimate",
+    )
     parser.add_argument("--device-gib", type=float, default=80.0, help="device memory to check the peak against")
-    parser.add_argument("--pipeline-shapes", type=int, default=1,
-                        help="sequence buckets whose pipeline stages (and buffers) are assumed cached (default 1)")
+    parser.add_argument(
+        "--pipeline-shapes",
+        type=int,
+        default=1,
+        help="sequence buckets whose pipeline stages (and buffers) are assumed cached (default 1)",
+    )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=")[0]]
     if bad:
@@ -1298,8 +1516,15 @@ def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     _progress(f"[memory] running {config} through the trainer on {world} CPU ranks (2 iterations)")
     measured = sorted(measure(argv, world), key=lambda m: m["rank"])
-    est = estimate(cfg, world, config_name=config, ranks=list(range(world)), program=measured[0]["program"],
-                   pipeline_seqs=measured[0]["pipeline_seqs"], seq_len=max(measured[0]["pipeline_seqs"]))
+    est = estimate(
+        cfg,
+        world,
+        config_name=config,
+        ranks=list(range(world)),
+        program=measured[0]["program"],
+        pipeline_seqs=measured[0]["pipeline_seqs"],
+        seq_len=max(measured[0]["pipeline_seqs"]),
+    )
     rows = compare(cfg, measured, est)
     print(format_table(est, args.device_gib))
     print()
@@ -1307,12 +1532,23 @@ def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     print(format_comparison(rows))
     gated = [c for c in rows if c.gated]
     failed = [c for c in gated if not c.ok]
-    print(f"{len(gated) - len(failed)}/{len(gated)} compared categories within {TOLERANCE:.0%}"
-          + ("" if not failed else f"; off: {', '.join(sorted({c.category for c in failed}))}"))
+    print(
+        f"{len(gated) - len(failed)}/{len(gated)} compared categories within {TOLERANCE:.0%}"
+        + ("" if not failed else f"; off: {', '.join(sorted({c.category for c in failed}))}")
+    )
     if args.json:
         result = to_json(est, args.device_gib)
-        result["comparison"] = [{"rank": c.rank, "category": c.category, "measured": c.measured,
-                                 "estimated": c.estimated, "ratio": round(c.ratio, 4), "gated": c.gated} for c in rows]
+        result["comparison"] = [
+            {
+                "rank": c.rank,
+                "category": c.category,
+                "measured": c.measured,
+                "estimated": c.estimated,
+                "ratio": round(c.ratio, 4),
+                "gated": c.gated,
+            }
+            for c in rows
+        ]
         result["comparison_ok"] = not failed
         print(json.dumps(result))
     return 1 if failed else 0

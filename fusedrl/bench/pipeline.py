@@ -93,7 +93,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"), (CRITIC, "value"))
     for m, role in roles:
         model = build_model(REAL_FLAVOR, role)
-        del model.layers[REAL_LAYERS[m]:]
+        del model.layers[REAL_LAYERS[m] :]
         models[m] = model
     dim = models[ACTOR].tok_embeddings.embedding_dim
     vocab = models[ACTOR].tok_embeddings.num_embeddings
@@ -103,12 +103,19 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (batch, REAL_SEQ), generator=g)
     mask = torch.ones(batch, REAL_SEQ)
-    actor_t = {"tokens": tokens, "old_logprobs": torch.full((batch, REAL_SEQ), -6.0),
-               "advantages": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
+    actor_t = {
+        "tokens": tokens,
+        "old_logprobs": torch.full((batch, REAL_SEQ), -6.0),
+        "advantages": torch.randn(batch, REAL_SEQ, generator=g),
+        "mask": mask,
+    }
     critic_t = {"returns": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
-    executors = {name: FusedPipelineSchedule(program, StageModule(actor_stage, _ppo_actor_loss, dim, vocab),
-                                             StageModule(critic_stage, _value_loss, dim, 1))
-                 for name, program in programs.items()}
+    executors = {
+        name: FusedPipelineSchedule(
+            program, StageModule(actor_stage, _ppo_actor_loss, dim, vocab), StageModule(critic_stage, _value_loss, dim, 1)
+        )
+        for name, program in programs.items()
+    }
     samples: dict[str, list[float]] = {name: [] for name in programs}
     traces = {}
     # Runs of the two programs alternate, so both see the same background load; the first run of each builds
@@ -137,8 +144,10 @@ def bench_real(reps: int, trace_dir: str | None) -> dict:
     placement = Placement(2)
     m = REAL_MICROBATCHES
     costs = CostModel.uniform(placement, 1.0, REAL_LAYERS[CRITIC] / REAL_LAYERS[ACTOR])
-    schedules = {"sequential": sequential_1f1b(placement, m, m),
-                 "fused": fused_schedule(placement, costs, m, m, budget_s=2.0).schedule}
+    schedules = {
+        "sequential": sequential_1f1b(placement, m, m),
+        "fused": fused_schedule(placement, costs, m, m, budget_s=2.0).schedule,
+    }
     programs = {n: lower(s, placement, {ACTOR: m, CRITIC: m}) for n, s in schedules.items()}
     result = _launch(_real_worker, 2, programs, reps, trace_dir)
     sim = {n: simulate(s, placement, costs, m, m).makespan for n, s in schedules.items()}
@@ -170,8 +179,10 @@ def bench_emulated(pp: int, reps: int, trace_dir: str | None) -> dict:
     placement = Placement(pp)
     m = pp
     costs = CostModel.uniform(placement, EMU_F_ACTOR, EMU_F_CRITIC)
-    schedules = {"sequential": sequential_1f1b(placement, m, m),
-                 "fused": fused_schedule(placement, costs, m, m, budget_s=5.0).schedule}
+    schedules = {
+        "sequential": sequential_1f1b(placement, m, m),
+        "fused": fused_schedule(placement, costs, m, m, budget_s=5.0).schedule,
+    }
     programs = {n: lower(s, placement, {ACTOR: m, CRITIC: m}) for n, s in schedules.items()}
     measured = _launch(_emulated_worker, pp, programs, costs, reps)
     row: dict = {"pp": pp, "microbatches": m}
@@ -191,8 +202,9 @@ def bench_emulated(pp: int, reps: int, trace_dir: str | None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
-    parser.add_argument("--reps", type=int, default=3,
-                        help="timed repetitions per program (real: fastest of alternating runs; emulated: median)")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed repetitions per program (real: fastest of alternating runs; emulated: median)"
+    )
     parser.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces of the timelines here")
     parser.add_argument("--png", default=None, help="write a PNG of the measured pp=4 emulated timelines here")
     args = parser.parse_args(argv)
@@ -202,29 +214,45 @@ def main(argv: list[str] | None = None) -> None:
     real = bench_real(args.reps, args.trace_dir)
     t = real["times"]
     real_speedup = t["sequential"] / t["fused"]
-    print(f"(a) real compute, pp=2, {REAL_FLAVOR} actor {REAL_LAYERS[ACTOR]} layers / critic {REAL_LAYERS[CRITIC]} layers, "
-          f"{REAL_MICROBATCHES} micro-batches of {REAL_MB_SIZE}x{REAL_SEQ} tokens per model")
-    print(f"    sequential_1f1b {t['sequential'] * 1e3:8.1f} ms (bubble {real['bubble']['sequential']:.1%})   "
-          f"fused {t['fused'] * 1e3:8.1f} ms (bubble {real['bubble']['fused']:.1%})   speedup {real_speedup:.3f}x "
-          f"(simulator with a critic/actor cost ratio of 0.5: {real['simulated_speedup']:.3f}x)")
+    print(
+        f"(a) real compute, pp=2, {REAL_FLAVOR} actor {REAL_LAYERS[ACTOR]} layers / critic {REAL_LAYERS[CRITIC]} layers, "
+        f"{REAL_MICROBATCHES} micro-batches of {REAL_MB_SIZE}x{REAL_SEQ} tokens per model"
+    )
+    print(
+        f"    sequential_1f1b {t['sequential'] * 1e3:8.1f} ms (bubble {real['bubble']['sequential']:.1%})   "
+        f"fused {t['fused'] * 1e3:8.1f} ms (bubble {real['bubble']['fused']:.1%})   speedup {real_speedup:.3f}x "
+        f"(simulator with a critic/actor cost ratio of 0.5: {real['simulated_speedup']:.3f}x)"
+    )
 
     rows = [bench_emulated(pp, args.reps, args.trace_dir) for pp in (4, 8)]
-    print(f"(b) emulated compute (actor f={EMU_F_ACTOR * 1e3:.0f} ms, critic f={EMU_F_CRITIC * 1e3:.0f} ms, b=2f), "
-          "real gloo messages; makespans in ms")
-    print(f"    {'pp':>3} {'M':>3} {'seq sim':>9} {'seq meas':>9} {'fused sim':>9} {'fused meas':>10} "
-          f"{'speedup sim':>11} {'speedup meas':>12} {'max rel err':>11}")
+    print(
+        f"(b) emulated compute (actor f={EMU_F_ACTOR * 1e3:.0f} ms, critic f={EMU_F_CRITIC * 1e3:.0f} ms, b=2f), "
+        "real gloo messages; makespans in ms"
+    )
+    print(
+        f"    {'pp':>3} {'M':>3} {'seq sim':>9} {'seq meas':>9} {'fused sim':>9} {'fused meas':>10} "
+        f"{'speedup sim':>11} {'speedup meas':>12} {'max rel err':>11}"
+    )
     for r in rows:
-        print(f"    {r['pp']:>3} {r['microbatches']:>3} {r['sequential_simulated'] * 1e3:9.1f} "
-              f"{r['sequential_measured'] * 1e3:9.1f} {r['fused_simulated'] * 1e3:9.1f} {r['fused_measured'] * 1e3:10.1f} "
-              f"{r['simulated_speedup']:11.3f} {r['measured_speedup']:12.3f} {r['max_rel_error']:11.2%}")
+        print(
+            f"    {r['pp']:>3} {r['microbatches']:>3} {r['sequential_simulated'] * 1e3:9.1f} "
+            f"{r['sequential_measured'] * 1e3:9.1f} {r['fused_simulated'] * 1e3:9.1f} {r['fused_measured'] * 1e3:10.1f} "
+            f"{r['simulated_speedup']:11.3f} {r['measured_speedup']:12.3f} {r['max_rel_error']:11.2%}"
+        )
     if args.png:
         rows[0]["timelines"]["fused"].save_png(args.png, "measured timeline, fused program, pp=4 (emulated compute)")
     if args.json:
-        print(json.dumps({
-            "real_speedup": round(real_speedup, 4),
-            "emulated": [{k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")}
-                         | {"pp": r["pp"]} for r in rows],
-        }))
+        print(
+            json.dumps(
+                {
+                    "real_speedup": round(real_speedup, 4),
+                    "emulated": [
+                        {k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")} | {"pp": r["pp"]}
+                        for r in rows
+                    ],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -39,15 +39,21 @@ def grid() -> list[tuple[int, int, int, int, float]]:
 def run(budget_s: float, seed: int, verbose: bool = True) -> dict:
     rows: list[dict[str, Any]] = []
     if verbose:
-        print(f"{'pp_a':>4} {'pp_c':>4} {'M_a':>4} {'M_c':>4} {'ratio':>5} {'ms/LB':>7} {'vs 1F1B':>8} "
-              f"{'mem/1F1B':>8} {'search_s':>8}  method")
+        print(
+            f"{'pp_a':>4} {'pp_c':>4} {'M_a':>4} {'M_c':>4} {'ratio':>5} {'ms/LB':>7} {'vs 1F1B':>8} "
+            f"{'mem/1F1B':>8} {'search_s':>8}  method"
+        )
     for pp, pp_critic, mb_actor, mb_critic, ratio in grid():
         placement = Placement(pp, pp_critic)
         costs = CostModel.uniform(placement, 1.0, ratio, mem_actor=1.0, mem_critic=ratio)
         plan = fused_schedule(placement, costs, mb_actor, mb_critic, budget_s=budget_s, seed=seed)
         single_peak = single_model_1f1b_peak(Problem(placement, costs, mb_actor, mb_critic))
         row = {
-            "pp_actor": pp, "pp_critic": pp_critic, "mb_actor": mb_actor, "mb_critic": mb_critic, "cost_ratio": ratio,
+            "pp_actor": pp,
+            "pp_critic": pp_critic,
+            "mb_actor": mb_actor,
+            "mb_critic": mb_critic,
+            "cost_ratio": ratio,
             "makespan_over_lower_bound": plan.makespan / plan.lower_bound,
             "speedup_vs_sequential": plan.sequential_1f1b_makespan / plan.makespan,
             "peak_memory_over_1f1b_single": plan.result.max_peak_memory / single_peak,
@@ -56,10 +62,12 @@ def run(budget_s: float, seed: int, verbose: bool = True) -> dict:
         }
         rows.append(row)
         if verbose:
-            print(f"{pp:>4} {pp_critic:>4} {mb_actor:>4} {mb_critic:>4} {ratio:>5.2f} "
-                  f"{row['makespan_over_lower_bound']:>7.4f} {row['speedup_vs_sequential']:>7.3f}x "
-                  f"{row['peak_memory_over_1f1b_single']:>8.3f} {row['search_seconds']:>8.2f}  {plan.method}",
-                  flush=True)
+            print(
+                f"{pp:>4} {pp_critic:>4} {mb_actor:>4} {mb_critic:>4} {ratio:>5.2f} "
+                f"{row['makespan_over_lower_bound']:>7.4f} {row['speedup_vs_sequential']:>7.3f}x "
+                f"{row['peak_memory_over_1f1b_single']:>8.3f} {row['search_seconds']:>8.2f}  {plan.method}",
+                flush=True,
+            )
     ratios = [r["makespan_over_lower_bound"] for r in rows]
     summary = {
         "problems": len(rows),
@@ -87,11 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"mean makespan / lower bound: {s['mean_makespan_over_lower_bound']:.4f} (target <= 1.01)")
     print(f"max makespan / lower bound:  {s['max_makespan_over_lower_bound']:.4f} (target <= 1.03)")
     print(f"problems within 1.01 x bound: {s['problems_within_1.01_of_bound']}/{s['problems']}")
-    print(f"speedup vs sequential 1F1B: min {s['min_speedup_vs_sequential']:.3f}x, "
-          f"mean {s['mean_speedup_vs_sequential']:.3f}x (target: min >= 1)")
+    print(
+        f"speedup vs sequential 1F1B: min {s['min_speedup_vs_sequential']:.3f}x, "
+        f"mean {s['mean_speedup_vs_sequential']:.3f}x (target: min >= 1)"
+    )
     print(f"max peak memory / single-model 1F1B peak: {s['max_peak_memory_over_1f1b_single']:.3f} (target <= 1.5)")
-    print(f"search seconds: max {s['max_search_seconds']:.2f} per problem (target <= 30), "
-          f"total {s['total_search_seconds']:.1f} (budget {args.budget_s:g} s/problem)")
+    print(
+        f"search seconds: max {s['max_search_seconds']:.2f} per problem (target <= 30), "
+        f"total {s['total_search_seconds']:.1f} (budget {args.budget_s:g} s/problem)"
+    )
     if args.json:
         print(json.dumps(out))
 

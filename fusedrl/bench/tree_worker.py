@@ -97,9 +97,19 @@ def _rank(argv: list[str], warmup: int, steps: int) -> dict[str, Any]:
 def main(spec: dict[str, Any]) -> None:
     from fusedrl.testing import run_multirank
 
-    argv = ["--job.config_file", spec["config"], *spec["overrides"], f"--training.steps={spec['warmup'] + spec['steps']}",
-            f"--job.output_dir={spec['out']}", "--checkpoint.interval=0", "--checkpoint.resume=false",
-            "--checkpoint.export_hf=false", "--metrics.trace=[]", "--metrics.jsonl=false", "--metrics.tensorboard=false"]
+    argv = [
+        "--job.config_file",
+        spec["config"],
+        *spec["overrides"],
+        f"--training.steps={spec['warmup'] + spec['steps']}",
+        f"--job.output_dir={spec['out']}",
+        "--checkpoint.interval=0",
+        "--checkpoint.resume=false",
+        "--checkpoint.export_hf=false",
+        "--metrics.trace=[]",
+        "--metrics.jsonl=false",
+        "--metrics.tensorboard=false",
+    ]
     ranks = run_multirank(_rank, spec["world"], argv, spec["warmup"], spec["steps"], timeout_s=3600.0)
     print(json.dumps(ranks))
 

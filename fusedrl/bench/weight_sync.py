@@ -61,7 +61,7 @@ def _rank(flavor: str, repeats: int) -> dict:
     times: dict[str, list[float]] = {name: [] for name in variants}
     received: dict[str, int] = {}
     for r in range(repeats + 1):  # the first round warms up
-        for name in (list(variants) if r % 2 else list(variants)[::-1]):
+        for name in list(variants) if r % 2 else list(variants)[::-1]:
             dist.barrier()
             start = time.perf_counter()
             nbytes = variants[name]()
@@ -87,9 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     for n in seconds:
         print(f"{n:<20}{seconds[n]:>10.3f}{received[n] / 1e6:>11.1f}{seconds[n] / base_s:>11.3f}x{received[n] / base_b:>12.3f}x")
     if args.json:
-        print(json.dumps({"flavor": args.flavor, "seconds": seconds, "bytes_per_rank": received,
-                          "time_ratio": {n: s / base_s for n, s in seconds.items()},
-                          "bytes_ratio": {n: b / base_b for n, b in received.items()}}))
+        print(
+            json.dumps(
+                {
+                    "flavor": args.flavor,
+                    "seconds": seconds,
+                    "bytes_per_rank": received,
+                    "time_ratio": {n: s / base_s for n, s in seconds.items()},
+                    "bytes_ratio": {n: b / base_b for n, b in received.items()},
+                }
+            )
+        )
     return 0
 
 

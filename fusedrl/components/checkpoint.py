@@ -133,15 +133,27 @@ class CheckpointManager:
         self._extra = extra
 
     @classmethod
-    def from_config(cls, section: CheckpointSection, output_dir: str | os.PathLike, models: Mapping[str, nn.Module],
-                    optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
-                    schedulers: Mapping[str, Any] | None = None,
-                    extra: Mapping[str, Any] | None = None) -> CheckpointManager:
+    def from_config(
+        cls,
+        section: CheckpointSection,
+        output_dir: str | os.PathLike,
+        models: Mapping[str, nn.Module],
+        optimizers: Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> CheckpointManager:
         """A manager as the ``[checkpoint]`` section says: ``folder`` relative to ``output_dir`` unless
         absolute, ``interval``, ``keep`` (0: keep all)."""
         folder = Path(section.folder)
-        return cls(folder if folder.is_absolute() else Path(output_dir) / folder, models, optimizers, schedulers, extra,
-                   interval=section.interval, keep_last=section.keep or None)
+        return cls(
+            folder if folder.is_absolute() else Path(output_dir) / folder,
+            models,
+            optimizers,
+            schedulers,
+            extra,
+            interval=section.interval,
+            keep_last=section.keep or None,
+        )
 
     # -------------------------------------------------------------------- paths
     def path(self, step: int) -> Path:
@@ -283,8 +295,9 @@ def export_hf(
     if tokenizer is not None:
         stop = list(dict.fromkeys([tokenizer.eos_id, *tokenizer.stop_token_ids]))
         bos, eos, pad = tokenizer.bos_id, stop[0] if len(stop) == 1 else stop, tokenizer.pad_id
-    path = save_hf_checkpoint({k: v.cpu() for k, v in state.items()}, folder, flavor, role,
-                              bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    path = save_hf_checkpoint(
+        {k: v.cpu() for k, v in state.items()}, folder, flavor, role, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad
+    )
     save = getattr(tokenizer, "save", None)
     if callable(save):
         save(path)

@@ -174,8 +174,10 @@ def load_prompts(
 
     if format == "synthetic":
         if texts is None:
-            raise ValueError("data.format synthetic takes its prompts from texts=; pass a task's prompts "
-                             "(e.g. fusedrl.tasks.debug.sample_prompts(n, seed))")
+            raise ValueError(
+                "data.format synthetic takes its prompts from texts=; pass a task's prompts "
+                "(e.g. fusedrl.tasks.debug.sample_prompts(n, seed))"
+            )
         source = f"synthetic prompts ({len(texts)})"
         rows = _column_rows(texts)
     else:
@@ -233,13 +235,22 @@ def load_prompts(
     return PromptDataset(prompts, token_ids, source_rows, report)
 
 
-def load_prompts_from_config(section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int,
-                             texts: Sequence[str] | None = None) -> PromptDataset:
+def load_prompts_from_config(
+    section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int, texts: Sequence[str] | None = None
+) -> PromptDataset:
     """The ``[data]`` section's prompts; ``chat_template = true`` renders plain prompts through the tokenizer's
     chat template, and format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""
-    return load_prompts(section.path, tokenizer, format=section.format, prompt_key=section.prompt_key,
-                        max_prompt_len=section.max_prompt_len, overlong=section.on_long_prompt,
-                        chat_template=section.chat_template, vocab_size=vocab_size, texts=texts)
+    return load_prompts(
+        section.path,
+        tokenizer,
+        format=section.format,
+        prompt_key=section.prompt_key,
+        max_prompt_len=section.max_prompt_len,
+        overlong=section.on_long_prompt,
+        chat_template=section.chat_template,
+        vocab_size=vocab_size,
+        texts=texts,
+    )
 
 
 def _no_chat_template(tokenizer: PromptTokenizer, why: str, alternative: str) -> InputError:
@@ -307,7 +318,9 @@ class PromptLoader:
     slice of ``batch_size``. ``state_dict`` holds the epoch and the position in it.
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, dataset: PromptDataset, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:

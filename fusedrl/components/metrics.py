@@ -249,11 +249,18 @@ class MetricsLogger:
             self._tb = None
 
     @classmethod
-    def from_config(cls, section: MetricsSection, folder: str | os.PathLike, *, rank: int,
-                    stdout_keys: Sequence[str] | None = None) -> MetricsLogger:
+    def from_config(
+        cls, section: MetricsSection, folder: str | os.PathLike, *, rank: int, stdout_keys: Sequence[str] | None = None
+    ) -> MetricsLogger:
         """A logger as the ``[metrics]`` section says (``log_freq``, ``jsonl``, ``tensorboard``)."""
-        return cls(folder, rank=rank, log_freq=section.log_freq, jsonl=section.jsonl, tensorboard=section.tensorboard,
-                   stdout_keys=stdout_keys)
+        return cls(
+            folder,
+            rank=rank,
+            log_freq=section.log_freq,
+            jsonl=section.jsonl,
+            tensorboard=section.tensorboard,
+            stdout_keys=stdout_keys,
+        )
 
     def __enter__(self) -> MetricsLogger:
         return self

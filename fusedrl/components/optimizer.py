@@ -48,9 +48,7 @@ def build_optimizer(
 
 
 @torch.no_grad()
-def grad_norm(
-    params: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Total gradient norm of ``params`` over the whole model.
 
     DTensor (FSDP2/TP) gradients are reduced over their meshes; with ``pp_group`` the per-stage

@@ -122,8 +122,12 @@ class ByteTokenizer:
         )
         tok.save(str(folder / "tokenizer.json"))
         # the generic class: transformers must not swap in a model-specific tokenizer named by config.json
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-                  "pad_token": "<|pad|>"}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|bos|>",
+            "eos_token": "<|eos|>",
+            "pad_token": "<|pad|>",
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return folder
 
@@ -244,8 +248,9 @@ class HFTokenizer:
         if self._chat is None:
             raise ValueError(f"tokenizer {self.path} has no chat template; {CHAT_TEMPLATE_FIX}")
         try:
-            return self._chat.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=True,
-                                     **self._chat_tokens)
+            return self._chat.render(
+                messages=list(messages), tools=None, documents=None, add_generation_prompt=True, **self._chat_tokens
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
@@ -265,8 +270,10 @@ class HFTokenizer:
 # the model and is written by the export).
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-CHAT_TEMPLATE_FIX = ("use a tokenizer folder whose tokenizer_config.json has a chat_template "
-                     "(or with a chat_template.jinja next to tokenizer.json)")
+CHAT_TEMPLATE_FIX = (
+    "use a tokenizer folder whose tokenizer_config.json has a chat_template "
+    "(or with a chat_template.jinja next to tokenizer.json)"
+)
 
 
 def _chat_template_source(folder: Path, config: dict) -> tuple[str, Path] | None:
@@ -282,8 +289,10 @@ def _chat_template_source(folder: Path, config: dict) -> tuple[str, Path] | None
     if isinstance(template, list):  # the older form of several named templates
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ValueError(f"{where} has chat templates {sorted(map(str, named))} but none named 'default'; "
-                             "name the one to use 'default' or put it in chat_template.jinja next to it")
+            raise ValueError(
+                f"{where} has chat templates {sorted(map(str, named))} but none named 'default'; "
+                "name the one to use 'default' or put it in chat_template.jinja next to it"
+            )
         template = named["default"]
     if template is None:
         return None
@@ -302,8 +311,13 @@ class _GenerationBlock(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -448,7 +462,11 @@ def load_tokenizer(path_or_name: str | os.PathLike, kind: str | None = None) -> 
             return TorchtuneTokenizer.llama3(tiktoken_file)
         if has_bpe_files:
             return TorchtuneTokenizer.qwen2_5(path / "vocab.json", path / "merges.txt")
-    wanted = "tokenizer.json" if kind == "hf" else "tokenizer.model or vocab.json + merges.txt" if kind else (
-        "tokenizer.json, tokenizer.model, or vocab.json + merges.txt"
+    wanted = (
+        "tokenizer.json"
+        if kind == "hf"
+        else "tokenizer.model or vocab.json + merges.txt"
+        if kind
+        else ("tokenizer.json, tokenizer.model, or vocab.json + merges.txt")
     )
     raise ValueError(f"no tokenizer files in {path}: expected {wanted}")

@@ -90,20 +90,28 @@ class JobSection:
 class ModelSection:
     """[model]: flavors and initial weights of the four PPO models."""
 
-    actor: str = _key("debug", "Actor (policy) flavor from fusedrl.models.FLAVORS; the Reference uses the same flavor.", non_empty)
+    actor: str = _key(
+        "debug", "Actor (policy) flavor from fusedrl.models.FLAVORS; the Reference uses the same flavor.", non_empty
+    )
     critic: str = _key("debug", "Critic (value model) flavor from fusedrl.models.FLAVORS.", non_empty)
     reward: str = _key(
         "debug",
         'Reward model (value head) flavor from fusedrl.models.FLAVORS, or "none": no Reward model (reward_fn alone scores).',
         non_empty,
     )
-    actor_path: str | None = _key(None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation.")
+    actor_path: str | None = _key(
+        None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation."
+    )
     critic_path: str | None = _key(
         None,
         "HF-format safetensors folder for the Critic (an LM checkpoint gets a fresh value head); unset: random initialisation.",
     )
-    reward_path: str | None = _key(None, "HF-format safetensors folder of the trained Reward model; unset: random initialisation.")
-    reference_path: str | None = _key(None, "HF-format safetensors folder of the Reference policy; unset: the Actor's initial weights.")
+    reward_path: str | None = _key(
+        None, "HF-format safetensors folder of the trained Reward model; unset: random initialisation."
+    )
+    reference_path: str | None = _key(
+        None, "HF-format safetensors folder of the Reference policy; unset: the Actor's initial weights."
+    )
     tokenizer_path: str = _key(
         "byte",
         '"byte" (the built-in byte tokenizer for debug flavors), a tokenizer.json file, or a folder with '
@@ -141,7 +149,8 @@ class DataSection:
     )
     max_prompt_len: int = _key(256, "Longest prompt in tokens; longer prompts are handled by on_long_prompt.", at_least(1))
     on_long_prompt: Literal["drop", "truncate"] = _key(
-        "drop", "What to do with prompts longer than max_prompt_len: drop them or truncate them to max_prompt_len tokens (counted and logged either way)."
+        "drop",
+        "What to do with prompts longer than max_prompt_len: drop them or truncate them to max_prompt_len tokens (counted and logged either way).",
     )
     chat_template: bool = _key(
         False,
@@ -159,7 +168,9 @@ class GenerationSection:
     temperature: float = _key(1.0, "Sampling temperature; 0 is greedy decoding.", at_least(0.0))
     top_p: float = _key(1.0, "Nucleus sampling mass in (0, 1]; 1.0 disables it.", _top_p)
     top_k: int = _key(0, "Keep only the k most likely tokens; 0 disables it.", at_least(0))
-    stop_token_ids: list[int] = _key([], "Extra token ids that end a response, besides the tokenizer's end-of-sequence ids.", each(at_least(0)))
+    stop_token_ids: list[int] = _key(
+        [], "Extra token ids that end a response, besides the tokenizer's end-of-sequence ids.", each(at_least(0))
+    )
     max_slots: int = _key(64, "Requests decoded at once per generation instance (KV-cache slots).", at_least(1))
     scoring_max_tokens: int = _key(
         16384,
@@ -194,7 +205,11 @@ class FusionSection:
     )
     migration_check_interval: int = _key(8, "Decode steps between checks of the global unfinished count.", at_least(1))
     intra_stage: bool = _key(True, "Intra-stage fusion: train Actor and Critic with one fused bidirectional pipeline schedule.")
-    schedule_search_budget_s: float = _key(5.0, "Seconds the fused schedule search may spend; 0 runs the greedy fused scheduler alone (no local search).", at_least(0.0))
+    schedule_search_budget_s: float = _key(
+        5.0,
+        "Seconds the fused schedule search may spend; 0 runs the greedy fused scheduler alone (no local search).",
+        at_least(0.0),
+    )
 
 
 @dataclass
@@ -214,7 +229,9 @@ class PPOSection:
     batch_size: int = _key(64, "Prompts (= samples) per PPO iteration, across all ranks.", at_least(1))
     minibatch_size: int = _key(32, "Samples per optimizer step, across all ranks; must divide batch_size.", at_least(1))
     microbatch_size: int = _key(
-        4, "Samples per pipeline micro-batch on each data-parallel shard; minibatch_size / dp_shard must be a multiple of it.", at_least(1)
+        4,
+        "Samples per pipeline micro-batch on each data-parallel shard; minibatch_size / dp_shard must be a multiple of it.",
+        at_least(1),
     )
     epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))
     clip_eps: float = _key(0.2, "Policy ratio clip range: ratios are clipped to [1 - clip_eps, 1 + clip_eps].", positive)
@@ -242,7 +259,9 @@ class LRSchedulerSection:
     """[lr_scheduler]: warmup then decay, the same shape for Actor and Critic."""
 
     warmup_steps: int = _key(0, "Steps of linear warmup from 0 to the peak learning rate.", at_least(0))
-    decay: Literal["linear", "cosine", "constant"] = _key("constant", "Decay after warmup until training.steps: linear, cosine or constant.")
+    decay: Literal["linear", "cosine", "constant"] = _key(
+        "constant", "Decay after warmup until training.steps: linear, cosine or constant."
+    )
     min_ratio: float = _key(0.0, "Final learning rate as a fraction of the peak (linear and cosine decay).", unit_interval)
 
 
@@ -338,4 +357,3 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     # "section.key" -> where its value came from (a file path or "command line"); absent: default.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
-

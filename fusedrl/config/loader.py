@@ -150,8 +150,10 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str, text: 
     """Check and assign one key, recording its source."""
     sections = section_types()
     if section not in sections:
-        raise ConfigError(f"{section}.{key} ({source}): unknown section [{section}]; {_suggest(section, list(sections))}"
-                          f"valid sections: {', '.join(sections)}")
+        raise ConfigError(
+            f"{section}.{key} ({source}): unknown section [{section}]; {_suggest(section, list(sections))}"
+            f"valid sections: {', '.join(sections)}"
+        )
     keys = section_keys(section)
     if key not in keys:
         elsewhere = [f"{s}.{key}" for s in sections if key in section_keys(s)]
@@ -215,8 +217,10 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None
         arg = argv[i]
         name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         if not name or "." not in name:
-            raise ConfigError(f"{arg!r} ({COMMAND_LINE}): unexpected argument; {_qualify(name)}"
-                              "overrides look like --section.key=value, e.g. --ppo.clip_eps=0.2")
+            raise ConfigError(
+                f"{arg!r} ({COMMAND_LINE}): unexpected argument; {_qualify(name)}"
+                "overrides look like --section.key=value, e.g. --ppo.clip_eps=0.2"
+            )
         i += 1
         if not eq:
             if i < len(argv) and not argv[i].startswith("--"):
@@ -225,7 +229,9 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None
                 value = None
         if name == "job.config_file":
             if not value:
-                raise ConfigError(f"job.config_file ({COMMAND_LINE}): needs a file, e.g. --job.config_file train_configs/debug_ppo.toml")
+                raise ConfigError(
+                    f"job.config_file ({COMMAND_LINE}): needs a file, e.g. --job.config_file train_configs/debug_ppo.toml"
+                )
             config_file = value
         else:
             overrides.append((name, value))
@@ -258,11 +264,13 @@ def _load_file(cfg: JobConfig, path: str) -> None:
         if not isinstance(table, dict):
             owners = [s for s in sections if section in section_keys(s)]
             header = f"[{owners[0]}]" if owners else "its [section]"
-            raise ConfigError(f"{section} ({path}): key outside any section; put it under {header} "
-                              f"(valid sections: {', '.join(sections)})")
+            raise ConfigError(
+                f"{section} ({path}): key outside any section; put it under {header} (valid sections: {', '.join(sections)})"
+            )
         if section not in sections:
-            raise ConfigError(f"[{section}] ({path}): unknown section; {_suggest(section, list(sections))}"
-                              f"valid sections: {', '.join(sections)}")
+            raise ConfigError(
+                f"[{section}] ({path}): unknown section; {_suggest(section, list(sections))}valid sections: {', '.join(sections)}"
+            )
         for key, value in table.items():
             _set(cfg, section, key, value, path, text=False)
 
@@ -293,25 +301,36 @@ def validate_config(cfg: JobConfig) -> None:
             setattr(obj, key, value)
     _check_batches(cfg)
     if cfg.data.format != "synthetic" and cfg.data.path is None:
-        raise ConfigError(f"data.path ({source_of(cfg, 'data.path')}): is unset but data.format = \"{cfg.data.format}\" "
-                          f"needs a dataset; set --data.path=PATH or --data.format=synthetic")
+        raise ConfigError(
+            f'data.path ({source_of(cfg, "data.path")}): is unset but data.format = "{cfg.data.format}" '
+            f"needs a dataset; set --data.path=PATH or --data.format=synthetic"
+        )
 
 
 def _check_batches(cfg: JobConfig) -> None:
     ppo, dp = cfg.ppo, cfg.parallelism.dp_shard
     if ppo.batch_size % ppo.minibatch_size:
-        raise ConfigError(f"ppo.batch_size = {ppo.batch_size} ({source_of(cfg, 'ppo.batch_size')}): must be a multiple of "
-                          f"ppo.minibatch_size = {ppo.minibatch_size} ({source_of(cfg, 'ppo.minibatch_size')}); "
-                          f"choose a minibatch_size among {_divisors(ppo.batch_size)}")
+        raise ConfigError(
+            f"ppo.batch_size = {ppo.batch_size} ({source_of(cfg, 'ppo.batch_size')}): must be a multiple of "
+            f"ppo.minibatch_size = {ppo.minibatch_size} ({source_of(cfg, 'ppo.minibatch_size')}); "
+            f"choose a minibatch_size among {_divisors(ppo.batch_size)}"
+        )
     if ppo.minibatch_size % dp:
-        raise ConfigError(f"ppo.minibatch_size = {ppo.minibatch_size} ({source_of(cfg, 'ppo.minibatch_size')}): must be a "
-                          f"multiple of parallelism.dp_shard = {dp} (each shard takes an equal share)")
+        raise ConfigError(
+            f"ppo.minibatch_size = {ppo.minibatch_size} ({source_of(cfg, 'ppo.minibatch_size')}): must be a "
+            f"multiple of parallelism.dp_shard = {dp} (each shard takes an equal share)"
+        )
     per_shard = ppo.minibatch_size // dp
     if per_shard % ppo.microbatch_size:
-        share = (f"ppo.minibatch_size / parallelism.dp_shard = {ppo.minibatch_size} / {dp} = {per_shard}" if dp > 1
-                 else f"ppo.minibatch_size = {per_shard}")
-        raise ConfigError(f"ppo.microbatch_size = {ppo.microbatch_size} ({source_of(cfg, 'ppo.microbatch_size')}): must divide "
-                          f"{share}; choose one of {_divisors(per_shard)}")
+        share = (
+            f"ppo.minibatch_size / parallelism.dp_shard = {ppo.minibatch_size} / {dp} = {per_shard}"
+            if dp > 1
+            else f"ppo.minibatch_size = {per_shard}"
+        )
+        raise ConfigError(
+            f"ppo.microbatch_size = {ppo.microbatch_size} ({source_of(cfg, 'ppo.microbatch_size')}): must divide "
+            f"{share}; choose one of {_divisors(per_shard)}"
+        )
 
 
 def _divisors(n: int) -> str:
@@ -331,11 +350,15 @@ def validate_world_size(cfg: JobConfig, world_size: int) -> None:
             fix = f"set --parallelism.dp_shard={world_size // (par.pp * par.tp)} or launch {product} processes"
         else:
             fix = f"choose pp, dp_shard and tp whose product is {world_size}, or launch {product} processes"
-        raise ConfigError(f"parallelism.pp * parallelism.dp_shard * parallelism.tp = {par.pp} * {par.dp_shard} * {par.tp} = "
-                          f"{product} ({', '.join(sources)}): must equal the world size {world_size}; {fix}")
+        raise ConfigError(
+            f"parallelism.pp * parallelism.dp_shard * parallelism.tp = {par.pp} * {par.dp_shard} * {par.tp} = "
+            f"{product} ({', '.join(sources)}): must equal the world size {world_size}; {fix}"
+        )
     if world_size % par.gen_tp:
-        raise ConfigError(f"parallelism.gen_tp = {par.gen_tp} ({source_of(cfg, 'parallelism.gen_tp')}): must divide the "
-                          f"world size {world_size}; choose one of {_divisors(world_size)}")
+        raise ConfigError(
+            f"parallelism.gen_tp = {par.gen_tp} ({source_of(cfg, 'parallelism.gen_tp')}): must divide the "
+            f"world size {world_size}; choose one of {_divisors(world_size)}"
+        )
 
 
 def validate_paths(cfg: JobConfig, pending: Path | None = None) -> None:
@@ -348,15 +371,21 @@ def validate_paths(cfg: JobConfig, pending: Path | None = None) -> None:
     for key in ("actor_path", "critic_path", "reward_path", "reference_path"):
         path = getattr(cfg.model, key)
         if path is not None and (missing(path) or Path(path).is_file()):
-            raise ConfigError(f"model.{key} = {format_value(path)} ({source_of(cfg, f'model.{key}')}): folder not found; "
-                              "give an HF-format safetensors folder, or leave it unset for random initialisation")
+            raise ConfigError(
+                f"model.{key} = {format_value(path)} ({source_of(cfg, f'model.{key}')}): folder not found; "
+                "give an HF-format safetensors folder, or leave it unset for random initialisation"
+            )
     tok = cfg.model.tokenizer_path
     if tok != "byte" and missing(tok):
-        raise ConfigError(f"model.tokenizer_path = {format_value(tok)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
-                          'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer')
+        raise ConfigError(
+            f"model.tokenizer_path = {format_value(tok)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
+            'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer'
+        )
     if cfg.data.format != "synthetic" and cfg.data.path is not None and missing(cfg.data.path):
-        raise ConfigError(f"data.path = {format_value(cfg.data.path)} ({source_of(cfg, 'data.path')}): not found; "
-                          f"give an existing {cfg.data.format} dataset")
+        raise ConfigError(
+            f"data.path = {format_value(cfg.data.path)} ({source_of(cfg, 'data.path')}): not found; "
+            f"give an existing {cfg.data.format} dataset"
+        )
 
 
 # ---------------------------------------------------------------------------- printing
@@ -394,10 +423,16 @@ def _toml_string(s: str) -> str:
 
 def config_to_toml(cfg: JobConfig) -> str:
     """The whole config as TOML that :func:`load_config` reads back to an equal config."""
-    overridden = [f"{s}.{k}" for s in section_types() for k in section_keys(s)
-                  if cfg.sources.get(f"{s}.{k}") == COMMAND_LINE and (s, k) != ("job", "config_file")]
-    lines = [f"# effective fusedrl config from {cfg.job.config_file or 'the defaults'}"
-             + (f"; set on the command line: {', '.join(overridden)}" if overridden else "")]
+    overridden = [
+        f"{s}.{k}"
+        for s in section_types()
+        for k in section_keys(s)
+        if cfg.sources.get(f"{s}.{k}") == COMMAND_LINE and (s, k) != ("job", "config_file")
+    ]
+    lines = [
+        f"# effective fusedrl config from {cfg.job.config_file or 'the defaults'}"
+        + (f"; set on the command line: {', '.join(overridden)}" if overridden else "")
+    ]
     for section in section_types():
         lines += ["", f"[{section}]"]
         obj = getattr(cfg, section)

@@ -34,9 +34,7 @@ def apply_fsdp(
     forward and backward. Gradients are averaged over ``dp_mesh``.
     """
     if dp_mesh.ndim != 1:
-        raise ValueError(
-            f"apply_fsdp needs a 1-D data-parallel mesh, got dims {dp_mesh.mesh_dim_names}; pass mesh['dp_shard']"
-        )
+        raise ValueError(f"apply_fsdp needs a 1-D data-parallel mesh, got dims {dp_mesh.mesh_dim_names}; pass mesh['dp_shard']")
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

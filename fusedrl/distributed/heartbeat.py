@@ -89,12 +89,17 @@ class Heartbeat:
             before = self._read(counters)
             time.sleep(watch_intervals * self.interval_s)
             after = self._read(counters)
-            failed = {int(k.split("/")[1]): v.decode(errors="replace")
-                      for k, v in self._read([f"failed/{r}" for r in range(self.world_size)]).items()}
+            failed = {
+                int(k.split("/")[1]): v.decode(errors="replace")
+                for k, v in self._read([f"failed/{r}" for r in range(self.world_size)]).items()
+            }
         except Exception:
             return None
-        silent = [r for r in range(self.world_size)
-                  if r != self.rank and r not in failed and (str(r) not in after or after[str(r)] == before.get(str(r)))]
+        silent = [
+            r
+            for r in range(self.world_size)
+            if r != self.rank and r not in failed and (str(r) not in after or after[str(r)] == before.get(str(r)))
+        ]
         return silent, failed
 
 
@@ -110,8 +115,10 @@ def describe_failure(exc: BaseException, rank: int, heartbeat: Heartbeat | None)
         return line + "; the peers cannot be checked (the rendezvous store is gone); see the launcher's summary"
     silent, failed = report
     if silent:
-        line += (f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
-                 f"(no heartbeat for {WATCH_INTERVALS * heartbeat.interval_s:.3g} s: killed or hung)")
+        line += (
+            f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped answering "
+            f"(no heartbeat for {WATCH_INTERVALS * heartbeat.interval_s:.3g} s: killed or hung)"
+        )
     others = {r: why for r, why in failed.items() if r != rank}
     if others:
         line += "; also " + "; ".join(others.values())

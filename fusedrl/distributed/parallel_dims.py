@@ -75,9 +75,7 @@ class ParallelDims:
 
     def _check_group(self) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(
-                "building a DeviceMesh needs an initialised process group; call init_distributed() first"
-            )
+            raise RuntimeError("building a DeviceMesh needs an initialised process group; call init_distributed() first")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"ParallelDims was made for world size {self.world_size} but the process group has "

@@ -44,9 +44,7 @@ def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: Sequence[in
         )
     edges = [0, *bounds, num_layers]
     if any(not isinstance(b, int) or b < 0 or b > num_layers for b in bounds):
-        raise ValueError(
-            f"boundaries {bounds} must be integers in [0, {num_layers}] (the model has {num_layers} layers)"
-        )
+        raise ValueError(f"boundaries {bounds} must be integers in [0, {num_layers}] (the model has {num_layers} layers)")
     if any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"boundaries {bounds} must be strictly increasing so that every middle stage has a layer")
     return [range(edges[s], edges[s + 1]) for s in range(num_stages)]

@@ -55,8 +55,10 @@ def local_box(t: torch.Tensor) -> Box:
     idx = local_indices(t)
     for d, i in enumerate(idx):
         if len(i) and not torch.equal(i, torch.arange(int(i[0]), int(i[0]) + len(i))):
-            raise ValueError(f"the local shard of a tensor with placements {getattr(t, 'placements', None)} is not one "
-                             f"block along dim {d}; it cannot be resharded")
+            raise ValueError(
+                f"the local shard of a tensor with placements {getattr(t, 'placements', None)} is not one "
+                f"block along dim {d}; it cannot be resharded"
+            )
     return Box(tuple(int(i[0]) if len(i) else 0 for i in idx), tuple(len(i) for i in idx))
 
 
@@ -84,8 +86,9 @@ class ReshardPlan:
 
     def bytes_received(self, rank: int) -> int:
         """Bytes ``rank`` receives from other ranks in one run of the plan."""
-        return sum(t.box.numel * self.wire_dtype[t.name].itemsize for unit in self.units for t in unit
-                   if t.dst == rank and t.src != rank)
+        return sum(
+            t.box.numel * self.wire_dtype[t.name].itemsize for unit in self.units for t in unit if t.dst == rank and t.src != rank
+        )
 
 
 def _unit_key(name: str) -> tuple[int, str]:
@@ -93,8 +96,9 @@ def _unit_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)), "") if m else (-1, name)
 
 
-def plan_reshard(src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor],
-                 group: dist.ProcessGroup | None = None) -> ReshardPlan:
+def plan_reshard(
+    src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> ReshardPlan:
     """Plan copying the tensors named in every rank's ``dst`` from the ranks holding them in ``src``.
 
     Collective over ``group`` (without a process group: a single process copying between layouts it holds).
@@ -140,8 +144,9 @@ def plan_reshard(src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor
         raise ValueError("cannot reshard: " + "; ".join(problems[:5]) + "; both layouts must hold the same model")
     me = dist.get_rank(group) if dist.is_initialized() else 0
     units = [by_unit[k] for k in sorted(by_unit)]
-    return ReshardPlan(units, wire, group, {n: b for n, (_, b) in everyone[me][0].items()},
-                       {n: b for n, (_, b, _) in everyone[me][1].items()})
+    return ReshardPlan(
+        units, wire, group, {n: b for n, (_, b) in everyone[me][0].items()}, {n: b for n, (_, b, _) in everyone[me][1].items()}
+    )
 
 
 @torch.no_grad()

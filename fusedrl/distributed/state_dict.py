@@ -20,7 +20,9 @@ def _local_full_state(stages: list[nn.Module]) -> dict[str, torch.Tensor]:
     return full
 
 
-def gather_full_state_dict(stages: nn.Module | list[nn.Module], pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(
+    stages: nn.Module | list[nn.Module], pp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """The full model state dict on every rank, from this rank's training stage module(s).
 
     Collective: every rank of the job calls it with its own stages. DTensor shards (FSDP2 / TP) are

@@ -29,9 +29,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
     Call before ``apply_fsdp``.
     """
     if tp_mesh.ndim != 1:
-        raise ValueError(
-            f"apply_tp needs a 1-D tensor-parallel mesh, got dims {tp_mesh.mesh_dim_names}; pass mesh['tp']"
-        )
+        raise ValueError(f"apply_tp needs a 1-D tensor-parallel mesh, got dims {tp_mesh.mesh_dim_names}; pass mesh['tp']")
     tp = tp_mesh.size()
     for layer in transformer_layers(model):
         attn, mlp = layer.attn, layer.mlp
@@ -67,8 +65,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
 def _shard_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, names: tuple[str, ...]) -> None:
     embedding = getattr(model, "tok_embeddings", None)
     head = getattr(model, "output", None)
-    vocab = (embedding.num_embeddings if isinstance(embedding, nn.Embedding) else
-             head.out_features if isinstance(head, nn.Linear) else None)
+    vocab = (
+        embedding.num_embeddings
+        if isinstance(embedding, nn.Embedding)
+        else head.out_features
+        if isinstance(head, nn.Linear)
+        else None
+    )
     if vocab is None or vocab % tp_mesh.size() or isinstance(head, TiedLinear):
         return
     if isinstance(head, nn.Linear) and isinstance(embedding, nn.Embedding) and head.weight is embedding.weight:

@@ -167,15 +167,30 @@ class MigrationController(Generic[T]):
         self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
 
     @classmethod
-    def from_config(cls, engine: GenerationEngine, score: ScoreFn[T], section: FusionSection, *,
-                    micro_batch_size: int, group: dist.ProcessGroup | None = None,
-                    control_group: dist.ProcessGroup | None = None,
-                    instance_group: dist.ProcessGroup | None = None) -> MigrationController[T]:
+    def from_config(
+        cls,
+        engine: GenerationEngine,
+        score: ScoreFn[T],
+        section: FusionSection,
+        *,
+        micro_batch_size: int,
+        group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
+        instance_group: dist.ProcessGroup | None = None,
+    ) -> MigrationController[T]:
         """A controller as the ``[fusion]`` section says (``inter_stage``, ``migration_*``)."""
-        return cls(engine, score, micro_batch_size=micro_batch_size, fusion=section.inter_stage,
-                   threshold=section.migration_threshold, mode=section.migration_mode,
-                   check_interval=section.migration_check_interval, group=group, control_group=control_group,
-                   instance_group=instance_group)
+        return cls(
+            engine,
+            score,
+            micro_batch_size=micro_batch_size,
+            fusion=section.inter_stage,
+            threshold=section.migration_threshold,
+            mode=section.migration_mode,
+            check_interval=section.migration_check_interval,
+            group=group,
+            control_group=control_group,
+            instance_group=instance_group,
+        )
 
     # ------------------------------------------------------------------------------------------ rollout
     def run(self, requests: Sequence[Request], *, gather: bool = False) -> RolloutResult[T]:
@@ -224,7 +239,9 @@ class MigrationController(Generic[T]):
         dup = sorted(i for i, c in counts.items() if c > 1)
         extra = sorted(set(counts) - set(all_ids))
         if lost or dup or extra:
-            raise RuntimeError(f"rollout results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}")
+            raise RuntimeError(
+                f"rollout results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}"
+            )
 
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.control_group)
@@ -302,7 +319,9 @@ class _Rollout:
         if stats.waiting == 0 and stats.active:  # a pure decode step (no admission / prefill)
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
         elif stats.waiting:  # admission: tokens that entered the KV cache beyond one per decoded request
-            self.measurements.prefill.append((self.engine.stats().cached_tokens - stats.cached_tokens - stats.active, end - start))
+            self.measurements.prefill.append(
+                (self.engine.stats().cached_tokens - stats.cached_tokens - stats.active, end - start)
+            )
         self._span("decode", start, end)
         self.decode_end = end
 
@@ -338,7 +357,9 @@ class _Rollout:
             if unfinished <= threshold:
                 kept = choose_kept(all_stats, min_kept)
                 if len(kept) == self.world:  # every rank computes the same: all skip together
-                    log.info("migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished)
+                    log.info(
+                        "migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished
+                    )
                     self._decode_until_done()
                     return None
                 return self._migrate(all_stats, kept, threshold, unfinished)
@@ -379,7 +400,9 @@ class _Rollout:
     def _simulate_threshold(self, details: list) -> tuple[int, int]:
         costs = self.ctl._fitted_costs(self.measurements.decode)
         if costs is None:
-            log.info("auto migration threshold: no scoring cost measured yet, using %.0f%% of the batch", 100 * AUTO_FALLBACK_FRACTION)
+            log.info(
+                "auto migration threshold: no scoring cost measured yet, using %.0f%% of the batch", 100 * AUTO_FALLBACK_FRACTION
+            )
             return max(1, round(AUTO_FALLBACK_FRACTION * self.batch)), 1
         observed = sorted(self.observed_lengths)
         instances = [
@@ -405,7 +428,10 @@ class _Rollout:
         if self.rank not in kept:
             exported = [self.engine.export_request(i, mode=ctl.mode) for i in self.engine.unfinished_ids()]
         mine = {
-            "moved": [MovedRequest(int(s.id), self.rank, s.cache_len, s.request.sampling.new_token_budget - len(s.generated)) for s in exported],
+            "moved": [
+                MovedRequest(int(s.id), self.rank, s.cache_len, s.request.sampling.new_token_budget - len(s.generated))
+                for s in exported
+            ],
             "samples": [(s.id, s.num_tokens) for s in self.finished] if self.rank in kept else [],
             "load": float(sum(s.num_tokens for s in self.finished)),
         }
@@ -435,7 +461,9 @@ class _Rollout:
             elif ctl.leader:
                 received = [s.to_result() for s in recv_states(peer, group=ctl.control_group, tag=_SAMPLES_TAG)[1]]
                 if [s.id for s in received] != list(t.ids):
-                    raise RuntimeError(f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}")
+                    raise RuntimeError(
+                        f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}"
+                    )
                 received_samples += received
         self.finished += ctl._share(received_samples)
         if states:

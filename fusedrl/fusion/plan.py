@@ -177,7 +177,9 @@ def verify_plan(
         raise PlanError(f"kept {plan.kept} and freed {plan.freed} must split the ranks {sorted(ranks)} with >= 1 kept")
     by_rank = {s.rank: s for s in stats}
     expected_moves = {r.id: r for r in moved}
-    if {r.src for r in moved} - set(plan.freed) or any(by_rank[r].unfinished and r not in {m.src for m in moved} for r in plan.freed):
+    if {r.src for r in moved} - set(plan.freed) or any(
+        by_rank[r].unfinished and r not in {m.src for m in moved} for r in plan.freed
+    ):
         raise PlanError("moved requests must be exactly the unfinished requests of the freed ranks")
     for r in plan.freed:
         n = sum(1 for m in moved if m.src == r)
@@ -188,7 +190,12 @@ def verify_plan(
         for i in t.ids:
             seen[i] = seen.get(i, 0) + 1
         if t.kind == "request":
-            if len(t.ids) != 1 or t.ids[0] not in expected_moves or expected_moves[t.ids[0]].src != t.src or t.dst not in plan.kept:
+            if (
+                len(t.ids) != 1
+                or t.ids[0] not in expected_moves
+                or expected_moves[t.ids[0]].src != t.src
+                or t.dst not in plan.kept
+            ):
                 raise PlanError(f"bad request transfer {t}: it must move one unfinished request from its holder to a kept rank")
         elif t.src not in plan.kept or t.dst not in plan.freed or any(i not in dict(kept_samples.get(t.src, ())) for i in t.ids):
             raise PlanError(f"bad sample transfer {t}: it must send finished samples of a kept rank to a freed rank")

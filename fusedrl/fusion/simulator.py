@@ -69,7 +69,12 @@ class RolloutCosts:
         if batch <= 0:
             return 0.0
         rows, attended = self.padded_shape(batch, ctx_tokens, max_cached)
-        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_row_s * rows + self.decode_per_ctx_token_s * attended
+        return (
+            self.decode_base_s
+            + self.decode_per_seq_s * batch
+            + self.decode_per_row_s * rows
+            + self.decode_per_ctx_token_s * attended
+        )
 
     def score_s(self, sample_tokens: Sequence[int], micro_batch_size: int) -> float:
         """Scoring time of samples of these lengths, length-sorted into micro-batches (as the Scorer does)."""
@@ -158,7 +163,9 @@ class RolloutCosts:
         a, b, c = coef[0], coef[1], coef[-1]
         row = coef[2] if bb else 0.0
         quadratic = len(score) >= 4  # the attention term needs one more measurement than the linear fit
-        s0, s1, *s2 = _lstsq([[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score])
+        s0, s1, *s2 = _lstsq(
+            [[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score]
+        )
         p = sum(s for _, s in prefill) / max(1, sum(t for t, _ in prefill)) if prefill else 0.0
         lat, bw = fit_transfers(transfers)
         return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s, row, s2[0] if s2 else 0.0, bb, lb)
@@ -246,10 +253,17 @@ def _step_times(reqs: Sequence[SimRequest], costs: RolloutCosts, steps: int) -> 
     rows, attended = batch, ctx0 + s * batch
     rows = round_up(batch, costs.batch_buckets)
     if costs.len_buckets:
-        longest0 = torch.zeros(steps + 1, dtype=torch.float64).scatter_reduce(0, rem, ctx, "amax").flip(0).cummax(0).values.flip(0)[1:]
+        longest0 = (
+            torch.zeros(steps + 1, dtype=torch.float64).scatter_reduce(0, rem, ctx, "amax").flip(0).cummax(0).values.flip(0)[1:]
+        )
         cached = longest0 + s - 1  # the engine caches all but the pending token
         attended = rows * round_up(cached, costs.len_buckets, strictly_above=True)
-    t = costs.decode_base_s + costs.decode_per_seq_s * batch + costs.decode_per_row_s * rows + costs.decode_per_ctx_token_s * attended
+    t = (
+        costs.decode_base_s
+        + costs.decode_per_seq_s * batch
+        + costs.decode_per_row_s * rows
+        + costs.decode_per_ctx_token_s * attended
+    )
     return torch.where(batch > 0, t, torch.zeros_like(t))
 
 

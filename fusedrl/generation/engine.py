@@ -84,8 +84,9 @@ class _SlotForward(nn.Module):
     rank's KV heads only.
     """
 
-    def __init__(self, model: TransformerDecoder, slots: int, max_len: int, prepack: bool,
-                 kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: TransformerDecoder, slots: int, max_len: int, prepack: bool, kv_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.prepack = prepack
@@ -319,13 +320,28 @@ class GenerationEngine:
         self._ids: set[RequestId] = set()
 
     @classmethod
-    def from_config(cls, model: TransformerDecoder, section: GenerationSection, *, max_len: int, seed: int,
-                    kv_dtype: torch.dtype | None = None) -> GenerationEngine:
+    def from_config(
+        cls,
+        model: TransformerDecoder,
+        section: GenerationSection,
+        *,
+        max_len: int,
+        seed: int,
+        kv_dtype: torch.dtype | None = None,
+    ) -> GenerationEngine:
         """An engine as the ``[generation]`` section says (``compile_mode = "default"`` and ``quantize = "none"``
         are torch.compile's default mode and no quantization)."""
-        return cls(model, max_slots=section.max_slots, max_len=max_len, seed=seed, compile=section.compile,
-                   backend=section.backend, mode=None if section.compile_mode == "default" else section.compile_mode,
-                   quantize=None if section.quantize == "none" else section.quantize, kv_dtype=kv_dtype)
+        return cls(
+            model,
+            max_slots=section.max_slots,
+            max_len=max_len,
+            seed=seed,
+            compile=section.compile,
+            backend=section.backend,
+            mode=None if section.compile_mode == "default" else section.compile_mode,
+            quantize=None if section.quantize == "none" else section.quantize,
+            kv_dtype=kv_dtype,
+        )
 
     # ---------------------------------------------------------------- model / weights
     def _build(self) -> None:
@@ -488,7 +504,12 @@ class GenerationEngine:
         for r in requests:
             self.add_request(r)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        bar = tqdm(total=len(requests), unit="req", desc="generate", disable=(None if progress is None else not progress) if rank0 else True)
+        bar = tqdm(
+            total=len(requests),
+            unit="req",
+            desc="generate",
+            disable=(None if progress is None else not progress) if rank0 else True,
+        )
         results: dict[RequestId, RequestResult] = {}
         with bar:
             while self.has_work():

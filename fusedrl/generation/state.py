@@ -88,14 +88,28 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
     """The tensors of one message batch: header, per-state sizes, then the payloads present."""
     if not states:
         return [torch.tensor([0] * (len(_HEADER) - 1) + [-1], dtype=torch.int64)]
-    metas = [json.dumps({"id": s.id, "seed": s.request.seed, "sampling": dataclasses.asdict(s.request.sampling),
-                         "finish_reason": s.finish_reason}).encode() for s in states]
+    metas = [
+        json.dumps(
+            {
+                "id": s.id,
+                "seed": s.request.seed,
+                "sampling": dataclasses.asdict(s.request.sampling),
+                "finish_reason": s.finish_reason,
+            }
+        ).encode()
+        for s in states
+    ]
     with_kv = [s for s in states if s.has_kv]
     keys = cast(list[torch.Tensor], [s.k for s in with_kv])  # has_kv: k is set
     values = cast(list[torch.Tensor], [s.v for s in with_kv])  # v is set together with k
     layout = _kv_layout(keys)
-    sizes = torch.tensor([[len(m), len(s.request.prompt), len(s.generated), s.k.shape[1] if s.k is not None else 0]
-                          for m, s in zip(metas, states)], dtype=torch.int64)
+    sizes = torch.tensor(
+        [
+            [len(m), len(s.request.prompt), len(s.generated), s.k.shape[1] if s.k is not None else 0]
+            for m, s in zip(metas, states)
+        ],
+        dtype=torch.int64,
+    )
     for s in states:
         if len(s.logprobs) != len(s.generated):
             raise ValueError(f"request {s.id!r} has {len(s.logprobs)} log-probs for {len(s.generated)} generated tokens")
@@ -161,8 +175,14 @@ class PendingSend:
         self._tensors = []
 
 
-def send_states(states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0,
-                device: torch.device | str = "cpu") -> int:
+def send_states(
+    states: Sequence[RequestState],
+    dst: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    tag: int = 0,
+    device: torch.device | str = "cpu",
+) -> int:
     """Send a batch of states to rank ``dst`` of ``group`` (blocking); returns the bytes sent.
 
     ``device`` is where the transfer buffers live (``cuda`` for NCCL). Pair with :func:`recv_states`.
@@ -175,8 +195,9 @@ def send_states(states: Sequence[RequestState], dst: int, *, group: dist.Process
     return sent
 
 
-def isend_states(states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None,
-                 tag: int = 0) -> PendingSend:
+def isend_states(
+    states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
+) -> PendingSend:
     """Non-blocking :func:`send_states` of CPU tensors; ``wait()`` the result before reusing anything."""
     tensors = [t.contiguous() for t in _nonempty(pack_states(states))]
     # isend returns None only on a rank outside ``group``, and the sender is in it
@@ -184,8 +205,9 @@ def isend_states(states: Sequence[RequestState], dst: int, *, group: dist.Proces
     return PendingSend(works, tensors)
 
 
-def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag: int = 0,
-                device: torch.device | str = "cpu") -> tuple[int, list[RequestState]]:
+def recv_states(
+    src: int | None, *, group: dist.ProcessGroup | None = None, tag: int = 0, device: torch.device | str = "cpu"
+) -> tuple[int, list[RequestState]]:
     """Receive a batch sent by :func:`send_states` / :func:`isend_states`: ``(sender, states)``.
 
     ``src`` is a rank of ``group``, or None for whichever sender's batch comes first (gloo only); the
@@ -203,8 +225,12 @@ def recv_states(src: int | None, *, group: dist.ProcessGroup | None = None, tag:
             dist.recv(x, sender, group=group, tag=tag)
         return x
 
-    tensors = [recv([h["count"], len(_FIELDS)], torch.int64), recv([h["meta"]], torch.uint8),
-               recv([h["tokens"]], torch.int64), recv([h["logprobs"]], torch.float32)]
+    tensors = [
+        recv([h["count"], len(_FIELDS)], torch.int64),
+        recv([h["meta"]], torch.uint8),
+        recv([h["tokens"]], torch.int64),
+        recv([h["logprobs"]], torch.float32),
+    ]
     if h["kv_dtype"] >= 0:
         shape = [h["layers"], h["kv_rows"], h["kv_heads"], h["head_dim"]]
         tensors += [recv(shape, _DTYPES[h["kv_dtype"]]), recv(shape, _DTYPES[h["kv_dtype"]])]

@@ -37,8 +37,9 @@ class WeightSync:
     re-quantizes).
     """
 
-    def __init__(self, stages: nn.Module | list[nn.Module], target: nn.Module | GenerationEngine,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, stages: nn.Module | list[nn.Module], target: nn.Module | GenerationEngine, group: dist.ProcessGroup | None = None
+    ) -> None:
         stages = stages if isinstance(stages, list) else [stages]
         self.engine = target if isinstance(target, GenerationEngine) else None
         module = target.source_model if isinstance(target, GenerationEngine) else target

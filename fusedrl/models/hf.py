@@ -57,15 +57,32 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Files an existing checkpoint folder may hold; anything else makes save refuse to replace it.
 _TOKENIZER_FILES = {
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "added_tokens.json",
 }
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 # Checkpoint dtypes cast to the model's dtype on load; anything else (float8, integers) is refused.
@@ -186,8 +203,10 @@ def save_hf_checkpoint(
                 weight_map.update(dict.fromkeys(shard, name))
             total = sum(t.numel() * t.element_size() for t in hf.values())
             _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(tmp / CONFIG_FILE, hf_config(flavor, role, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                                                 pad_token_id=pad_token_id))
+        _write_json(
+            tmp / CONFIG_FILE,
+            hf_config(flavor, role, dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
+        )
         if any(i is not None for i in token_ids.values()):
             _write_json(tmp / GENERATION_CONFIG_FILE, token_ids)
         file_mode = tmp.stat().st_mode & 0o666  # what open() gives under the umask; safetensors writes 0600
@@ -346,8 +365,7 @@ def infer_flavor(folder: str | os.PathLike) -> str:
     path = folder / CONFIG_FILE
     fix = f"point to an HF checkpoint folder with its {CONFIG_FILE}, or name the flavor and use load_hf_weights"
     if not path.is_file():
-        raise CheckpointError(f"cannot infer the flavor of {folder}: it has no {CONFIG_FILE}. Fix: {fix}.",
-                              [f"no {CONFIG_FILE}"])
+        raise CheckpointError(f"cannot infer the flavor of {folder}: it has no {CONFIG_FILE}. Fix: {fix}.", [f"no {CONFIG_FILE}"])
     try:
         config = _read_config(path)
     except ValueError as e:
@@ -366,7 +384,7 @@ def infer_flavor(folder: str | os.PathLike) -> str:
     if fits:
         problem = f"{CONFIG_FILE} fits flavors {', '.join(map(repr, fits))} equally"
         raise CheckpointError(
-            f"cannot infer the flavor of {folder}: {problem}. Fix: add \"fusedrl_flavor\": \"<one of them>\" to {path}.",
+            f'cannot infer the flavor of {folder}: {problem}. Fix: add "fusedrl_flavor": "<one of them>" to {path}.',
             [problem],
         )
     nearest = sorted(differences, key=lambda name: len(differences[name]))[:3]
@@ -377,8 +395,9 @@ def infer_flavor(folder: str | os.PathLike) -> str:
     ]
     raise CheckpointError(
         f"cannot infer the flavor of {folder}: its {CONFIG_FILE} matches no flavor of fusedrl.models.FLAVORS; nearest: "
-        + "; ".join(problems) + f". Fix: register a ModelFlavor with the checkpoint's values (docs/models.md, "
-        f"\"How to add a model flavor\") or correct {path}.",
+        + "; ".join(problems)
+        + f". Fix: register a ModelFlavor with the checkpoint's values (docs/models.md, "
+        f'"How to add a model flavor") or correct {path}.',
         problems,
     )
 
@@ -386,8 +405,9 @@ def infer_flavor(folder: str | os.PathLike) -> str:
 class _SliceReader:
     """Reads boxes of torchtune tensors from the checkpoint's files (opened once, on first use)."""
 
-    def __init__(self, found: Mapping[str, tuple[Path, torch.dtype, tuple[int, ...]]], f: ModelFlavor, role: str,
-                 stack: ExitStack) -> None:
+    def __init__(
+        self, found: Mapping[str, tuple[Path, torch.dtype, tuple[int, ...]]], f: ModelFlavor, role: str, stack: ExitStack
+    ) -> None:
         self.found, self.f, self.role, self.stack = found, f, role, stack
         self.handles: dict[Path, Any] = {}
 
@@ -431,7 +451,8 @@ def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: lis
     fix = "; ".join(dict.fromkeys(fixes))
     raise CheckpointError(
         f"cannot load HF checkpoint {folder} as flavor {flavor!r} role {role!r}: {len(problems)} problem(s): "
-        + "; ".join(problems) + f". Fix: {fix}.",
+        + "; ".join(problems)
+        + f". Fix: {fix}.",
         problems,
     )
 
@@ -462,9 +483,7 @@ def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None
             wrong_dtype.setdefault(dtype, []).append(name)
         if shape != want_shape:
             if name in (EMBED_KEY, LM_HEAD_KEY) and shape[1:] == want_shape[1:]:
-                problems.append(
-                    f"vocab mismatch: {name} has {shape[0]} rows but flavor {flavor!r} has vocab_size {f.vocab_size}"
-                )
+                problems.append(f"vocab mismatch: {name} has {shape[0]} rows but flavor {flavor!r} has vocab_size {f.vocab_size}")
                 fixes.append("use the flavor whose vocab_size equals the checkpoint's embedding rows")
             else:
                 wrong_shape.setdefault((want_shape, shape), []).append(name)
@@ -500,8 +519,9 @@ def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str]
         kind = "vocab mismatch: " if m.field == "vocab_size" else ""
         has = f"does not set {m.field} (transformers' default {m.got!r})" if m.absent else f"has {m.field}={m.got!r}"
         problems.append(f"{kind}{CONFIG_FILE} {has} but flavor {flavor!r} has {m.want!r}")
-        fixes.append(f"use the flavor that matches {CONFIG_FILE} (fusedrl.models.infer_flavor(folder) names it) "
-                     f"or correct {CONFIG_FILE}")
+        fixes.append(
+            f"use the flavor that matches {CONFIG_FILE} (fusedrl.models.infer_flavor(folder) names it) or correct {CONFIG_FILE}"
+        )
 
 
 # ---------------------------------------------------------------------------- config.json math
@@ -512,16 +532,36 @@ def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str]
 # max_position_embeddings is not compared (it bounds lengths); it is the default of llama3 RoPE's original length.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
-        "attention_dropout": 0.0, "attention_bias": False, "mlp_bias": False,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 1.0,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "attention_bias": False,
+        "mlp_bias": False,
     },
     "qwen2": {
-        "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 32_768,
-        "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "tie_word_embeddings": False,
-        "attention_dropout": 0.0, "use_sliding_window": False,
+        "vocab_size": 151_936,
+        "hidden_size": 4096,
+        "intermediate_size": 22_016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32_768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 1.0,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
     },
 }
 # torchtune's Llama3ScaledRoPE constants (its llama3_1 / llama3_2 builders pass only the scale factor).
@@ -546,11 +586,21 @@ def _model_type(f: ModelFlavor) -> str:
 def _flavor_math(f: ModelFlavor) -> dict[str, Any]:
     """Every config.json field that changes the math, with flavor ``f``'s value (what torchtune's builders compute)."""
     math = {
-        "model_type": _model_type(f), "vocab_size": f.vocab_size, "hidden_size": f.embed_dim,
-        "intermediate_size": f.intermediate_dim, "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_heads,
-        "num_key_value_heads": f.num_kv_heads, "head_dim": f.embed_dim // f.num_heads, "hidden_act": "silu",
-        "rms_norm_eps": f.norm_eps, "rope_theta": f.rope_base, "partial_rotary_factor": 1.0, "rope_type": "default",
-        "tie_word_embeddings": f.tie_word_embeddings, "attention_dropout": 0.0,
+        "model_type": _model_type(f),
+        "vocab_size": f.vocab_size,
+        "hidden_size": f.embed_dim,
+        "intermediate_size": f.intermediate_dim,
+        "num_hidden_layers": f.num_layers,
+        "num_attention_heads": f.num_heads,
+        "num_key_value_heads": f.num_kv_heads,
+        "head_dim": f.embed_dim // f.num_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": f.norm_eps,
+        "rope_theta": f.rope_base,
+        "partial_rotary_factor": 1.0,
+        "rope_type": "default",
+        "tie_word_embeddings": f.tie_word_embeddings,
+        "attention_dropout": 0.0,
     }
     if f.family == "llama3_1":
         math.update(rope_type="llama3", factor=float(f.scale_factor), **_LLAMA3_ROPE)
@@ -697,7 +747,7 @@ def _group(names: list[str]) -> str:
     groups: dict[str, list[int]] = {}
     for name in names:
         m = re.search(r"\.(\d+)\.", name)
-        key = name[: m.start(1)] + "{}" + name[m.end(1):] if m else name
+        key = name[: m.start(1)] + "{}" + name[m.end(1) :] if m else name
         groups.setdefault(key, []).append(int(m.group(1)) if m else -1)
     parts = []
     for key, layers in groups.items():

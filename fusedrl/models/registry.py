@@ -56,12 +56,8 @@ FLAVORS: dict[str, ModelFlavor] = {
         "qwen2", 512, 2, 4, 2, 64, 192, 512, rope_base=1_000_000.0, norm_eps=1e-6, tie_word_embeddings=True
     ),
     # Llama 3.2 (torchtune's llama3_2 builders: llama3.1 architecture, RoPE scale 32, tied embeddings).
-    "llama3_2_1b": ModelFlavor(
-        "llama3_1", 128_256, 16, 32, 8, 2048, 8192, 131_072, scale_factor=32, tie_word_embeddings=True
-    ),
-    "llama3_2_3b": ModelFlavor(
-        "llama3_1", 128_256, 28, 24, 8, 3072, 8192, 131_072, scale_factor=32, tie_word_embeddings=True
-    ),
+    "llama3_2_1b": ModelFlavor("llama3_1", 128_256, 16, 32, 8, 2048, 8192, 131_072, scale_factor=32, tie_word_embeddings=True),
+    "llama3_2_3b": ModelFlavor("llama3_1", 128_256, 28, 24, 8, 3072, 8192, 131_072, scale_factor=32, tie_word_embeddings=True),
     # Llama 3.1 (RoPE scale 8, untied LM head).
     "llama3_1_8b": ModelFlavor("llama3_1", 128_256, 32, 32, 8, 4096, 14_336, 131_072),
     "llama3_1_70b": ModelFlavor("llama3_1", 128_256, 80, 64, 8, 8192, 28_672, 131_072),
@@ -70,8 +66,17 @@ FLAVORS: dict[str, ModelFlavor] = {
     # builders, the instruct one's max_seq_len / norm_eps are used (the weights have the same shapes).
     **{
         name: ModelFlavor(
-            "qwen2", vocab, layers, heads, kv_heads, dim, hidden, seq,
-            rope_base=1_000_000.0, norm_eps=1e-6, tie_word_embeddings=tied,
+            "qwen2",
+            vocab,
+            layers,
+            heads,
+            kv_heads,
+            dim,
+            hidden,
+            seq,
+            rope_base=1_000_000.0,
+            norm_eps=1e-6,
+            tie_word_embeddings=tied,
         )
         for name, vocab, layers, heads, kv_heads, dim, hidden, seq, tied in [
             ("qwen2_5_0_5b", 151_936, 24, 14, 2, 896, 4864, 32_768, True),

@@ -27,9 +27,7 @@ def problem_lower_bound(problem: Problem) -> float:
     release, tail = problem.release_and_tail
     bound = sum(problem.dur) / problem.pp
     for rank in range(problem.pp):
-        jobs = sorted(
-            (release[a], problem.dur[a], tail[a]) for fw, bw in problem.streams[rank] for a in fw + bw
-        )
+        jobs = sorted((release[a], problem.dur[a], tail[a]) for fw, bw in problem.streams[rank] for a in fw + bw)
         bound = max(bound, _jackson_preemptive(jobs))
     return bound
 

@@ -102,8 +102,10 @@ class FusedPipelineSchedule:
     ) -> None:
         placement = program.placement
         if placement.num_stages(CRITIC) != placement.pp:
-            raise ValueError(f"a Critic with fewer stages ({placement.num_stages(CRITIC)}) than the Actor ({placement.pp}) "
-                             "is not supported by the executor; give both models pp stages")
+            raise ValueError(
+                f"a Critic with fewer stages ({placement.num_stages(CRITIC)}) than the Actor ({placement.pp}) "
+                "is not supported by the executor; give both models pp stages"
+            )
         if placement.pp < 2:
             raise ValueError("the fused executor needs pp >= 2; with pp=1 train the models without pipelining")
         program.verify()  # before any communication: a bad program never starts
@@ -137,8 +139,7 @@ class FusedPipelineSchedule:
         # Non-first stages need requires_grad example inputs, or received activations get no gradient.
         example_in = mb_input.to(self.device) if s == 0 else act(spec.hidden_dim, spec.activation_dtype)
         example_out = act(spec.output_dim, torch.float32) if s == n - 1 else act(spec.hidden_dim, spec.activation_dtype)
-        stage = PipelineStage(spec.module, s, n, self.device, input_args=example_in, output_args=example_out,
-                              group=self.group)
+        stage = PipelineStage(spec.module, s, n, self.device, input_args=example_in, output_args=example_out, group=self.group)
         stage.stage_index_to_group_rank = {j: self.program.placement.rank_of(model, j) for j in range(n)}
         prepare_static_stage(stage, n_mb)  # static metadata: no P2P while building
         self._stages[key] = stage
@@ -150,13 +151,15 @@ class FusedPipelineSchedule:
             raise ValueError(f"{model} inputs must be token ids [batch, seq], got shape {tuple(inputs.shape)}")
         batch = inputs.shape[0]
         if batch % m:
-            raise ValueError(f"{model} batch {batch} is not divisible by its {m} micro-batches; "
-                             "change the minibatch size or the micro-batch count")
+            raise ValueError(
+                f"{model} batch {batch} is not divisible by its {m} micro-batches; "
+                "change the minibatch size or the micro-batch count"
+            )
         for name, t in targets.items():
             if t.shape[0] != batch:
                 raise ValueError(f"{model} target {name!r} has batch {t.shape[0]}, inputs have {batch}")
         mb_inputs = list(inputs.tensor_split(m))
-        mb_targets = [{k: v[i * (batch // m):(i + 1) * (batch // m)] for k, v in targets.items()} for i in range(m)]
+        mb_targets = [{k: v[i * (batch // m) : (i + 1) * (batch // m)] for k, v in targets.items()} for i in range(m)]
         return mb_inputs, mb_targets
 
     def step(
@@ -174,8 +177,10 @@ class FusedPipelineSchedule:
         micro-batch loss and stats on the rank that holds its last stage. ``record``: time every compute
         action into :attr:`timeline` (else it is None after the step).
         """
-        split = {ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
-                 CRITIC: self._split(CRITIC, critic_inputs, critic_targets)}
+        split = {
+            ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
+            CRITIC: self._split(CRITIC, critic_inputs, critic_targets),
+        }
         stages = {m: self._stage(m, split[m][0][0]) for m in MODELS}  # same build order on every rank
         for st in stages.values():
             st.clear_runtime_states()
@@ -199,19 +204,28 @@ class FusedPipelineSchedule:
             elif a.kind in ("B", "I"):
                 if a.kind == "B":
                     backwards[m] += 1
-                st.backward_one_chunk(a.microbatch, loss=pending_loss.pop((m, a.microbatch), None),
-                                      full_backward=a.kind == "B", last_backward=backwards[m] == n_mb)
+                st.backward_one_chunk(
+                    a.microbatch,
+                    loss=pending_loss.pop((m, a.microbatch), None),
+                    full_backward=a.kind == "B",
+                    last_backward=backwards[m] == n_mb,
+                )
             else:  # W
                 backwards[m] += 1
                 st.backward_weight_one_chunk(a.microbatch, last_backward=backwards[m] == n_mb)
 
         def comm_ops(a: Action) -> list[dist.P2POp]:
             st = stages[a.model]
-            return {SEND_F: st.get_fwd_send_ops, RECV_F: st.get_fwd_recv_ops, SEND_B: st.get_bwd_send_ops,
-                    RECV_B: st.get_bwd_recv_ops}[a.kind](a.microbatch)
+            return {
+                SEND_F: st.get_fwd_send_ops,
+                RECV_F: st.get_fwd_recv_ops,
+                SEND_B: st.get_bwd_send_ops,
+                RECV_B: st.get_bwd_recv_ops,
+            }[a.kind](a.microbatch)
 
-        self.timeline = run_rank_program(self._steps, self.rank, compute, comm_ops, group=self.group,
-                                         record=record, device=self.device)
+        self.timeline = run_rank_program(
+            self._steps, self.rank, compute, comm_ops, group=self.group, record=record, device=self.device
+        )
         for m in MODELS:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
             stages[m].perform_reduce_grad(1)  # losses were already divided by M
         return {m: _summarize(losses[m], stats[m]) for m in MODELS}
@@ -224,8 +238,15 @@ class LocalSchedule:
     The same :meth:`step` as :class:`FusedPipelineSchedule`; there are no pipeline bubbles to fuse.
     """
 
-    def __init__(self, actor: StageModule, critic: StageModule, microbatches: dict[str, int], *,
-                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        actor: StageModule,
+        critic: StageModule,
+        microbatches: dict[str, int],
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         for m in MODELS:
             if microbatches[m] < 1:
                 raise ValueError(f"{m}: micro-batch count must be >= 1, got {microbatches[m]}")
@@ -247,7 +268,9 @@ class LocalSchedule:
         record: bool = False,
     ) -> dict[str, ModelStepResult]:
         """Forward, backward and gradient reduction of one minibatch for both models (see the class doc)."""
-        clock = _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
+        clock = (
+            _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
+        )
         results = {}
         for m, inputs, targets in ((ACTOR, actor_inputs, actor_targets), (CRITIC, critic_inputs, critic_targets)):
             spec, n_mb = self.models[m], self.microbatches[m]
@@ -284,8 +307,10 @@ def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None
     digests: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) != 1:
-        raise ValueError(f"pipeline ranks hold different programs (digests {digests}); plan the schedule once and "
-                         "broadcast it, or make the planner deterministic")
+        raise ValueError(
+            f"pipeline ranks hold different programs (digests {digests}); plan the schedule once and "
+            "broadcast it, or make the planner deterministic"
+        )
 
 
 def _summarize(losses: list[torch.Tensor], stats: list[Mapping[str, torch.Tensor | float]]) -> ModelStepResult:
@@ -293,8 +318,9 @@ def _summarize(losses: list[torch.Tensor], stats: list[Mapping[str, torch.Tensor
         return ModelStepResult()
     device = losses[0].device
     keys = stats[0].keys() if stats else ()
-    mean = {k: torch.stack([torch.as_tensor(s[k], dtype=torch.float32, device=device).detach() for s in stats]).mean()
-            for k in keys}
+    mean = {
+        k: torch.stack([torch.as_tensor(s[k], dtype=torch.float32, device=device).detach() for s in stats]).mean() for k in keys
+    }
     return ModelStepResult(torch.stack(losses).float().mean(), mean)
 
 
@@ -348,7 +374,7 @@ def run_rank_program(
             own = len(works) == sum(map(len, per_action))
             start = 0
             for a, ops in zip(step.actions, per_action):
-                mine = works[start:start + len(ops)] if own else works
+                mine = works[start : start + len(ops)] if own else works
                 start += len(ops)
                 if a.kind in (SEND_F, SEND_B):
                     sends.extend(mine)
@@ -437,7 +463,8 @@ def run_emulated(
             op, buf = dist.irecv, buffers.setdefault(msg, torch.empty(message_numel, device=device))
         return [dist.P2POp(op, buf, group=group, group_peer=peer_of(a, program.placement))]
 
-    timeline = run_rank_program(compile_rank_program(program, rank), rank, lambda a: time.sleep(compute_seconds(a)),
-                                comm_ops, group=group, record=True)
+    timeline = run_rank_program(
+        compile_rank_program(program, rank), rank, lambda a: time.sleep(compute_seconds(a)), comm_ops, group=group, record=True
+    )
     assert timeline is not None  # record=True always returns one
     return timeline

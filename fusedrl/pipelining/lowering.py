@@ -103,8 +103,10 @@ def _produces(action: Action, placement: Placement) -> Message | None:
     src = placement.rank_of(msg.model, msg.src_stage, msg.replica)
     dst = placement.rank_of(msg.model, msg.dst_stage, msg.replica)
     if src == dst:
-        raise ProgramError(f"{action}: stages {msg.src_stage} and {msg.dst_stage} share rank {src}; "
-                           "the lowering needs adjacent stages on different ranks")
+        raise ProgramError(
+            f"{action}: stages {msg.src_stage} and {msg.dst_stage} share rank {src}; "
+            "the lowering needs adjacent stages on different ranks"
+        )
     return msg
 
 
@@ -275,13 +277,16 @@ def _check_pair_order(programs: Program, placement: Placement) -> None:
         for i in range(max(len(sa), len(sb))):
             if i >= len(sa) or i >= len(sb):
                 extra_rank, (act, msg) = (a, sa[i]) if i < len(sa) else (b, sb[i])
-                raise ProgramError(f"rank {extra_rank} posts {act} ({msg}) as message #{i} of pair ({a},{b}) "
-                                   "but the peer never posts its match")
+                raise ProgramError(
+                    f"rank {extra_rank} posts {act} ({msg}) as message #{i} of pair ({a},{b}) but the peer never posts its match"
+                )
             (act_a, ma), (act_b, mb) = sa[i], sb[i]
             mirrored = ma == mb and ({act_a.kind, act_b.kind} in ({SEND_F, RECV_F}, {SEND_B, RECV_B}))
             if not mirrored:
-                raise ProgramError(f"message #{i} between ranks {a} and {b} differs: rank {a} posts {act_a} ({ma}), "
-                                   f"rank {b} posts {act_b} ({mb}); both ends must post one message order")
+                raise ProgramError(
+                    f"message #{i} between ranks {a} and {b} differs: rank {a} posts {act_a} ({ma}), "
+                    f"rank {b} posts {act_b} ({mb}); both ends must post one message order"
+                )
 
 
 def _simulate_streams(programs: Program, placement: Placement) -> None:
@@ -327,7 +332,6 @@ def _simulate_streams(programs: Program, placement: Placement) -> None:
         if all(cpos[r] == len(computes[r]) and bpos[r] == len(batches[r]) for r in programs):
             return
         if not progress:
-            blocked = [f"rank {r} at {programs[r][computes[r][cpos[r]]]}" for r in sorted(programs)
-                       if cpos[r] < len(computes[r])]
+            blocked = [f"rank {r} at {programs[r][computes[r][cpos[r]]]}" for r in sorted(programs) if cpos[r] < len(computes[r])]
             waiting = [f"rank {r} batch {[str(programs[r][i]) for i in batches[r][b]]}" for r, b in sorted(running.items())]
             raise ProgramError("program deadlocks: " + "; ".join(blocked + waiting))

@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-actor", type=float, default=1.0, help="Actor activation memory per micro-batch per stage")
     p.add_argument("--mem-critic", type=float, default=1.0, help="Critic activation memory per micro-batch per stage")
     p.add_argument("--p2p-latency", type=float, default=0.0, help="latency between stages on different ranks")
-    p.add_argument("--memory-limit", type=float, default=None,
-                   help="per-rank activation memory cap (default 1.5 x single-model 1F1B peak)")
+    p.add_argument(
+        "--memory-limit", type=float, default=None, help="per-rank activation memory cap (default 1.5 x single-model 1F1B peak)"
+    )
     p.add_argument("--budget-s", type=float, default=30.0, help="search budget in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
@@ -64,12 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         placement = Placement(args.pp_actor, args.pp_critic)
         costs = CostModel.uniform(
-            placement, args.f_actor, args.f_critic, b_actor=args.b_actor, b_critic=args.b_critic,
-            mem_actor=args.mem_actor, mem_critic=args.mem_critic, p2p_latency=args.p2p_latency,
+            placement,
+            args.f_actor,
+            args.f_critic,
+            b_actor=args.b_actor,
+            b_critic=args.b_critic,
+            mem_actor=args.mem_actor,
+            mem_critic=args.mem_critic,
+            p2p_latency=args.p2p_latency,
         )
         problem = Problem(placement, costs, args.mb_actor, args.mb_critic)
-        plan = fused_schedule(placement, costs, args.mb_actor, args.mb_critic, budget_s=args.budget_s,
-                              seed=args.seed, memory_limit=args.memory_limit)
+        plan = fused_schedule(
+            placement,
+            costs,
+            args.mb_actor,
+            args.mb_critic,
+            budget_s=args.budget_s,
+            seed=args.seed,
+            memory_limit=args.memory_limit,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -77,10 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         from fusedrl.pipelining.viz import save_gantt_png
 
-        save_gantt_png(plan.result, args.png, title=(
-            f"fused schedule: pp_actor={args.pp_actor}, pp_critic={placement.num_stages('critic')}, "
-            f"M_actor={args.mb_actor}, M_critic={args.mb_critic}/replica; makespan {plan.makespan:g} "
-            f"(lower bound {plan.lower_bound:g}, sequential 1F1B {plan.sequential_1f1b_makespan:g})"))
+        save_gantt_png(
+            plan.result,
+            args.png,
+            title=(
+                f"fused schedule: pp_actor={args.pp_actor}, pp_critic={placement.num_stages('critic')}, "
+                f"M_actor={args.mb_actor}, M_critic={args.mb_critic}/replica; makespan {plan.makespan:g} "
+                f"(lower bound {plan.lower_bound:g}, sequential 1F1B {plan.sequential_1f1b_makespan:g})"
+            ),
+        )
     if args.trace:
         from fusedrl.pipelining.viz import write_chrome_trace
 

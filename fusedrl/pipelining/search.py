@@ -36,10 +36,7 @@ UNCAPPED = 1 << 30
 # (extra in-flight, backward bias, active, memory pressure): tried in this order (most often best on the
 # benchmark grid first); randomised restarts then draw from these and the memory-pressure variants.
 GREEDY_VARIANTS: list[tuple[int, float, bool, float]] = [
-    (extra, bias, active, 1.0)
-    for extra in (4, UNCAPPED, 3, 2, 1, 0)
-    for active in (True, False)
-    for bias in (0.0, 1.0, -0.5)
+    (extra, bias, active, 1.0) for extra in (4, UNCAPPED, 3, 2, 1, 0) for active in (True, False) for bias in (0.0, 1.0, -0.5)
 ]
 RESTART_VARIANTS = GREEDY_VARIANTS + [(extra, bias, active, 0.75) for extra, bias, active, _ in GREEDY_VARIANTS]
 # Deterministic greedy settings: a variant, whether the Critic's priorities use the balanced weight, and whether
@@ -55,8 +52,7 @@ LEADING_SETTINGS: list[tuple[tuple[int, float, bool, float], bool, bool]] = [
     ((1, 1.0, False, 1.0), False, False),
 ]
 GREEDY_SETTINGS = LEADING_SETTINGS + [
-    setting for setting in itertools.product(GREEDY_VARIANTS, (False, True), (False, True))
-    if setting not in LEADING_SETTINGS
+    setting for setting in itertools.product(GREEDY_VARIANTS, (False, True), (False, True)) if setting not in LEADING_SETTINGS
 ]
 
 
@@ -156,8 +152,10 @@ def greedy_order(
     nf = [[0] * len(st) for st in streams]
     nb = [[0] * len(st) for st in streams]
     caps = [
-        [problem.placement.num_stages(problem.actions[fw[0]].model) - problem.actions[fw[0]].stage + extra_in_flight
-         for fw, _ in st]
+        [
+            problem.placement.num_stages(problem.actions[fw[0]].model) - problem.actions[fw[0]].stage + extra_in_flight
+            for fw, _ in st
+        ]
         for st in streams
     ]
     mem_cur = [0.0] * pp
@@ -325,8 +323,9 @@ class _Justifier:
         self.preds, self.succs = preds, succs
         self.is_forward = [a.kind == "F" for a in problem.actions]
 
-    def _pass(self, frame_start: list[float], deps: list[list[tuple[int, float]]], forward_adds: bool
-              ) -> tuple[list[float], list[float]] | None:
+    def _pass(
+        self, frame_start: list[float], deps: list[list[tuple[int, float]]], forward_adds: bool
+    ) -> tuple[list[float], list[float]] | None:
         """Left-justify in a time frame (the real one, or mirrored for the late pass, where backwards add memory)."""
         p = self.problem
         if self.evaluator is not None:
@@ -394,11 +393,15 @@ class _TimeReversal:
             return StageCosts(st.b, st.f, st.mem)
 
         self.problem = problem
-        self.reversed = Problem(problem.placement, CostModel(swap(c.actor), swap(c.critic), c.p2p_latency),
-                                problem.mb_actor, problem.mb_critic)
+        self.reversed = Problem(
+            problem.placement, CostModel(swap(c.actor), swap(c.critic), c.p2p_latency), problem.mb_actor, problem.mb_critic
+        )
         self.original_index = [
-            problem.index[Action(a.model, a.stage, problem.microbatches(a.model) - 1 - a.microbatch,
-                                 "B" if a.kind == "F" else "F", a.replica)]
+            problem.index[
+                Action(
+                    a.model, a.stage, problem.microbatches(a.model) - 1 - a.microbatch, "B" if a.kind == "F" else "F", a.replica
+                )
+            ]
             for a in self.reversed.actions
         ]
 
@@ -558,15 +561,30 @@ def fused_schedule(
         (extra, bias, active, pressure), balanced, reverse = setting
         prob, weights, to_original, name = directions[reverse]
         evaluator.charge_greedy()
-        order = greedy_order(prob, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
-                             memory_pressure=pressure, critic_weight=weights[balanced])
+        order = greedy_order(
+            prob,
+            memory_limit,
+            extra_in_flight=extra,
+            backward_bias=bias,
+            active=active,
+            memory_pressure=pressure,
+            critic_weight=weights[balanced],
+        )
         return to_original(order), name
 
     if budget_s == 0:
         for setting in LEADING_SETTINGS:
             consider(*greedy(setting))
-        return PlanResult(problem.to_schedule(best), simulate_order(problem, best), bound, seq_ms, memory_limit,
-                          time.perf_counter() - start, evaluator.evaluations, method)
+        return PlanResult(
+            problem.to_schedule(best),
+            simulate_order(problem, best),
+            bound,
+            seq_ms,
+            memory_limit,
+            time.perf_counter() - start,
+            evaluator.evaluations,
+            method,
+        )
 
     justifier = _Justifier(problem, memory_limit, evaluator)
 
@@ -590,17 +608,25 @@ def fused_schedule(
         weight = math.exp(rng.uniform(math.log(0.6), math.log(1.25 * max(weights))))
         evaluator.charge_greedy()
         consider_justified(
-            to_original(greedy_order(
-                prob, memory_limit, extra_in_flight=extra, backward_bias=bias, active=active,
-                memory_pressure=pressure, critic_weight=weight, noise=rng.choice(NOISES), rng=rng,
-            )),
+            to_original(
+                greedy_order(
+                    prob,
+                    memory_limit,
+                    extra_in_flight=extra,
+                    backward_bias=bias,
+                    active=active,
+                    memory_pressure=pressure,
+                    critic_weight=weight,
+                    noise=rng.choice(NOISES),
+                    rng=rng,
+                )
+            ),
             name + "_restart",
         )
     if not evaluator.exhausted(MEMORY_PASS_SHARE) and best_ms > target:
         remaining = max(0.0, (1.0 - MEMORY_PASS_SHARE) * evaluator.work_limit - evaluator.work)
         iterations = max(1, int(remaining / max(1, evaluator.n)))
-        order, ms = anneal(problem, best, best_ms, memory_limit, evaluator, rng, target, iterations,
-                           justify=justifier.improve)
+        order, ms = anneal(problem, best, best_ms, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve)
         if ms < best_ms - 1e-12:
             best, best_ms, method = order, ms, "anneal"
     best = memory_pass(problem, best, best_ms, evaluator)

@@ -47,10 +47,22 @@ class Problem:
             ranks = [placement.rank_of(model, s, replica) for s in range(n)]
             b_after = [sum(c.b[:s]) + s * lat for s in range(n)]  # backward tail below stage s
             f_after = [sum(c.f[s:]) + (n - 1 - s) * lat for s in range(n)]
-            fwd = [[self._add(Action(model, s, m, "F", replica), ranks[s], c.f[s], c.mem[s], f_after[s] + c.b[n - 1]
-                              + b_after[n - 1]) for m in range(m_count)] for s in range(n)]
-            bwd = [[self._add(Action(model, s, m, "B", replica), ranks[s], c.b[s], c.mem[s], c.b[s] + b_after[s])
-                    for m in range(m_count)] for s in range(n)]
+            fwd = [
+                [
+                    self._add(
+                        Action(model, s, m, "F", replica), ranks[s], c.f[s], c.mem[s], f_after[s] + c.b[n - 1] + b_after[n - 1]
+                    )
+                    for m in range(m_count)
+                ]
+                for s in range(n)
+            ]
+            bwd = [
+                [
+                    self._add(Action(model, s, m, "B", replica), ranks[s], c.b[s], c.mem[s], c.b[s] + b_after[s])
+                    for m in range(m_count)
+                ]
+                for s in range(n)
+            ]
             for s in range(n):
                 for m in range(m_count):
                     if s > 0:
@@ -200,10 +212,14 @@ class Problem:
             order.append(lst)
         if len(seen) != len(self.actions):
             missing = next(a for i, a in enumerate(self.actions) if i not in seen)
-            raise ScheduleError(f"missing action {missing} (rank {self.rank[self.index[missing]]}); every F and B must be scheduled once")
+            raise ScheduleError(
+                f"missing action {missing} (rank {self.rank[self.index[missing]]}); every F and B must be scheduled once"
+            )
         for b, f in self.forward_of.items():
             if seen[b] < seen[f]:
-                raise ScheduleError(f"backward {self.actions[b]} runs before its forward {self.actions[f]} on rank {self.rank[b]}")
+                raise ScheduleError(
+                    f"backward {self.actions[b]} runs before its forward {self.actions[f]} on rank {self.rank[b]}"
+                )
         return order
 
     def deadlock_message(self, order: list[list[int]]) -> str:
@@ -247,9 +263,7 @@ class SimResult:
         return max(self.peak_memory)
 
 
-def simulate(
-    schedule: Schedule, placement: Placement, costs: CostModel, mb_actor: int, mb_critic: int
-) -> SimResult:
+def simulate(schedule: Schedule, placement: Placement, costs: CostModel, mb_actor: int, mb_critic: int) -> SimResult:
     """Simulate ``schedule``; raise ScheduleError for an invalid one (the message names the offending action)."""
     problem = Problem(placement, costs, mb_actor, mb_critic)
     return simulate_order(problem, problem.to_order(schedule))

@@ -47,21 +47,21 @@ class Timeline:
     def to_chrome_trace(self) -> dict:
         """Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one row per rank."""
         t0 = min((e.start for e in self.events), default=0.0)
-        trace = [
-            {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pp rank {r}"}} for r in self.ranks
-        ]
+        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pp rank {r}"}} for r in self.ranks]
         for e in self.events:
             a = e.action
-            trace.append({
-                "name": f"{a.kind}{a.microbatch}",
-                "cat": a.model,
-                "ph": "X",
-                "pid": e.rank,
-                "tid": 0,
-                "ts": (e.start - t0) * 1e6,
-                "dur": (e.end - e.start) * 1e6,
-                "args": {"action": str(a)},
-            })
+            trace.append(
+                {
+                    "name": f"{a.kind}{a.microbatch}",
+                    "cat": a.model,
+                    "ph": "X",
+                    "pid": e.rank,
+                    "tid": 0,
+                    "ts": (e.start - t0) * 1e6,
+                    "dur": (e.end - e.start) * 1e6,
+                    "args": {"action": str(a)},
+                }
+            )
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path: str | Path) -> None:
@@ -80,22 +80,42 @@ class Timeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        colors = {("actor", "F"): "#4c8bd6", ("actor", "B"): "#1c4f91", ("critic", "F"): "#f0a04b",
-                  ("critic", "B"): "#b0601a"}
+        colors = {("actor", "F"): "#4c8bd6", ("actor", "B"): "#1c4f91", ("critic", "F"): "#f0a04b", ("critic", "B"): "#b0601a"}
         t0 = min((e.start for e in self.events), default=0.0)
         fig, ax = plt.subplots(figsize=(12, 0.6 * len(self.ranks) + 1.2))
         for e in self.events:
             kind = "B" if e.action.kind in ("B", "I", "W") else "F"
-            ax.barh(e.rank, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, height=0.8,
-                    color=colors.get((e.action.model, kind), "gray"), edgecolor="white", linewidth=0.5)
-            ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, e.rank, f"{e.action.microbatch}",
-                    ha="center", va="center", fontsize=6, color="white")
+            ax.barh(
+                e.rank,
+                (e.end - e.start) * 1e3,
+                left=(e.start - t0) * 1e3,
+                height=0.8,
+                color=colors.get((e.action.model, kind), "gray"),
+                edgecolor="white",
+                linewidth=0.5,
+            )
+            ax.text(
+                (e.start - t0 + (e.end - e.start) / 2) * 1e3,
+                e.rank,
+                f"{e.action.microbatch}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
         ax.set_yticks(self.ranks, [f"rank {r}" for r in self.ranks])
         ax.invert_yaxis()
         ax.set_xlabel("ms")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(handles, [f"{m} {k}" for m, k in colors], ncol=4, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-                  frameon=False)
+        ax.legend(
+            handles,
+            [f"{m} {k}" for m, k in colors],
+            ncol=4,
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            fontsize=7,
+            frameon=False,
+        )
         ax.set_title(title or f"measured timeline, bubble ratio {self.bubble_ratio():.1%}", loc="left", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=120)

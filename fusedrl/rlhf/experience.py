@@ -61,7 +61,9 @@ class Experience:
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
         # Any: each value is Tensor | None by field name; mypy cannot match ** keys to the required fields
-        fields: dict[str, Any] = {f.name: (None if (t := getattr(self, f.name)) is None else fn(t)) for f in dataclasses.fields(self)}
+        fields: dict[str, Any] = {
+            f.name: (None if (t := getattr(self, f.name)) is None else fn(t)) for f in dataclasses.fields(self)
+        }
         return Experience(**fields)
 
     def to(self, device: torch.device | str) -> Experience:
@@ -82,7 +84,9 @@ class Experience:
         if generator is None:
             return self.split(size)
         if size < 1 or self.batch_size % size:
-            raise ValueError(f"cannot split a batch of {self.batch_size} into minibatches of {size}; pick a divisor of the batch size")
+            raise ValueError(
+                f"cannot split a batch of {self.batch_size} into minibatches of {size}; pick a divisor of the batch size"
+            )
         perm = torch.randperm(self.batch_size, generator=generator)
         return [self.select(perm[i : i + size].to(self.tokens.device)) for i in range(0, self.batch_size, size)]
 

@@ -322,8 +322,15 @@ class PolicyLoss:
 
     target_names = ("tokens", "response_mask", "logprobs", "advantages")
 
-    def __init__(self, clip_eps: float = 0.2, entropy_coef: float = 0.0, temperature: float = 1.0, *,
-                 head: nn.Linear | None = None, chunk_positions: int | None = None) -> None:
+    def __init__(
+        self,
+        clip_eps: float = 0.2,
+        entropy_coef: float = 0.0,
+        temperature: float = 1.0,
+        *,
+        head: nn.Linear | None = None,
+        chunk_positions: int | None = None,
+    ) -> None:
         if clip_eps <= 0:
             raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
         if temperature <= 0:
@@ -340,8 +347,9 @@ class PolicyLoss:
         if self.head is None:
             return policy_loss(output, targets, self.clip_eps, self.entropy_coef, self.temperature)
         hidden = output.to(self.head.weight.dtype)  # a float32 stage output into a bf16 (mixed-precision) head
-        return chunked_policy_loss(hidden, self.head, targets, self.clip_eps, self.entropy_coef, self.temperature,
-                                   chunk_positions=self.chunk_positions)
+        return chunked_policy_loss(
+            hidden, self.head, targets, self.clip_eps, self.entropy_coef, self.temperature, chunk_positions=self.chunk_positions
+        )
 
 
 class ValueLoss:

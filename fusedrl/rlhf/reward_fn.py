@@ -57,8 +57,10 @@ def load_reward_fn(path: str) -> RewardFn:
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
-        raise ValueError(f"cannot import module {module_name!r} ({_one_line(e)}); check the module path and that "
-                         "its package is installed or on PYTHONPATH") from None
+        raise ValueError(
+            f"cannot import module {module_name!r} ({_one_line(e)}); check the module path and that "
+            "its package is installed or on PYTHONPATH"
+        ) from None
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             where = ":".join((module_name, ".".join(attr.split(".")[:i]))) if i else f"module {module_name!r}"
@@ -113,17 +115,27 @@ class RuleReward:
         assert results is not None  # the leader computed them; the other ranks received them from it
         failed = [(s, r) for s, r in zip(samples, results) if isinstance(r, str)]
         if failed:
-            named = "; ".join(f"sample {s.id} (prompt {self.tokenizer.decode(s.prompt)[:PROMPT_START_CHARS]!r}): {reason}"
-                              for s, reason in failed[:3])
+            named = "; ".join(
+                f"sample {s.id} (prompt {self.tokenizer.decode(s.prompt)[:PROMPT_START_CHARS]!r}): {reason}"
+                for s, reason in failed[:3]
+            )
             more = f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
             if self.on_failure == "stop":
                 raise RewardFunctionError(
                     f"reward function {self.name} failed on {len(failed)} of {len(samples)} samples: {named}{more}; fix the "
                     "function, or set --training.nan_policy=skip to score such samples without its term (counted in "
-                    "reward_fn_failures)")
+                    "reward_fn_failures)"
+                )
             if leader:
-                log.warning("reward function %s failed on %d of %d samples; their scores get no term from it "
-                            "(training.nan_policy = \"skip\"): %s%s", self.name, len(failed), len(samples), named, more)
+                log.warning(
+                    "reward function %s failed on %d of %d samples; their scores get no term from it "
+                    '(training.nan_policy = "skip"): %s%s',
+                    self.name,
+                    len(failed),
+                    len(samples),
+                    named,
+                    more,
+                )
         return torch.tensor([math.nan if isinstance(r, str) else r for r in results], dtype=torch.float32)
 
     def _texts(self, s: RequestResult) -> tuple[str, str]:
@@ -133,8 +145,13 @@ class RuleReward:
     def _values(self, samples: Sequence[RequestResult], texts: list[tuple[str, str]]) -> list[float | str]:
         """Each sample's value, or why it has none. A call that fails as a whole is repeated per sample."""
         try:
-            out = self.fn([p for p, _ in texts], [r for _, r in texts], prompt_ids=[list(s.prompt) for s in samples],
-                          response_ids=[list(s.tokens) for s in samples], finished=[_finished(s) for s in samples])
+            out = self.fn(
+                [p for p, _ in texts],
+                [r for _, r in texts],
+                prompt_ids=[list(s.prompt) for s in samples],
+                response_ids=[list(s.tokens) for s in samples],
+                finished=[_finished(s) for s in samples],
+            )
         except Exception as e:  # noqa: BLE001 - any failure of user code is reported per sample
             problem = f"raised {_one_line(e)}"
         else:
@@ -148,8 +165,12 @@ class RuleReward:
                 problem = f"returned {len(values)} values for {len(samples)} sample{'s' * (len(samples) > 1)}"
         if len(samples) == 1:
             return [problem]
-        log.warning("reward function %s %s (a call of %d samples); calling it on each sample alone to find the failing "
-                    "ones", self.name, problem, len(samples))
+        log.warning(
+            "reward function %s %s (a call of %d samples); calling it on each sample alone to find the failing ones",
+            self.name,
+            problem,
+            len(samples),
+        )
         return [self._values([s], [t])[0] for s, t in zip(samples, texts)]
 
 

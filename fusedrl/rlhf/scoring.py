@@ -175,10 +175,16 @@ class Scorer:
                 logprobs[row, p:n] = torch.tensor(list(s.logprobs))
         dev_tokens, dev_mask = tokens.to(device), mask.to(device)
         ref_model, critic, reward_model = self.models.reference, self.models.critic, self.models.reward
-        ref = chunked_token_logprobs(
-            decoder_hidden_states(ref_model, dev_tokens), _head(ref_model), dev_tokens, self.temperature,
-            budget_bytes=self.logits_budget_bytes,
-        ) * dev_mask
+        ref = (
+            chunked_token_logprobs(
+                decoder_hidden_states(ref_model, dev_tokens),
+                _head(ref_model),
+                dev_tokens,
+                self.temperature,
+                budget_bytes=self.logits_budget_bytes,
+            )
+            * dev_mask
+        )
         values = shift_to_tokens(_head(critic)(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float()) * dev_mask
         if reward_model is None:
             scores = torch.zeros(len(samples))

@@ -88,8 +88,9 @@ def true_score(prompt: str, response: str, finished: bool = True) -> float:
     return correct / len(target) - length_error
 
 
-def reward_fn(prompts: list[str], responses: list[str], *, prompt_ids: list[list[int]], response_ids: list[list[int]],
-              finished: list[bool]) -> list[float]:
+def reward_fn(
+    prompts: list[str], responses: list[str], *, prompt_ids: list[list[int]], response_ids: list[list[int]], finished: list[bool]
+) -> list[float]:
     """:func:`true_score` as the trainer's rule-based reward (``--model.reward_fn=fusedrl.tasks.debug:reward_fn``):
     the example of the reward-function signature (docs/ppo.md, "Reward functions"). Token ids are not needed;
     a prompt that is not a debug-task prompt raises ValueError (``training.nan_policy`` handles it)."""
@@ -172,7 +173,7 @@ def train_sft(tokenizer, steps: int, batch: int, noise: float, seed: int, lr: fl
         labels = tokens.clone()
         for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
             labels[i, :p] = -100
-            labels[i, len(s):] = -100
+            labels[i, len(s) :] = -100
         logits = model(tokens)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         losses.append(_optimizer_step(model, opt, sched, loss))
@@ -353,8 +354,12 @@ def ensure_assets(cfg: JobConfig) -> None:
         figures = build(folder)
     finally:
         done.set()
-    log.info("debug assets ready in %.0fs: SFT true score %.3f, reward/true-score correlation %.2f",
-             time.perf_counter() - start, figures["actor_true_score_mean"], figures["reward_true_corr_on_actor_samples"])
+    log.info(
+        "debug assets ready in %.0fs: SFT true score %.3f, reward/true-score correlation %.2f",
+        time.perf_counter() - start,
+        figures["actor_true_score_mean"],
+        figures["reward_true_corr_on_actor_samples"],
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

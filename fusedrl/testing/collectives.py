@@ -22,8 +22,15 @@ from fusedrl.distributed import group_devices
 # name -> position(s) of its tensor arguments. isend / irecv are checked as the ops of batch_isend_irecv (wrapping
 # them would break torch's P2POp, which accepts only the original functions).
 _CALLS: dict[str, int | tuple[int, ...]] = {
-    "all_reduce": 0, "broadcast": 0, "send": 0, "recv": 0, "reduce": 0,
-    "all_gather": (0, 1), "all_gather_into_tensor": (0, 1), "reduce_scatter_tensor": (0, 1), "all_to_all_single": (0, 1),
+    "all_reduce": 0,
+    "broadcast": 0,
+    "send": 0,
+    "recv": 0,
+    "reduce": 0,
+    "all_gather": (0, 1),
+    "all_gather_into_tensor": (0, 1),
+    "reduce_scatter_tensor": (0, 1),
+    "all_to_all_single": (0, 1),
 }
 
 
@@ -43,8 +50,10 @@ def _check(name: str, tensors: list[torch.Tensor], group: dist.ProcessGroup | No
     served = group_devices(group)
     for t in tensors:
         if t.device.type not in served:
-            raise CollectiveDeviceError(f"{name}: a {t.device.type} tensor {tuple(t.shape)} on a group whose backend "
-                                        f"{dist.get_backend(group)!r} serves {sorted(served)}")
+            raise CollectiveDeviceError(
+                f"{name}: a {t.device.type} tensor {tuple(t.shape)} on a group whose backend "
+                f"{dist.get_backend(group)!r} serves {sorted(served)}"
+            )
 
 
 def _wrap(name: str, original: Callable, where: int | tuple[int, ...]) -> Callable:
@@ -53,8 +62,11 @@ def _wrap(name: str, original: Callable, where: int | tuple[int, ...]) -> Callab
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
         tensors = [t for i in positions if i < len(args) for t in _tensors(args[i])]
-        tensors += [t for k in ("tensor", "tensor_list", "output_tensor", "input_tensor", "output", "input")
-                    for t in _tensors(kwargs.get(k))]
+        tensors += [
+            t
+            for k in ("tensor", "tensor_list", "output_tensor", "input_tensor", "output", "input")
+            for t in _tensors(kwargs.get(k))
+        ]
         _check(name, tensors, kwargs.get("group"))
         return original(*args, **kwargs)
 

@@ -34,8 +34,18 @@ def torchrun_workers(launcher_pid: int) -> dict[int, int]:
 def torchrun_worker_env(launcher_pid: int) -> dict[int, dict[str, str]]:
     """RANK -> the variables torchrun set for that worker of the launcher (RANK, LOCAL_RANK, GROUP_RANK,
     WORLD_SIZE, LOCAL_WORLD_SIZE, ...): where the rendezvous placed it."""
-    names = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_RANK",
-             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    names = (
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+    )
     return {int(env["RANK"]): {k: env[k] for k in names if k in env} for _, env in _workers(launcher_pid)}
 
 

@@ -212,9 +212,7 @@ class MultiRankPool:
             self._record(message, task_id, outcomes, returned)
 
 
-def run_multirank(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any
-) -> list[Any]:
+def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh spawned processes sharing a gloo group.
 
     Each rank gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK in its environment, one

@@ -27,9 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "train_configs" / "debug_ppo.toml"
 # Small enough for CI (about 1 s per iteration on 4 CPU ranks sharing 2 cores); the debug config otherwise.
 SMALL = [
-    "--ppo.batch_size=16", "--ppo.minibatch_size=16", "--ppo.microbatch_size=4", "--ppo.epochs=1",
-    "--generation.max_new_tokens=24", "--generation.max_slots=4", "--fusion.schedule_search_budget_s=0.2",
-    "--checkpoint.interval=10", "--checkpoint.keep=1", "--checkpoint.export_hf=false", "--metrics.trace=[]",
+    "--ppo.batch_size=16",
+    "--ppo.minibatch_size=16",
+    "--ppo.microbatch_size=4",
+    "--ppo.epochs=1",
+    "--generation.max_new_tokens=24",
+    "--generation.max_slots=4",
+    "--fusion.schedule_search_budget_s=0.2",
+    "--checkpoint.interval=10",
+    "--checkpoint.keep=1",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
 ]
 FRACTIONS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.95)
 BAD_ROWS: dict[str, bytes | None] = {  # kind -> line written (None: an over-long prompt, built from max_prompt_len)
@@ -43,7 +51,9 @@ BAD_ROWS: dict[str, bytes | None] = {  # kind -> line written (None: an over-lon
 }
 
 
-def write_prompt_file(path: Path, prompts: list[str], max_prompt_len: int, seed: int, bad_fraction: float = 0.2) -> dict[int, str]:
+def write_prompt_file(
+    path: Path, prompts: list[str], max_prompt_len: int, seed: int, bad_fraction: float = 0.2
+) -> dict[int, str]:
     """The prompts as JSONL with bad rows at random lines; returns {line number: kind} of the bad rows."""
     rng = random.Random(seed)
     lines: list[bytes] = [json.dumps({"prompt": p}).encode() for p in prompts]
@@ -91,8 +101,14 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
             assert e.sample_ids is not None  # scoring sets sample_ids on every batch it returns
             scored_ids += e.sample_ids.tolist()
         m = result.migration
-        ledger.append({"requested": sorted(i for ids in asked for i in ids), "scored": scored_ids,
-                       "moved": m.moved if m else 0, "kept": len(m.kept) if m else 0})
+        ledger.append(
+            {
+                "requested": sorted(i for ids in asked for i in ids),
+                "scored": scored_ids,
+                "moved": m.moved if m else 0,
+                "kept": len(m.kept) if m else 0,
+            }
+        )
         return result
 
     trainer.train_step, ctl.run = randomized_step, audited_rollout  # type: ignore[method-assign]
@@ -115,8 +131,15 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
     }
 
 
-def stress(out: Path, *, steps: int = 50, nproc: int = 4, seed: int = 0, overrides: list[str] | tuple[str, ...] = (),
-           timeout_s: float = 1800.0) -> dict[str, Any]:
+def stress(
+    out: Path,
+    *,
+    steps: int = 50,
+    nproc: int = 4,
+    seed: int = 0,
+    overrides: list[str] | tuple[str, ...] = (),
+    timeout_s: float = 1800.0,
+) -> dict[str, Any]:
     """Run the stress test on ``nproc`` gloo ranks; returns rank 0's figures (raises if anything is lost)."""
     from fusedrl.config import load_config
     from fusedrl.tasks.debug import sample_prompts
@@ -150,13 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     r = stress(args.out, steps=args.steps, nproc=args.nproc, seed=args.seed, overrides=overrides)
     thresholds = sorted({str(t) for t, _, _ in r["settings"]})
-    print(f"stress: {r['steps']} iterations on {args.nproc} ranks in {r['wall_s']:.0f} s; thresholds tried {thresholds}, "
-          f"modes {sorted({m for _, m, _ in r['settings']})}, check intervals {sorted({k for _, _, k in r['settings']})}")
+    print(
+        f"stress: {r['steps']} iterations on {args.nproc} ranks in {r['wall_s']:.0f} s; thresholds tried {thresholds}, "
+        f"modes {sorted({m for _, m, _ in r['settings']})}, check intervals {sorted({k for _, _, k in r['settings']})}"
+    )
     print(f"  data: {r['data']}; injected {r['bad_rows_injected']}")
-    print(f"  migrations {r['migrations']} of {r['steps']} iterations (kept instances: {r['kept_counts']}), "
-          f"{r['moved']} requests moved")
-    print(f"  samples requested {r['requested']}, scored {r['scored']}, lost {r['lost']}, duplicated {r['duplicated']}; "
-          f"skipped updates {r['skipped_updates']}")
+    print(
+        f"  migrations {r['migrations']} of {r['steps']} iterations (kept instances: {r['kept_counts']}), "
+        f"{r['moved']} requests moved"
+    )
+    print(
+        f"  samples requested {r['requested']}, scored {r['scored']}, lost {r['lost']}, duplicated {r['duplicated']}; "
+        f"skipped updates {r['skipped_updates']}"
+    )
     return 0
 
 
