@@ -935,7 +935,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         dist.barrier()
     except InputError as e:  # found while loading checkpoints or data, maybe by some ranks only: the first says it
-        if heartbeat is None or heartbeat.claim("input_error"):
+        # one claim per launch attempt: the store of a torchrun agent outlives a restart of its workers
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if heartbeat is None or heartbeat.claim(f"input_error/{attempt}"):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
