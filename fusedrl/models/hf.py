@@ -114,25 +114,15 @@ def hf_config(
     """
     f = _flavor(flavor)
     _check_role(role)
-    is_qwen = f.family == "qwen2"
-    arch = "Qwen2" if is_qwen else "Llama"
+    arch = "Qwen2" if f.family == "qwen2" else "Llama"
     dtype_name = str(dtype).removeprefix("torch.")
+    math = _flavor_math(f)  # the fields the load check compares, so an export always passes it
+    rope = {"rope_type": math.pop("rope_type")} | {k: math.pop(k) for k in _ROPE_SCALING_KEYS if k in math}
     config = {
         "architectures": [f"{arch}ForCausalLM" if role == "policy" else f"{arch}ForSequenceClassification"],
-        "model_type": _model_type(f),
-        "vocab_size": f.vocab_size,
-        "hidden_size": f.embed_dim,
-        "intermediate_size": f.intermediate_dim,
-        "num_hidden_layers": f.num_layers,
-        "num_attention_heads": f.num_heads,
-        "num_key_value_heads": f.num_kv_heads,
-        "head_dim": f.embed_dim // f.num_heads,
-        "hidden_act": "silu",
+        **math,
         "max_position_embeddings": f.max_seq_len,
-        "rms_norm_eps": f.norm_eps,
-        "rope_theta": f.rope_base,
-        "rope_scaling": None,
-        "tie_word_embeddings": f.tie_word_embeddings,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "torch_dtype": dtype_name,  # the key of transformers 4; transformers 5 reads "dtype"
         "dtype": dtype_name,
         "bos_token_id": bos_token_id,
@@ -141,10 +131,6 @@ def hf_config(
         "fusedrl_flavor": flavor,
         "fusedrl_role": role,
     }
-    if f.family == "llama3_1":
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": float(f.scale_factor), **_LLAMA3_ROPE}
-    if not is_qwen:
-        config.update(attention_bias=False, mlp_bias=False)
     if role == "value":
         config["num_labels"] = 1
     return config
