@@ -145,7 +145,8 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
     if local_world_size is not None:
         check_nodes(cfg, world_size, local_world_size)
     if cfg.checkpoint.resume is True:
-        resume_step(cfg, CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {}))
+        ckpt = CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {})
+        resume_step(cfg, ckpt.latest_step(), ckpt.folder)
     check_reward(cfg)
     par, gen = cfg.parallelism, cfg.generation
     instances = world_size // par.gen_tp
@@ -242,19 +243,19 @@ def check_nodes(cfg: JobConfig, world_size: int, local_world_size: int) -> None:
             )
 
 
-def resume_step(cfg: JobConfig, ckpt: CheckpointManager) -> int | None:
-    """The step a run continues from: the latest complete checkpoint when checkpoint.resume is true or "auto", None
-    for a fresh start (false, or "auto" without one). Raises ConfigError for true without one."""
+def resume_step(cfg: JobConfig, latest: int | None, folder: Path) -> int | None:
+    """The step a run continues from, given ``latest``, the latest complete checkpoint in ``folder``: that one when
+    checkpoint.resume is true or "auto", None for a fresh start (false, or "auto" without one). Raises ConfigError
+    for true without one."""
     if cfg.checkpoint.resume is False:
         return None
-    step = ckpt.latest_step()
-    if step is None and cfg.checkpoint.resume is True:
+    if latest is None and cfg.checkpoint.resume is True:
         raise ConfigError(
             f"checkpoint.resume = true ({source_of(cfg, 'checkpoint.resume')}): no complete checkpoint in "
-            f"{ckpt.folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
+            f"{folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
             "to start fresh when there is none"
         )
-    return step
+    return latest
 
 
 def check_tokenizer(cfg: JobConfig) -> None:
@@ -703,17 +704,19 @@ class Trainer:
             {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
             {"data": self.loader},
         )
-        decided = [resume_step(cfg, self.ckpt)]
-        dist.broadcast_object_list(decided, src=0)  # rank 0's view of the folder decides: every rank loads one step
-        self.resume_from: int | None = decided[0]
+        # rank 0 reads the folder once and its view decides: every rank resumes (or not) from the same step
+        found = [self.ckpt.latest_step() if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        latest = found[0]
+        self.resume_from: int | None = resume_step(cfg, latest, self.ckpt.folder)
         if cfg.checkpoint.resume == "auto" and self.resume_from is None:
             log.info('checkpoint.resume = "auto": no complete checkpoint in %s; starting fresh', self.ckpt.folder)
-        elif cfg.checkpoint.resume is False and self.rank == 0 and (earlier := self.ckpt.latest_step()) is not None:
+        elif cfg.checkpoint.resume is False and self.rank == 0 and latest is not None:
             log.warning(
                 "fresh run (checkpoint.resume = false), but %s holds checkpoints of an earlier run (latest: step %d): "
                 "a later resume would take the newest of either run; use another job.output_dir or remove them",
                 self.ckpt.folder,
-                earlier,
+                latest,
             )
         old = self.out / "metrics.jsonl"
         if self.rank == 0 and cfg.metrics.jsonl and old.exists():

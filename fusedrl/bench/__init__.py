@@ -1,1 +1,11 @@
 """fusedrl.bench"""
+
+NO_OUTPUT_OVERRIDES: tuple[str, ...] = (
+    "--checkpoint.interval=0",
+    "--checkpoint.resume=false",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--metrics.jsonl=false",
+    "--metrics.tensorboard=false",
+)
+"""Config overrides for a benchmark's trainer runs: no checkpoints, exports, traces or metrics files (and no resume)."""

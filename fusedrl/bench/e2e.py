@@ -31,6 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.config import ConfigError, load_config
 from fusedrl.testing import run_multirank
 from fusedrl.train import PHASES, Trainer, prepare
@@ -52,12 +53,7 @@ def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list
                 f"--fusion.intra_stage={intra}",
                 f"--training.steps={warmup + steps}",
                 f"--job.output_dir={out}/{mode}",
-                "--checkpoint.interval=0",
-                "--checkpoint.resume=false",
-                "--checkpoint.export_hf=false",
-                "--metrics.trace=[]",
-                "--metrics.jsonl=false",
-                "--metrics.tensorboard=false",
+                *NO_OUTPUT_OVERRIDES,
                 "--metrics.timeline_interval=1",
             ]
         )

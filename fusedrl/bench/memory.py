@@ -132,6 +132,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.config import ConfigError, JobConfig, load_config, validate_world_size
 from fusedrl.distributed import plan_reshard
@@ -190,12 +191,7 @@ MEASURE_OVERRIDES: tuple[str, ...] = (
 )
 _RUN_OVERRIDES: tuple[str, ...] = (
     "--training.steps=2",
-    "--checkpoint.interval=0",
-    "--checkpoint.resume=false",
-    "--checkpoint.export_hf=false",
-    "--metrics.trace=[]",
-    "--metrics.jsonl=false",
-    "--metrics.tensorboard=false",
+    *NO_OUTPUT_OVERRIDES,
     "--metrics.timeline_interval=0",
     "--training.device=cpu",
 )
