@@ -91,6 +91,7 @@ from fusedrl.pipelining import (
     fused_schedule,
     lower,
     sequential_1f1b,
+    simulate,
 )
 from fusedrl.rlhf import (
     Experience,
@@ -204,6 +205,7 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
             f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
             f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them"
         )
+    schedule_memory_limit(cfg, longest)
     try:
         device = select_device(cfg.training.device)
     except RuntimeError:
@@ -308,18 +310,51 @@ def check_reward(cfg: JobConfig) -> None:
 # ---------------------------------------------------------------------------------------------- training layout
 
 
+def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, int]:
+    """The planner's placement, cost model (times in seconds, activation memory in GiB) and micro-batches per model
+    for one minibatch of sequences of ``seq_len`` tokens."""
+    placement = Placement(cfg.parallelism.pp)
+    costs = CostModel.from_flavors(
+        placement, cfg.model.actor, cfg.model.critic, tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len
+    )
+    return placement, costs, cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+
+
+def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
+    """``fusion.schedule_memory_gib``, refused (ConfigError) below the peak stored activations of sequential 1F1B: the
+    search falls back to that schedule whatever its peak, so no smaller cap can be kept. None when unset."""
+    cap = cfg.fusion.schedule_memory_gib
+    if cap is None or cfg.parallelism.pp < 2:
+        return cap
+    placement, costs, n_mb = pipeline_costs(cfg, seq_len)
+    need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory
+    if cap < need:
+        raise ConfigError(
+            f"fusion.schedule_memory_gib = {cap} ({source_of(cfg, 'fusion.schedule_memory_gib')}): below the {need:.3g} "
+            f"GiB of activations per pipeline rank that sequential 1F1B stores ({n_mb} micro-batches of "
+            f"{cfg.ppo.microbatch_size} x {seq_len} tokens, pp = {cfg.parallelism.pp}); raise it, lower "
+            "ppo.microbatch_size, or unset it"
+        )
+    return cap
+
+
 def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
     """The lowered program of one minibatch: the fused schedule search (intra_stage) or sequential 1F1B.
 
     Planned on the caller's rank only; broadcast it so that every pipeline rank runs the same program.
     """
-    placement = Placement(cfg.parallelism.pp)
-    n_mb = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+    placement, costs, n_mb = pipeline_costs(cfg, seq_len)
     if cfg.fusion.intra_stage:
-        costs = CostModel.from_flavors(
-            placement, cfg.model.actor, cfg.model.critic, tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len
+        plan = fused_schedule(
+            placement,
+            costs,
+            n_mb,
+            n_mb,
+            budget_s=cfg.fusion.schedule_search_budget_s,
+            seed=cfg.job.seed,
+            memory_limit=schedule_memory_limit(cfg, seq_len),
+            split_backward=cfg.fusion.split_backward,
         )
-        plan = fused_schedule(placement, costs, n_mb, n_mb, budget_s=cfg.fusion.schedule_search_budget_s, seed=cfg.job.seed)
         schedule, method = plan.schedule, plan.method
     else:
         schedule, method = sequential_1f1b(placement, n_mb, n_mb), "sequential_1f1b"

@@ -153,6 +153,20 @@ def test_bad_override_gives_one_line_naming_the_key(override, fragments):
         assert fragment in message, message
 
 
+@pytest.mark.parametrize(
+    "other, fragments",
+    [
+        ("--fusion.intra_stage=false", ["fusion.split_backward = true (command line)", "fusion.intra_stage = true"]),
+        ("--training.activation_checkpointing=full", ["fusion.split_backward", 'activation_checkpointing = "full"']),
+    ],
+)
+def test_split_backward_needs_the_fused_schedule_without_recomputation(other, fragments):
+    assert load_config(["--job.config_file", DEBUG, "--fusion.split_backward"]).fusion.split_backward
+    message = _error(["--job.config_file", DEBUG, "--fusion.split_backward", other])
+    for fragment in fragments:
+        assert fragment in message, message
+
+
 def _write(tmp_path: Path, text: str, name: str = "bad.toml") -> str:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")

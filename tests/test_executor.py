@@ -67,6 +67,9 @@ def _program(kind, pp, ma, mc):
             r: [x for a in acts for x in ((replace(a, kind="I"), replace(a, kind="W")) if a.kind == "B" else (a,))]
             for r, acts in sequential_1f1b(placement, ma, mc).items()
         }
+    elif kind == "planned_split":  # the planner's split-backward schedule (budget 0: deterministic greedy)
+        costs = CostModel.uniform(placement, 1.0, 0.4, p2p_latency=1.0)
+        schedule = fused_schedule(placement, costs, ma, mc, budget_s=0, split_backward=True).schedule
     else:
         schedule = fused_schedule(placement, CostModel.uniform(placement, 1.0, 0.7), ma, mc, budget_s=0.2).schedule
     return lower(schedule, placement, {ACTOR: ma, CRITIC: mc})
@@ -159,7 +162,12 @@ def _check_gradients(
 def test_gradients_match_single_process_reference(pp, dp, ma, mc, boundaries):
     # programs are planned once here: a search cut short by its wall-clock guard could differ between ranks
     kinds = ("sequential", "fused") + (("split_backward",) if pp == 2 and dp == 1 else ())
+    kinds += ("planned_split",) if pp == 2 else ()
     programs = {kind: _program(kind, pp, ma, mc) for kind in kinds}
+    if pp == 2 and dp == 1:  # the planned split runs W's of both models later than right after their I
+        compute = [a for a in programs["planned_split"].programs[1] if a.kind in ("F", "I", "W")]
+        deferred = {a.model for a, nxt in zip(compute, compute[1:]) if a.kind == "I" and nxt != replace(a, kind="W")}
+        assert deferred == {ACTOR, CRITIC}
     # pp2-dp1 also runs two minibatches of different padded lengths (two stage builds, accumulated gradients)
     seq_lens = (SEQ, SEQ + 2) if pp == 2 and dp == 1 else (SEQ,)
     run_multirank(_check_gradients, pp * dp, programs, pp, dp, ma, mc, 4, seq_lens, boundaries, timeout_s=240.0)
@@ -199,6 +207,16 @@ def test_misordered_program_is_rejected_before_running():
     # raised before any communication: no process group is needed to reject it
     with pytest.raises(ProgramError, match=r"message #\d+ between ranks 0 and 1 differs"):
         FusedPipelineSchedule(bad, spec, spec)
+
+
+def test_split_program_with_recomputed_layers_is_refused():
+    from fusedrl.distributed.compat import recompute_in_backward
+
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    recompute_in_backward(stage[0])
+    spec = StageModule(stage, actor_loss, 2, 2)
+    with pytest.raises(ValueError, match="splits backwards into I and W, which torch cannot run on layers recomputed"):
+        FusedPipelineSchedule(_program("split_backward", 2, 2, 2), spec, spec)
 
 
 def test_critic_with_fewer_stages_is_refused():

@@ -18,9 +18,11 @@ from fusedrl.fusion.plan import (
 )
 from fusedrl.fusion.simulator import (
     DEFAULT_FRACTIONS,
+    STATS_LAG,
     RolloutConfig,
     RolloutCosts,
     SimRequest,
+    _check_clock,
     best_migration,
     simulate_rollout,
     split_round_robin,
@@ -129,9 +131,45 @@ def test_auto_keeps_more_instances_when_the_tails_kv_reads_dominate():
     )
     threshold, min_kept, best = best_migration(instances, PAPER_COSTS, config)
     assert min_kept > 1 and len(best.kept) >= min_kept
-    assert best.total_s < 0.97 * fewest.total_s
+    assert best.total_s < 0.98 * fewest.total_s  # 2.9% faster
     again = simulate_rollout(instances, PAPER_COSTS, config, fused=True, threshold=threshold, min_kept=min_kept)
     assert again.total_s == best.total_s
+
+
+def test_checks_wait_only_for_an_instance_stats_lag_intervals_behind():
+    assert STATS_LAG == 2  # the hand-computed clocks below
+    # Slow intervals that alternate between two instances: in lockstep each interval would take the slower
+    # one's 3 s (12 s for four checks); deciding on the all-gather of two checks before, neither waits.
+    assert _check_clock(torch.tensor([[1.0, 3.0, 1.0, 3.0], [3.0, 1.0, 3.0, 1.0]]), [0.0, 0.0], 0.0, 3) == 8.0
+    # A slow instance holds a fast one back: at check 3 the fast one (3 s) waits for the slow one's check 1 (5 s),
+    # so its long last interval ends at 5 + 10 s, not at 3 + 10 s (lockstep: 5 + 5 + 5 + 10 s).
+    assert _check_clock(torch.tensor([[1.0, 1.0, 1.0, 10.0], [5.0, 5.0, 5.0, 0.0]]), [0.0, 0.0], 0.0, 3) == 15.0
+    # check_s is paid at every check: two checks of 1 + 0.5 s
+    assert _check_clock(torch.tensor([[1.0, 1.0]]), [0.25], 0.5, 1) == 3.25
+
+
+def test_migration_decides_on_the_count_of_stats_lag_checks_before():
+    config = RolloutConfig(max_slots=8, kv_capacity_tokens=10_000, check_interval=1, micro_batch_size=8)
+    instances = [[SimRequest(10, 1), SimRequest(10, 1), SimRequest(10, 30)], [SimRequest(10, 1), SimRequest(10, 40)]]
+    # 2 unfinished from step 1 on: the check after step 1 + STATS_LAG decides on the count after step 1.
+    assert simulate_rollout(instances, SIM_COSTS, config, fused=True, threshold=2).migration_step == 1 + STATS_LAG
+    # A fresh rollout decides first at check STATS_LAG + 1, even on a threshold the whole batch meets ...
+    assert simulate_rollout(instances, SIM_COSTS, config, fused=True, threshold=5).migration_step == 1 + STATS_LAG
+    # ... a rollout resumed mid-way ("auto" simulating from a check) takes its starting count for earlier checks.
+    resumed = RolloutConfig(**{**config.__dict__, "prefill": False})
+    assert simulate_rollout(instances, SIM_COSTS, resumed, fused=True, threshold=5).migration_step == 1
+
+
+def test_kept_instance_scores_its_share_of_its_last_step():
+    # Instance 0 decodes three equal requests that end at the same step; the others' requests are done by the
+    # migration. Instance 0 scores one of the three itself and each freed instance one: one sample's scoring is
+    # exposed after decoding (three on one freed instance, or two, without the kept instance's share).
+    config = RolloutConfig(max_slots=8, kv_capacity_tokens=10_000, check_interval=2, micro_batch_size=8)
+    instances = [[SimRequest(10, 40)] * 3, [SimRequest(10, 2)], [SimRequest(10, 2)]]
+    t = simulate_rollout(instances, SIM_COSTS, config, fused=True, threshold=3)
+    assert t.kept == (0,) and t.moved == 0
+    assert t.total_s == pytest.approx(t.decode_end_s + SIM_COSTS.score_s([50], 8))
+    assert [s for s in t.spans if s[:2] == (0, "score")] == [(0, "score", t.decode_end_s, t.total_s)]
 
 
 def test_more_instances_decode_faster_and_threshold_zero_never_migrates():
@@ -297,7 +335,13 @@ def _run_scenarios(scenarios: dict) -> dict:
             e = Experience.concat(r.scored)
             e = e.select(e.sample_ids.argsort())
             spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
+            migrate_end = max((ev["ts"] + ev["dur"] for ev in r.trace.events if ev["name"] == "migrate"), default=None)
+            scored_after: dict[int, int] = {}  # rank -> samples it scored after the migration
+            for ev in r.trace.events:
+                if ev["name"] == "score" and migrate_end is not None and ev["ts"] >= migrate_end:
+                    scored_after[ev["pid"]] = scored_after.get(ev["pid"], 0) + ev["args"]["samples"]
             res[fusion] = dict(
+                scored_after=scored_after,
                 exp={
                     k: getattr(e, k)
                     for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
@@ -319,15 +363,19 @@ def _check_same_outputs(off, on):
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
 
 
-TAIL_LAST_STEP = (2, 4, 4, 2, 2, 2, 2, 2)  # ids 1, 2 (ranks 1, 0) have one token left at the check after step 2
-TAIL_ON_ONE_RANK = (6, 2, 6, 2, 2, 2, 2, 2)  # the tail (ids 0, 2) is all on rank 0
+# With check_interval 2, a check decides on the count of STATS_LAG checks earlier: the first to decide (on the
+# count after step 2) is the one after step DECIDE_STEP. A request of length n has n - s - 1 tokens left then.
+DECIDE_STEP = 2 * (STATS_LAG + 1)
+TAIL_LAST_STEP = (2, DECIDE_STEP + 2, DECIDE_STEP + 2, 2, 2, 2, 2, 2)  # ids 1, 2 (ranks 1, 0): one token left then
+TAIL_ON_ONE_RANK = (DECIDE_STEP + 4, 2, DECIDE_STEP + 4, 2, 2, 2, 2, 2)  # the tail (ids 0, 2) is all on rank 0
+LENGTHS_2 = (40, 3, 5, 30, 1, 1, 5, 6, 3, 1, 12, 2, 5, 24, 3, 5)  # LMSYS-like; a tail on both ranks outlasting the lag
 SCENARIOS_2 = {
-    "kv": Scenario(tuple(lmsys_lengths(16, seed=3, max_len=48)), 0.3, "kv"),
-    "reprefill": Scenario(tuple(lmsys_lengths(16, seed=3, max_len=48)), 0.3, "reprefill"),
+    "kv": Scenario(LENGTHS_2, 0.3, "kv"),
+    "reprefill": Scenario(LENGTHS_2, 0.3, "reprefill"),
     "last_step": Scenario(TAIL_LAST_STEP, 0.25, "kv"),
     "nothing_to_move": Scenario(TAIL_ON_ONE_RANK, 0.25, "kv"),
     "never_reached": Scenario((5,) * 8, 0.1, "kv"),
-    # 2 slots per rank: at the first check each rank holds 3 unfinished requests (one queued), at most the
+    # 2 slots per rank: at the first deciding check each rank holds 3 unfinished requests (one queued), at most the
     # threshold of 6, but neither rank has a free slot for the other's, so migration is skipped.
     "no_room": Scenario((8, 8, 8, 8, 3, 3), 0.99, "kv", max_slots=2),
 }
@@ -347,13 +395,14 @@ def test_two_ranks_fusion_changes_no_output(two_ranks, name):
     assert m["moved"] > 0 and m["moved_bytes"] > 0 and len(m["kept"]) == 1
     assert m["unfinished"] <= m["threshold"] == round(0.3 * 16)
     assert {"decode", "migrate", "score"} <= on["spans"]
+    assert on["scored_after"].get(m["kept"][0], 0) >= 1  # the kept rank's share of its last step
 
 
 def test_two_ranks_migration_at_the_last_step(two_ranks):
     off, on = two_ranks["last_step"][False], two_ranks["last_step"][True]
     _check_same_outputs(off, on)
     m = on["migration"]
-    assert m["step"] == 2 and m["moved"] == 1 and m["kept"] == [0] and m["unfinished"] == 2
+    assert m["step"] == DECIDE_STEP and m["moved"] == 1 and m["kept"] == [0] and m["unfinished"] == 2
     assert on["exp"]["sample_ids"].tolist() == list(range(8))
 
 

@@ -25,7 +25,10 @@ def test_planner_programs_pass_the_verifier(pp, critic_stages, ma, mc):
     placement = Placement(pp, critic_stages)
     costs = CostModel.uniform(placement, 1.0, 0.6)
     counts = {ACTOR: ma, CRITIC: mc}
-    for schedule in (sequential_1f1b(placement, ma, mc), fused_schedule(placement, costs, ma, mc, budget_s=0.2).schedule):
+    schedules = [sequential_1f1b(placement, ma, mc), fused_schedule(placement, costs, ma, mc, budget_s=0.2).schedule]
+    schedules.append(fused_schedule(placement, costs, ma, mc, budget_s=0.2, split_backward=True).schedule)
+    assert {a.kind for acts in schedules[-1].values() for a in acts} == {"F", "I", "W"}
+    for schedule in schedules:
         program = lower(schedule, placement, counts)
         verify_program(program.programs, placement, counts)
         # compute order per rank is the schedule's; every message is posted in one order at both ends

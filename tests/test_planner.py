@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from fusedrl.pipelining import (
     Placement,
     Problem,
     ScheduleError,
+    StageCosts,
     fused_schedule,
     greedy_order,
     lower_bound,
@@ -123,8 +125,8 @@ def test_wrong_rank_unknown_action_and_kind_rejected():
     with pytest.raises(ScheduleError, match=r"actor:F0\.mb7: no such action"):
         simulate(sched, placement, costs, ma, mc)
     _, _, _, _, sched = _valid()
-    sched[0].append(Action(ACTOR, 0, 0, "W"))
-    with pytest.raises(ScheduleError, match="kind 'W' is not supported"):
+    sched[0].append(Action(ACTOR, 0, 0, "X"))
+    with pytest.raises(ScheduleError, match="kind 'X' is not supported by the planner; use F and B, or F, I and W"):
         simulate(sched, placement, costs, ma, mc)
 
 
@@ -335,10 +337,162 @@ def test_cost_model_constructors():
     assert costs.critic.f[0] == pytest.approx(2 * costs.actor.f[1])  # 4 of 8 layers vs 2 of 8
     assert costs.actor.f[-1] > costs.actor.f[0]  # LM head on the last stage
     assert all(b == pytest.approx(2 * f) for b, f in zip(costs.actor.b, costs.actor.f))
+    # weight gradients: one matmul per weight matmul (the forward's matmul FLOPs); attention adds to I only
+    assert all(f * 0.5 < w < f for w, f in zip(costs.actor.w, costs.actor.f))
+    assert costs.actor.w[-1] / costs.actor.f[-1] > costs.actor.w[0] / costs.actor.f[0]  # the LM head has weights only
+    assert StageCosts((1.0,), (3.0,), (1.0,)).w == (1.5,) and StageCosts((1.0,), (3.0,), (1.0,)).i == (1.5,)
+    with pytest.raises(ValueError, match="must be below the backward times"):
+        StageCosts((1.0,), (2.0,), (1.0,), (2.0,))
+    with pytest.raises(ValueError, match="one f, b, mem"):
+        StageCosts((1.0,), (2.0,), (1.0,), (0.5, 0.5))
+    profiled = CostModel.from_profile({ACTOR: {"f": [1.0], "w": [0.25]}, CRITIC: {"f": [2.0]}})
+    assert (profiled.actor.i, profiled.critic.w) == ((1.75,), (2.0,))
     with pytest.raises(ValueError, match="unknown model flavor"):
         CostModel.from_flavors(placement, "nope", "debug", tokens_per_microbatch=8)
     with pytest.raises(ValueError, match="profile needs per-stage forward times"):
         CostModel.from_profile({ACTOR: {"f": [1.0]}})
+
+
+# ---------------------------------------------------------------- split backward (I/W)
+
+
+def _split(schedule):
+    """Each B of a schedule as its I directly followed by its W."""
+    return {
+        r: [x for a in acts for x in ((replace(a, kind="I"), replace(a, kind="W")) if a.kind == "B" else (a,))]
+        for r, acts in schedule.items()
+    }
+
+
+def test_split_simulation_by_hand():
+    # pp=2, one micro-batch each, f=1, b=2 split into i=1 and w=1, latency 0.5; sequential order, each B as I then W.
+    placement, costs, _, _ = _problem(2, 2, 1, 1, p2p_latency=0.5)
+    res = simulate(_split(sequential_1f1b(placement, 1, 1)), placement, costs, 1, 1)
+    start = {e.action: e.start for e in res.timeline}
+    # actor: F0 [0,1] r0; F1 [1.5,2.5] r1; I1 [2.5,3.5], W1 [3.5,4.5] r1; I0 waits for I1 only: [4,5], W0 [5,6] r0
+    assert start[Action(ACTOR, 0, 0, "I")] == pytest.approx(4.0)  # not 5.0, after W1 as a B would be
+    # critic: F0 [4.5,5.5] r1; F1 [6,7], I1 [7,8], W1 [8,9] r0; I0 [8.5,9.5], W0 [9.5,10.5] r1
+    assert res.makespan == pytest.approx(10.5)  # 12.5 with unsplit backwards (test above)
+    assert res.busy == pytest.approx([6.0, 6.0])
+
+
+def test_split_activations_stay_until_the_weight_backward():
+    placement, costs, _, _ = _problem(1, 1, 2, 1, f_critic=0.5, mem_actor=2.0, mem_critic=1.0)
+    a = lambda m, k: Action(ACTOR, 0, m, k)  # noqa: E731
+    crit = [Action(CRITIC, 0, 0, k) for k in "FIW"]
+    deferred = {0: [a(0, "F"), a(0, "I"), a(1, "F"), a(0, "W"), a(1, "I"), a(1, "W")] + crit}
+    res = simulate(deferred, placement, costs, 2, 1)
+    assert res.peak_memory == pytest.approx([4.0])  # micro-batch 0 holds its 2.0 until W0, after F1
+    assert res.makespan == pytest.approx(2 * 3.0 + 1.5)
+    adjacent = {0: [a(0, "F"), a(0, "I"), a(0, "W"), a(1, "F"), a(1, "I"), a(1, "W")] + crit}
+    assert simulate(adjacent, placement, costs, 2, 1).peak_memory == pytest.approx([2.0])
+
+
+def test_split_schedule_errors_are_named():
+    placement, costs, ma, mc, sched = _valid()
+    split = _split(sched)
+    w, i = Action(ACTOR, 1, 0, "W"), Action(ACTOR, 1, 0, "I")
+    bad = {0: split[0], 1: [w] + [x for x in split[1] if x != w]}
+    with pytest.raises(ScheduleError, match=r"weight backward actor:W1\.mb0 runs before its input backward actor:I1\.mb0"):
+        simulate(bad, placement, costs, ma, mc)
+    mixed = {0: split[0], 1: [x for x in split[1] if x != w and x != i] + [Action(ACTOR, 1, 0, "B")]}
+    with pytest.raises(ScheduleError, match=r"actor:B1\.mb0: the schedule splits other backwards into I and W; split this one"):
+        simulate(mixed, placement, costs, ma, mc)
+    missing = {0: split[0], 1: [x for x in split[1] if x != w]}
+    with pytest.raises(ScheduleError, match=r"missing action actor:W1\.mb0 \(rank 1\); every F, I, W action"):
+        simulate(missing, placement, costs, ma, mc)
+    # rank 0 waits for the Critic's input backward that rank 1 only runs after the Actor's, which waits for rank 0
+    cyc = {0: [x for x in split[0] if x.model == CRITIC] + [x for x in split[0] if x.model == ACTOR], 1: split[1]}
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 at critic:F1\.mb0 waits for critic:F0\.mb0"):
+        simulate(cyc, placement, costs, ma, mc)
+
+
+@pytest.mark.parametrize("pp,pc,ma,mc,fc", CONFIGS)
+def test_split_search_is_valid_faster_and_bounded(pp, pc, ma, mc, fc, monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
+    placement, costs, _, _ = _problem(pp, pc, ma, mc, f_critic=fc, mem_critic=fc, p2p_latency=0.1)
+    fb = fused_schedule(placement, costs, ma, mc, budget_s=0.3, seed=1)
+    plan = fused_schedule(placement, costs, ma, mc, budget_s=0.3, seed=1, split_backward=True)
+    assert plan.split_backward and not fb.split_backward
+    assert {a.kind for acts in plan.schedule.values() for a in acts} == {"F", "I", "W"}
+    res = simulate(plan.schedule, placement, costs, ma, mc)  # raises if invalid
+    assert res.makespan == pytest.approx(plan.makespan)
+    assert plan.split_lower_bound == pytest.approx(lower_bound(placement, costs, ma, mc, split_backward=True))
+    assert plan.split_lower_bound <= plan.makespan + 1e-9
+    assert plan.split_lower_bound <= plan.lower_bound + 1e-9 == fb.lower_bound + 1e-9
+    assert plan.makespan <= fb.makespan + 1e-9
+    assert res.max_peak_memory <= plan.memory_limit + 1e-9
+    greedy = fused_schedule(placement, costs, ma, mc, budget_s=0, split_backward=True)
+    assert simulate(greedy.schedule, placement, costs, ma, mc).makespan == pytest.approx(greedy.makespan)
+    assert greedy.makespan <= fused_schedule(placement, costs, ma, mc, budget_s=0).makespan + 1e-9
+
+
+def test_split_search_goes_below_the_fb_bound_where_fill_and_drain_force_idle_time(monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    # pp=8, 8 micro-batches: the F/B bound (52.2) lies above every rank's work (43.2); splitting reaches its own bound
+    placement, costs, ma, mc = _problem(8, 8, 8, 8, f_critic=0.8, mem_critic=0.8)
+    plan = fused_schedule(placement, costs, ma, mc, budget_s=0.5, split_backward=True)
+    work = max(Problem(placement, costs, ma, mc).rank_work(r) for r in range(8))
+    assert (plan.lower_bound, work, plan.split_lower_bound) == pytest.approx((52.2, 43.2, 46.2))
+    assert plan.makespan < plan.lower_bound
+    assert plan.makespan == pytest.approx(plan.split_lower_bound)
+
+
+def test_split_order_keeps_work_and_memory_and_is_never_slower():
+    placement, costs, ma, mc = _problem(4, 2, 8, 4, f_critic=1.25, mem_critic=1.25, p2p_latency=0.1)
+    problem, split = Problem(placement, costs, ma, mc), Problem(placement, costs, ma, mc, split_backward=True)
+    for order in (problem.to_order(sequential_1f1b(placement, ma, mc)), greedy_order(problem, 1e9, extra_in_flight=2)):
+        out = search_mod.split_order(problem, split, order)
+        assert problem.to_schedule(order) == {
+            r: [replace(a, kind="B") if a.kind == "I" else a for a in acts if a.kind != "W"]
+            for r, acts in split.to_schedule(out).items()
+        }
+        assert split.peak_memory(out) == pytest.approx(problem.peak_memory(order))
+        assert split.makespan(out) <= problem.makespan(order) + 1e-9
+
+
+def test_every_greedy_variant_and_justification_valid_on_the_split_problem():
+    placement, costs, ma, mc = _problem(4, 2, 6, 3, f_critic=0.8, mem_critic=0.8, p2p_latency=0.1)
+    split = Problem(placement, costs, ma, mc, split_backward=True)
+    limit = 1.5 * search_mod.single_model_1f1b_peak(split)
+    bound = lower_bound(placement, costs, ma, mc, split_backward=True)
+    for (extra, bias, active, pressure), balanced in search_mod.SPLIT_GREEDY_SETTINGS:
+        weight = search_mod.balanced_critic_weight(split) if balanced else 1.0
+        order = greedy_order(
+            split, limit, extra_in_flight=extra, backward_bias=bias, active=active, memory_pressure=pressure, critic_weight=weight
+        )
+        res = simulate(split.to_schedule(order), placement, costs, ma, mc)  # raises if invalid
+        assert res.makespan >= bound - 1e-9
+        if res.max_peak_memory <= limit + 1e-9:
+            out = search_mod.justify_order(split, order, limit)
+            justified = simulate(split.to_schedule(out), placement, costs, ma, mc)
+            assert justified.makespan <= res.makespan + 1e-9 and justified.max_peak_memory <= limit + 1e-9
+            assert all(seq == sorted(seq) for seq in _stage_orders(out, split).values())
+
+
+def test_split_lower_bound_below_exhaustive_optimum(monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    # pp=2, one micro-batch per model, uneven costs and weight-gradient shares: try every valid per-rank order.
+    placement = Placement(2)
+    costs = CostModel.from_profile(
+        {ACTOR: {"f": [1.0, 2.0], "b": [2.5, 3.0], "w": [0.5, 2.0]}, CRITIC: {"f": [0.7, 1.3], "w": [1.0, 0.4]}},
+        p2p_latency=0.2,
+    )
+    pred = {"B": "F", "I": "F", "W": "I"}
+
+    def optimum(schedule):
+        def ordered(p):  # every B or I after its F, every W after its I
+            return all(p.index(replace(a, kind=pred[a.kind])) < p.index(a) for a in p if a.kind in pred)
+
+        per_rank = [[list(p) for p in itertools.permutations(schedule[r]) if ordered(p)] for r in range(2)]
+        results = [_try(simulate, {0: o0, 1: o1}, placement, costs, 1, 1) for o0 in per_rank[0] for o1 in per_rank[1]]
+        return min(res.makespan for res in results if res is not None)
+
+    best, fb_best = optimum(_split(sequential_1f1b(placement, 1, 1))), optimum(sequential_1f1b(placement, 1, 1))
+    bound = lower_bound(placement, costs, 1, 1, split_backward=True)
+    assert bound <= best + 1e-9 < fb_best  # splitting beats every F/B schedule here
+    plan = fused_schedule(placement, costs, 1, 1, budget_s=0.3, memory_limit=1e9, split_backward=True)
+    assert plan.makespan == pytest.approx(best)
 
 
 # ---------------------------------------------------------------- CLI
@@ -390,6 +544,22 @@ def test_cli_json_and_trace(tmp_path, capsys):
     assert len(events) == 2 * 4 * 8 + 2 * 2 * 2 * 4
 
 
+def test_cli_split_backward_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    trace = tmp_path / "t.json"
+    argv = "--pp-actor 4 --pp-critic 2 --mb-actor 4 --mb-critic 2 --f-actor 5 --f-critic 4 --budget-s 0.3 --json"
+    assert plan_main([*argv.split(), "--split-backward", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["split_backward"] is True
+    assert out["split_lower_bound"] <= out["makespan"] < out["lower_bound"]  # below the F/B bound (105 here)
+    assert out["makespan_over_split_lower_bound"] == pytest.approx(out["makespan"] / out["split_lower_bound"])
+    assert out["peak_memory"] <= out["memory_limit"]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 3 * 4 * 4 + 3 * 2 * 2 * 2  # F, I and W of every stage and micro-batch
+    assert plan_main(argv.split()) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["split_backward"] is False
+
+
 def test_cli_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "g.png"
@@ -425,3 +595,75 @@ def test_cli_bad_input_exits_with_message(capsys):
         == 2
     )
     assert "must divide pp" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- memory pass and memory cap
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_memory_pass_lowers_the_peak_at_equal_makespan(monkeypatch, split):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    placement, costs, ma, mc = _problem(4, 4, 8, 8)
+    problem = Problem(placement, costs, ma, mc)
+    single = search_mod.single_model_1f1b_peak(problem)
+    order = greedy_order(problem, 1.5 * single, extra_in_flight=search_mod.UNCAPPED)
+    order = search_mod.justify_order(problem, order, 1.5 * single)
+    if split:  # I and W actions: the memory is freed by W
+        split_problem = Problem(placement, costs, ma, mc, split_backward=True)
+        problem, order = split_problem, search_mod.split_order(problem, split_problem, order)
+    makespan, peak = problem.makespan(order), max(problem.peak_memory(order))
+    assert peak == pytest.approx(1.5 * single)
+    out = search_mod.memory_pass(problem, order, makespan, search_mod._Evaluator(problem, 0.5))
+    res = simulate(problem.to_schedule(out), placement, costs, ma, mc)  # raises if invalid
+    assert res.makespan <= makespan + 1e-9
+    assert res.max_peak_memory < peak - 1e-9
+    assert res.max_peak_memory == pytest.approx(single)  # this problem fits in one model's 1F1B peak
+
+
+def test_memory_cap_holds_every_rank_within_it(monkeypatch):
+    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    placement, ma = Placement(4, 2), 8
+    costs = CostModel.from_flavors(placement, "debug_large", "debug_large", tokens_per_microbatch=512)  # memory in GiB
+    seq_peak = simulate(sequential_1f1b(placement, ma, ma // 2), placement, costs, ma, ma // 2).max_peak_memory
+    default = fused_schedule(placement, costs, ma, ma // 2, budget_s=0.3)
+    for cap in (seq_peak, (seq_peak + default.memory_limit) / 2):
+        assert default.result.max_peak_memory > cap  # the cap binds
+        plan = fused_schedule(placement, costs, ma, ma // 2, budget_s=0.3, memory_limit=cap)
+        assert plan.memory_limit == cap
+        assert plan.result.max_peak_memory <= cap + 1e-12
+        assert plan.makespan <= plan.sequential_1f1b_makespan + 1e-12
+
+
+def test_schedule_memory_cap_from_the_config(monkeypatch):
+    from pathlib import Path
+
+    from fusedrl import train
+    from fusedrl.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[1]
+    config = str(root / "train_configs" / "debug_ppo.toml")
+    base = ["--job.config_file", config, "--parallelism.pp=2", "--fusion.schedule_search_budget_s=0.2"]
+    cfg = load_config(base)
+    seq_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+    placement, costs, n_mb = train.pipeline_costs(cfg, seq_len)
+    need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory
+    assert train.schedule_memory_limit(cfg, seq_len) is None  # unset: the search's default
+    limits = []
+    real_search = train.fused_schedule
+
+    def spy(*args, **kwargs):
+        limits.append(kwargs["memory_limit"])
+        return real_search(*args, **kwargs)
+
+    monkeypatch.setattr(train, "fused_schedule", spy)
+    train.plan_program(load_config([*base, f"--fusion.schedule_memory_gib={need}"]), seq_len)
+    assert limits == [need]
+    low = load_config([*base, f"--fusion.schedule_memory_gib={need / 2}"])
+    with pytest.raises(ConfigError, match=r"schedule_memory_gib = .*: below the .* GiB .* sequential 1F1B .*raise it") as err:
+        train.schedule_memory_limit(low, seq_len)
+    assert "\n" not in str(err.value)
+    monkeypatch.chdir(root)
+    with pytest.raises(ConfigError, match="fusion.schedule_memory_gib"):
+        train.check_config(low, 4)  # the trainer's startup checks refuse it before any process group exists
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config([*base, "--fusion.schedule_memory_gib=0"])

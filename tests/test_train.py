@@ -62,9 +62,13 @@ COMPARED = (
 )
 
 
+# Both fusions on, the fused schedule with split backwards (the torchrun test below runs the F/B fused schedule).
+FUSED = ("--fusion.inter_stage=true", "--fusion.intra_stage=true", "--fusion.split_backward=true")
+
+
 def _runs(out: str) -> dict[str, list[dict]]:
-    """Fusions on (checkpoint every step), fusions off (with activation checkpointing and frozen-model offload),
-    and a resume of the first run from its step 1."""
+    """Fusions on (split-backward fused schedule, checkpoint every step), fusions off (with activation checkpointing
+    and frozen-model offload), and a resume of the first run from its step 1."""
     from fusedrl.config import load_config
     from fusedrl.train import run
 
@@ -72,7 +76,7 @@ def _runs(out: str) -> dict[str, list[dict]]:
         return load_config(["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}/{name}", *extra])
 
     histories = {
-        "on": run(cfg("on", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.interval=1")),
+        "on": run(cfg("on", *FUSED, "--checkpoint.interval=1")),
         # the memory savers change no result either: the unfused run also recomputes layers in the backward and
         # keeps the Reference and Reward in host memory outside the rollout
         "off": run(
@@ -90,9 +94,7 @@ def _runs(out: str) -> dict[str, list[dict]]:
         step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
         shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
     dist.barrier()
-    histories["resumed"] = run(
-        cfg("resumed", "--fusion.inter_stage=true", "--fusion.intra_stage=true", "--checkpoint.resume=true")
-    )
+    histories["resumed"] = run(cfg("resumed", *FUSED, "--checkpoint.resume=true"))
     return histories
 
 

@@ -1,11 +1,16 @@
 """End-to-end PPO iterations on the debug config: both fusions on vs both off, or this tree vs another one.
 
-Fusions (default): spawns the config's world size (pp x dp_shard, 4 for debug_ppo.toml) CPU processes with one
-thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
+Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core``
+(dp_shard = 1: pp x tp ranks, rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in
+a pipeline bubble leaves its core idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2: twice as many ranks
+on the same cores, each allowed on all of them, so that an idle rank hands its core to another). The config's own
+dp_shard is not used; the global batch is the config's in both layouts. Each layout spawns its CPU processes with
+one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
 iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
-of other processes on the machine hits both alike. Reports samples/s over the measured iterations and the mean
-seconds per phase. Both modes sample the same responses (fusion changes when work runs, not what is computed),
-so the ``true_score`` figures of the two modes agree.
+of other processes on the machine hits both alike. Reports per layout samples/s over the measured iterations and
+the mean seconds per phase. Both modes sample the same responses (fusion changes when work runs, not what is
+computed), so the ``true_score`` figures of the two modes agree. Needs Linux (``os.sched_setaffinity``) and at
+least pp x tp cores.
 
 Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
 this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and
@@ -16,13 +21,15 @@ messages (see :mod:`fusedrl.bench.tree_worker`).
 
 Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--baseline TREE]
 [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
-(fusions: ``{"speedup": on/off samples/s, "phases": {"on": {...}, "off": {...}}, ...}``; trees: per layout the
-samples/s and overhead figures of both trees and their ratios).
+(fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at dp_shard = 2,
+"layouts": {"one_rank_per_core": {"samples_per_s": {"on": .., "off": ..}, "phases": {...}, ...}, ...}, ...}``;
+trees: per layout the samples/s and overhead figures of both trees and their ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch.distributed as dist
+
 from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.config import ConfigError, load_config
 from fusedrl.testing import run_multirank
@@ -38,12 +47,44 @@ from fusedrl.train import PHASES, Trainer, prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {"off": ("false", "false"), "on": ("true", "true")}
+LAYOUTS = {"one_rank_per_core": 1, "oversubscribed": 2}
+"""The fusions benchmark's layouts, both on the same pp x tp cores, by their dp_shard."""
 
 
 # ---------------------------------------------------------------------------------------------- fusions on/off
-def _bench(argv: list[str], out: str, warmup: int, steps: int) -> dict[str, list[dict]]:
-    """Both trainers live side by side and take turns iteration by iteration (order off, on, on, off, ...),
-    so that a drifting machine load biases neither mode."""
+def pick_cores(ranks: int) -> list[int]:
+    """The first ``ranks`` cores this process may run on (``os.sched_getaffinity``); raises ConfigError if fewer."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ConfigError("bench.e2e pins ranks to cores with os.sched_setaffinity, which this platform lacks; run it on Linux")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ConfigError(
+            f"one rank per core needs parallelism.pp * parallelism.tp = {ranks} cores, but this process may run on "
+            f"{len(cores)} ({cores}); lower parallelism.pp or run on a machine with {ranks} free cores"
+        )
+    return cores[:ranks]
+
+
+def rank_cores(cores: list[int], dp_shard: int) -> list[list[int]]:
+    """Per rank, the cores it may run on: at dp_shard = 1 rank r alone on ``cores[r]``, else every rank on all of
+    them (``len(cores) * dp_shard`` ranks)."""
+    if dp_shard == 1:
+        return [[c] for c in cores]
+    return [list(cores) for _ in range(len(cores) * dp_shard)]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Restrict every thread of this process to ``cores``, those already running (gloo's, torch's) too; threads
+    started later inherit it. ``os.sched_setaffinity(0, ...)`` alone would pin only the calling thread."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+
+
+def _bench(argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]]) -> dict[str, list[dict]]:
+    """Pins the rank to ``cores[rank]``; both trainers live side by side and take turns iteration by iteration
+    (order off, on, on, off, ...), so that a drifting machine load biases neither mode."""
+    pin_process(cores[dist.get_rank()])
     trainers = {}
     for mode, (inter, intra) in MODES.items():
         cfg = load_config(
@@ -85,22 +126,40 @@ def _samples_per_s(records: list[dict]) -> float:
     return sum(r["samples_per_s"] * r["time_step"] for r in records) / total
 
 
-def _fusions(config_argv: list[str], world: int, warmup: int, steps: int, config: str, batch: int, as_json: bool) -> None:
-    with tempfile.TemporaryDirectory() as out:
-        histories = run_multirank(_bench, world, config_argv, out, warmup, steps, timeout_s=3600.0)[0]
-    result = summarize(histories)
-    result.update(config=config, world_size=world, batch_size=batch, measured_steps_per_mode=steps)
+def _fusions(
+    config_argv: list[str], cores: list[int], pp: int, warmup: int, steps: int, config: str, batch: int, as_json: bool
+) -> None:
     print(
-        f"end-to-end PPO, {config}, {world} CPU ranks, batch {batch}: {warmup} warm-up + "
-        f"{steps} measured iterations per mode, the modes taking turns (off, on, on, off, ...)"
+        f"end-to-end PPO, {config}, batch {batch}, on cores {cores}: {warmup} warm-up + {steps} measured iterations "
+        "per mode and layout, the modes taking turns (off, on, on, off, ...)",
+        flush=True,
     )
-    print(f"{'phase (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
-    for p in PHASES:
-        off, on = result["phases"]["off"][p], result["phases"]["on"][p]
-        print(f"{p:<24}{off:>14.3f}{on:>14.3f}{(on / off if off else float('nan')):>10.2f}")
-    print(f"{'samples/s':<24}{result['samples_per_s']['off']:>14.2f}{result['samples_per_s']['on']:>14.2f}")
-    print(f"{'pipeline bubble ratio':<24}{result['bubble_ratio']['off']:>14.3f}{result['bubble_ratio']['on']:>14.3f}")
-    print(f"speedup (samples/s, on / off): {result['speedup']:.3f}x")
+    result: dict = {"config": config, "batch_size": batch, "measured_steps_per_mode": steps, "cores": cores, "layouts": {}}
+    for name, dp_shard in LAYOUTS.items():
+        per_rank = rank_cores(cores, dp_shard)
+        argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
+        with tempfile.TemporaryDirectory() as out:
+            histories = run_multirank(_bench, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)[0]
+        layout = summarize(histories)
+        layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank)
+        result["layouts"][name] = layout
+        pinning = f"rank r alone on core r of {cores}" if dp_shard == 1 else f"every rank on all of {cores}"
+        print(f"\n{name}: {len(per_rank)} CPU ranks (pp={pp} x dp_shard={dp_shard}), {pinning}")
+        print(f"{'phase (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
+        for p in PHASES:
+            off, on = layout["phases"]["off"][p], layout["phases"]["on"][p]
+            ratio = f"{on / off:.2f}" if off else "-"  # a phase that took no time (outside: no logging or saving)
+            print(f"{p:<24}{off:>14.3f}{on:>14.3f}{ratio:>10}")
+        print(f"{'samples/s':<24}{layout['samples_per_s']['off']:>14.2f}{layout['samples_per_s']['on']:>14.2f}")
+        print(f"{'pipeline bubble ratio':<24}{layout['bubble_ratio']['off']:>14.3f}{layout['bubble_ratio']['on']:>14.3f}")
+        print(f"speedup (samples/s, on / off): {layout['speedup']:.3f}x", flush=True)
+    pinned, shared = result["layouts"]["one_rank_per_core"], result["layouts"]["oversubscribed"]
+    result["speedup"], result["speedup_oversubscribed"] = pinned["speedup"], shared["speedup"]
+    print(
+        f"\nspeedup one rank per core: {result['speedup']:.3f}x, oversubscribed: {result['speedup_oversubscribed']:.3f}x; "
+        "samples/s one rank per core / oversubscribed: "
+        + ", ".join(f"fusions {m} {pinned['samples_per_s'][m] / shared['samples_per_s'][m]:.2f}x" for m in MODES)
+    )
     if as_json:
         print(json.dumps(result))
 
@@ -205,13 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     config_argv = ["--job.config_file", args.config, *overrides, "--training.device=cpu"]
     try:
         par = load_config(config_argv).parallelism
-        world = par.pp * par.dp_shard * par.tp
-        cfg = prepare(config_argv, world)
+        if args.baseline is None:
+            cores = pick_cores(par.pp * par.tp)
+            for dp_shard in LAYOUTS.values():  # check every layout before any rank starts
+                cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp_shard}"], len(cores) * dp_shard)
+        else:
+            prepare(config_argv, par.pp * par.dp_shard * par.tp)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.baseline is None:
-        _fusions(config_argv, world, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json)
+        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json)
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():
         parser.error(

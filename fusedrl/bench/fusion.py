@@ -14,7 +14,9 @@
     micro-batches and prefill from the unfused runs around each fused run; transfers and checks from the
     fused run), predicting the fused time at (a)'s threshold: ``real_vs_sim_error`` is its relative error.
 
-With ``--json`` the last line is {"real_speedup", "sim_speedup", "real_vs_sim_error", "migration"}.
+With ``--json`` the last line is {"real_speedup", "sim_speedup", "sim_bound", "real_vs_sim_error", "migration"}
+(``sim_bound``: the most a fusion whose tail decodes no faster could reach in ``sim_speedup``'s setting, ``1 +
+scoring / decoding``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.fusion.simulator import (
     RolloutConfig,
     RolloutCosts,
+    RolloutTimes,
     SimRequest,
     best_migration,
     fit_transfers,
@@ -186,6 +189,7 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] =
                         instances=n,
                         unfused_s=unfused.total_s,
                         decode_s=unfused.decode_end_s,
+                        last_s=_last_sample_s(instances, unfused, costs, config.micro_batch_size),
                         scoring_s=unfused.total_s - unfused.decode_end_s,
                         fused_s=fused.total_s,
                         speedup=unfused.total_s / fused.total_s,
@@ -198,6 +202,28 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] =
     return rows
 
 
+def _last_sample_s(instances: list[list[SimRequest]], unfused: RolloutTimes, costs: RolloutCosts, mbs: int) -> float:
+    """Scoring time, alone, of a sample that ends the unfused decoding (the shortest such one). A fusion whose
+    tail decodes no faster finishes it no earlier, and its scoring overlaps no decoding."""
+    ends = {i: end for i, kind, _, end in unfused.spans if kind == "decode"}
+    last = instances[max(ends, key=lambda i: ends[i])]
+    longest = max(r.remaining for r in last)
+    return min(costs.score_s([r.ctx + r.remaining], mbs) for r in last if r.remaining == longest)
+
+
+def bounds(rows: list[dict], hardware: str, models: str) -> tuple[float, float]:
+    """(bound, tight bound) on a setting's best-vs-best speedup: the fastest unfused rollout over the fastest
+    decoding (``1 + scoring / decoding``), and over the fastest decoding plus its last sample's scoring."""
+    mine = [r for r in rows if r["hardware"] == hardware and r["models"] == models]
+    unfused = min(r["unfused_s"] for r in mine)
+    return unfused / min(r["decode_s"] for r in mine), unfused / min(r["decode_s"] + r["last_s"] for r in mine)
+
+
+def gain_share(speedup: float, bound: float) -> float:
+    """Share of the possible gain reached: (speedup - 1) / (bound - 1)."""
+    return (speedup - 1) / (bound - 1)
+
+
 def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, dict, float]:
     """(fastest unfused row, fastest fused row, speedup): each variant at its own best instance size."""
     mine = [r for r in rows if r["hardware"] == hardware and r["models"] == models]
@@ -206,8 +232,8 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
     return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
 
 
-def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> float:
-    """Print (b) and return sim_speedup."""
+def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> tuple[float, float]:
+    """Print (b) and return (sim_speedup, sim_bound)."""
     rows = paper_scale(batch, baseline)
     print(
         f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
@@ -215,29 +241,31 @@ def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> floa
         "per step + 2x15 us all-reduce per layer, prefill/scoring 40% MFU), unfused scoring "
         f"{'balanced over all instances' if baseline == 'balanced' else 'on each instance for its own samples'}, "
         "best threshold and kept count; bound = unfused / decode, the most any fusion can gain while the tail decodes "
-        "no faster"
+        "no faster; tight = unfused / (decode + last), last = the scoring of a sample that ends the decoding, alone"
     )
     print(
-        f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'unfused s':>9s} "
-        f"{'fused s':>8s} {'speedup':>8s} {'bound':>6s} {'thresh':>6s} {'kept':>4s} {'moved':>5s} {'migr s':>6s}"
+        f"    {'GPU':13s} {'models':32s} {'TP':>2s} {'inst':>4s} {'decode s':>8s} {'score s':>7s} {'last s':>6s} "
+        f"{'unfused s':>9s} {'fused s':>8s} {'speedup':>8s} {'bound':>6s} {'tight':>6s} {'thresh':>6s} {'kept':>4s} "
+        f"{'moved':>5s} {'migr s':>6s}"
     )
     for r in rows:
         print(
             f"    {r['hardware']:13s} {r['models']:32s} {r['tp']:2d} {r['instances']:4d} {r['decode_s']:8.2f} "
-            f"{r['scoring_s']:7.2f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x "
-            f"{r['unfused_s'] / r['decode_s']:5.2f}x {r['threshold']:6d} "
-            f"{r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}"
+            f"{r['scoring_s']:7.2f} {r['last_s']:6.3f} {r['unfused_s']:9.2f} {r['fused_s']:8.2f} {r['speedup']:7.3f}x "
+            f"{r['unfused_s'] / r['decode_s']:5.3f}x {r['unfused_s'] / (r['decode_s'] + r['last_s']):5.3f}x "
+            f"{r['threshold']:6d} {r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}"
         )
     for hw, _, _, _, _ in HARDWARE:
         for name, *_ in PAPER_MODELS:
             u, f, x = best_vs_best(rows, hw, name)
-            mark = "  <- sim_speedup" if (hw, name) == PRIMARY else ""
-            bound = u["unfused_s"] / min(r["decode_s"] for r in rows if r["hardware"] == hw and r["models"] == name)
+            bound, tight = bounds(rows, hw, name)
+            mark = "  <- sim_speedup, sim_bound" if (hw, name) == PRIMARY else ""
             print(
                 f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
-                f"(TP {f['tp']}) = {x:.3f}x (bound {bound:.2f}x){mark}"
+                f"(TP {f['tp']}) = {x:.3f}x; bound {bound:.3f}x ({gain_share(x, bound):.0%} of its gain), tight "
+                f"{tight:.3f}x ({gain_share(x, tight):.0%}){mark}"
             )
-    return best_vs_best(rows, *PRIMARY)[2]
+    return best_vs_best(rows, *PRIMARY)[2], bounds(rows, *PRIMARY)[0]
 
 
 # ---------------------------------------------------------------------------------------------- (c) model check
@@ -330,9 +358,9 @@ def main() -> None:
     args = ap.parse_args()
     world = 2
     if args.sim_only:
-        sim_speedup = _print_paper_scale(args.paper_batch, args.baseline)
+        sim_speedup, sim_bound = _print_paper_scale(args.paper_batch, args.baseline)
         if args.json:
-            print(json.dumps({"sim_speedup": round(sim_speedup, 4)}))
+            print(json.dumps({"sim_speedup": round(sim_speedup, 4), "sim_bound": round(sim_bound, 4)}))
         return
 
     real = run_multirank(
@@ -363,7 +391,7 @@ def main() -> None:
     else:
         print("    migration: none (auto found no threshold worth migrating at)")
 
-    sim_speedup = _print_paper_scale(args.paper_batch, args.baseline)
+    sim_speedup, sim_bound = _print_paper_scale(args.paper_batch, args.baseline)
 
     if args.trace_dir is not None:
         raw = {k: v for k, v in real.items() if not k.startswith("trace")}
@@ -408,6 +436,7 @@ def main() -> None:
                 {
                     "real_speedup": round(real_speedup, 4),
                     "sim_speedup": round(sim_speedup, 4),
+                    "sim_bound": round(sim_bound, 4),
                     "real_vs_sim_error": round(err, 4),
                     "migration": mig,
                 }

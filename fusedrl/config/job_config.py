@@ -210,6 +210,19 @@ class FusionSection:
         "Seconds the fused schedule search may spend; 0 runs the greedy fused scheduler alone (no local search).",
         at_least(0.0),
     )
+    schedule_memory_gib: float | None = _key(
+        None,
+        "Cap on the stored activations per pipeline rank (GiB, the cost model's estimate without recomputation) that the "
+        "fused schedule search may use; unset: 1.5 x one model's 1F1B peak. Refused below what sequential 1F1B needs.",
+        positive,
+    )
+    split_backward: bool = _key(
+        False,
+        "Let the fused schedule split each backward into an input-gradient and a weight-gradient half and run weight "
+        "gradients in pipeline bubbles: worth it when fill and drain idle the ranks (few micro-batches per stage); "
+        "activations stay until the weight gradient (peak within the search's memory limit). Needs intra_stage; "
+        "not with activation checkpointing.",
+    )
 
 
 @dataclass

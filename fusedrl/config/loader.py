@@ -300,10 +300,28 @@ def validate_config(cfg: JobConfig) -> None:
             _check(section, key, value, meta, source)
             setattr(obj, key, value)
     _check_batches(cfg)
+    _check_split_backward(cfg)
     if cfg.data.format != "synthetic" and cfg.data.path is None:
         raise ConfigError(
             f'data.path ({source_of(cfg, "data.path")}): is unset but data.format = "{cfg.data.format}" '
             f"needs a dataset; set --data.path=PATH or --data.format=synthetic"
+        )
+
+
+def _check_split_backward(cfg: JobConfig) -> None:
+    if not cfg.fusion.split_backward:
+        return
+    where = f"fusion.split_backward = true ({source_of(cfg, 'fusion.split_backward')})"
+    if not cfg.fusion.intra_stage:
+        raise ConfigError(
+            f"{where}: only the fused schedule (fusion.intra_stage = true) splits backwards; turn intra_stage on or "
+            "set --fusion.split_backward=false"
+        )
+    if cfg.training.activation_checkpointing != "none":
+        raise ConfigError(
+            f'{where}: torch cannot split the backward of layers recomputed in it (training.activation_checkpointing = "'
+            f'{cfg.training.activation_checkpointing}"); set --training.activation_checkpointing=none or '
+            "--fusion.split_backward=false"
         )
 
 

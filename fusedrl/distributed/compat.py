@@ -42,6 +42,13 @@ def recompute_in_backward(module: nn.Module) -> None:
     checkpoint(module)
 
 
+def recomputes_in_backward(module: nn.Module) -> bool:
+    """Whether ``recompute_in_backward`` was applied to ``module`` (the composable ``checkpoint`` keeps a state)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint.state(module) is not None
+
+
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """A process group that performs no communication (torch's test-only "fake" backend), for building the
     real layouts of a large job on the meta device in one process (``python -m fusedrl.bench.memory``)."""

@@ -7,15 +7,17 @@ controllers of one TP index see the instances as a group of single ranks, take t
 same all-gathered statistics, and move their own KV shards to the same TP index of another instance:
 
 - fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
-- fusion on: every ``check_interval`` decode steps the ranks all-gather their unfinished count,
-  remaining work and free KV capacity. When the global unfinished count falls to the threshold
+- fusion on: every ``check_interval`` decode steps the ranks start an all-gather of their unfinished count,
+  remaining work and free KV capacity, and decide on the one started ``STATS_LAG`` checks earlier (so a rank
+  does not wait for the slowest one at every check). When that global unfinished count is at most the threshold
   (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
-  simulating the rest of the rollout with the lengths observed so far, see :mod:`.simulator`), the plan
-  keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first),
-  moves every other instance's unfinished requests to them (KV + tokens over point-to-point,
-  or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the freed ones.
-  The plan is verified (:func:`.plan.verify_plan`) before it runs. Freed instances then score while the
-  tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there.
+  simulating the rest of the rollout with the lengths observed so far, see :mod:`.simulator`), the plan, made
+  from statistics gathered then, keeps the fewest instances that hold the tail (``auto`` may keep more; most
+  remaining work first), moves every other instance's unfinished requests to them (KV + tokens over
+  point-to-point, or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the
+  freed ones. The plan is verified (:func:`.plan.verify_plan`) before it runs. Freed instances then score while
+  the tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there,
+  except a kept instance's share of its last step's samples, which it scores itself.
 
 Scoring arrives as a callable (``score``): the controller cuts finished samples into length-sorted
 micro-batches and hands each to it; what it returns is collected, never inspected. Sampling uses
@@ -33,8 +35,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import torch
@@ -44,7 +47,14 @@ from fusedrl.components.metrics import ChromeTrace
 from fusedrl.config import FusionSection
 from fusedrl.distributed import group_devices
 from fusedrl.fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
-from fusedrl.fusion.simulator import DEFAULT_FRACTIONS, RolloutConfig, RolloutCosts, SimRequest, best_migration
+from fusedrl.fusion.simulator import (
+    DEFAULT_FRACTIONS,
+    STATS_LAG,
+    RolloutConfig,
+    RolloutCosts,
+    SimRequest,
+    best_migration,
+)
 from fusedrl.generation import (
     GenerationEngine,
     PendingSend,
@@ -281,7 +291,8 @@ class _Rollout:
         self.scoring_s = 0.0
         self.decode_end = 0.0
         self.steps = 0
-        self.observed_lengths: list[int] = []
+        self.observed_lengths: list[int] = []  # generated lengths of finished samples (all ranks'; for "auto")
+        self.new_lengths: list[int] = []  # this rank's, not yet shared
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
         self.auto_evaluated_at: int | None = None
         dist.barrier(group=ctl.control_group)
@@ -330,39 +341,59 @@ class _Rollout:
             self._step()
 
     def _decode_until_threshold(self) -> MigrationPlan | None:
-        k = self.ctl.check_interval
-        new_lengths: list[int] = []
+        """Decode with a check every ``check_interval`` steps. A check posts this instance's statistics (an
+        all-gather that runs in the background) and decides on the all-gather posted ``STATS_LAG`` checks
+        earlier: every rank decides on the same statistics, and a rank waits at a check only for a rank more
+        than ``STATS_LAG`` intervals behind it, not for the slowest one at every check. The migration itself
+        is planned on statistics gathered fresh."""
+        ctl, k = self.ctl, self.ctl.check_interval
+        posted: deque[Callable[[], list[InstanceStats]]] = deque()
+        threshold = min_kept = unfinished = 0
         while True:
             for _ in range(k):
                 if self.engine.has_work():
                     before = len(self.finished)
                     self._step()
-                    new_lengths += [len(s.tokens) for s in self.finished[before:]]
+                    self.new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
             start = self.clock()
-            progress = self.engine.progress()
-            stats = self._instance_stats(progress)
-            auto = self.ctl.threshold == "auto"
-            detail = (_progress_summary(progress), [s.num_tokens for s in self.finished]) if auto else None
-            gathered = self.ctl._all_gather((stats, new_lengths, detail))
+            posted.append(self._post_stats())
+            if len(posted) <= STATS_LAG:
+                continue
+            unfinished = sum(s.unfinished for s in posted.popleft()())
             self.measurements.checks.append(self.clock() - start)
-            new_lengths = []
-            all_stats = [g[0] for g in gathered]
-            for g in gathered:
-                self.observed_lengths += g[1]
-            unfinished = sum(s.unfinished for s in all_stats)
             if unfinished == 0:
-                return None
-            threshold, min_kept = self._threshold([g[2] for g in gathered], unfinished)
+                break
+            threshold, min_kept = self._threshold(unfinished)
             if unfinished <= threshold:
-                kept = choose_kept(all_stats, min_kept)
-                if len(kept) == self.world:  # every rank computes the same: all skip together
-                    log.info(
-                        "migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished
-                    )
-                    self._decode_until_done()
-                    return None
-                return self._migrate(all_stats, kept, threshold, unfinished)
+                break
+        for wait in posted:  # every rank posted them before this check: they complete
+            wait()
+        if unfinished == 0:
+            return None
+        stats: list[InstanceStats] = ctl._all_gather(self._instance_stats(self.engine.progress()))
+        unfinished = sum(s.unfinished for s in stats)
+        if unfinished == 0:  # the tail ended during the lag
+            return None
+        kept = choose_kept(stats, min_kept)
+        if len(kept) == self.world:  # every rank computes the same: all skip together
+            log.info("migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished)
+            self._decode_until_done()
+            return None
+        return self._migrate(stats, kept, threshold, unfinished)
+
+    def _post_stats(self) -> Callable[[], list[InstanceStats]]:
+        """Start the all-gather of this instance's statistics; the returned function waits for every rank's."""
+        mine = torch.tensor(astuple(self._instance_stats(self.engine.progress())), dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(out, mine, group=self.ctl.control_group, async_op=True)
+        assert work is not None  # async_op=True on a member of the group
+
+        def wait() -> list[InstanceStats]:
+            work.wait()
+            return [InstanceStats(*row.tolist()) for row in out]
+
+        return wait
 
     def _instance_stats(self, progress: list[RequestProgress]) -> InstanceStats:
         s = self.engine.stats()
@@ -378,7 +409,7 @@ class _Rollout:
         )
 
     # -------------------------------------------------------------------------------------- threshold
-    def _threshold(self, details: list, unfinished: int) -> tuple[int, int]:
+    def _threshold(self, unfinished: int) -> tuple[int, int]:
         """(unfinished-count threshold, fewest instances to keep)."""
         ctl = self.ctl
         if ctl.threshold != "auto":
@@ -386,11 +417,18 @@ class _Rollout:
         # No candidate threshold can trigger yet: do not simulate (it costs every rank a wait at this check).
         if unfinished > round(max(DEFAULT_FRACTIONS) * self.batch):
             return 0, 1
-        # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides.
+        # Re-simulate when the tail has shrunk by 10% since the last simulation; rank 0 decides on every rank's
+        # requests and finished samples now (gathered here) and the lengths finished so far.
         if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
+            details = ctl._all_gather(
+                (_progress_summary(self.engine.progress()), [s.num_tokens for s in self.finished], self.new_lengths)
+            )
+            self.new_lengths = []
+            for _, _, lengths in details:
+                self.observed_lengths += lengths
             choice: list[tuple[int, int] | None] = [None]
             if self.rank == 0:
-                choice[0] = self._simulate_threshold(details)
+                choice[0] = self._simulate_threshold([(progress, finished) for progress, finished, _ in details])
             dist.broadcast_object_list(choice, group_src=0, group=ctl.control_group)
             # timings differ between an instance's ranks: all of them follow its TP rank 0 (hence instance 0's)
             self.auto_choice, self.auto_evaluated_at = ctl._share(choice[0]), unfinished
@@ -493,20 +531,28 @@ class _Rollout:
 
     # -------------------------------------------------------------------------------------- after it
     def _decode_tail(self, plan: MigrationPlan) -> None:
-        """Kept rank: decode the tail; stream its finished samples to the freed ranks, round-robin per sample
-        (the longest samples tend to finish together at the very end: each freed rank scores one of them).
-        Within an instance only TP rank 0 streams; the other ranks decode in lockstep and drop theirs."""
+        """Kept rank: decode the tail; stream its finished samples to its freed ranks (``plan.tail_streams``),
+        round-robin per sample, longest first (the longest samples tend to finish together at the very end:
+        each freed rank scores one of them). The samples of its last step it shares with them and scores its
+        own share once it has ended its streams. Within an instance only TP rank 0 streams; the other ranks
+        decode in lockstep and drop what it sends."""
         ctl = self.ctl
         pending: list[PendingSend] = []
+        own: list[RequestResult] = []
         sent = 0
         if self.finished:
             raise RuntimeError(f"kept rank {self.rank} still holds finished samples after the migration")
         while self.engine.has_work():
             self._step()
+            done = sorted(self.finished, key=lambda s: (-s.num_tokens, int(s.id)))
+            dsts = plan.step_destinations(self.rank, sent, len(done), last=not self.engine.has_work())
+            sent += len(done)
             by_dst: dict[int, list[RequestState]] = {}
-            for sample in self.finished:
-                by_dst.setdefault(plan.tail_destination(self.rank, sent), []).append(RequestState.of_result(sample))
-                sent += 1
+            for sample, dst in zip(done, dsts):
+                if dst == self.rank:
+                    own.append(sample)
+                else:
+                    by_dst.setdefault(dst, []).append(RequestState.of_result(sample))
             if ctl.leader:
                 for dst, samples in by_dst.items():
                     pending.append(isend_states(samples, dst, group=ctl.control_group, tag=_SAMPLES_TAG))
@@ -514,6 +560,7 @@ class _Rollout:
         if ctl.leader:
             for f in plan.freed:  # an empty batch ends this rank's tail stream
                 pending.append(isend_states([], f, group=ctl.control_group, tag=_SAMPLES_TAG))
+        self._score(own)
         for p in pending:
             p.wait()
 

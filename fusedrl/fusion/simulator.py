@@ -1,11 +1,13 @@
 """Simulator of the rollout (generation + scoring), unfused (decode everything, then score) vs fused
 (at a threshold, migrate the tail onto a few instances and score on the freed ones).
 
-It mirrors what :class:`fusedrl.fusion.MigrationController` does: lockstep checks every
-``check_interval`` decode steps while fused, the same plan (:mod:`.plan`), transfers in one
-global order with blocking send/receive, scoring in length-sorted micro-batches, and tail samples
-streamed round-robin to the freed instances. It is used to pick the ``auto`` threshold and, at paper
-scale, to estimate the gain; :meth:`RolloutCosts.fit` fits its costs to measurements.
+It mirrors what :class:`fusedrl.fusion.MigrationController` does: checks every ``check_interval`` decode
+steps while fused, each deciding on the statistics of the check ``STATS_LAG`` before (an instance waits only for
+one that many intervals behind), the same plan (:mod:`.plan`), transfers in one global order with blocking
+send/receive, scoring in length-sorted micro-batches, tail samples streamed round-robin to each kept
+instance's freed ones, and a kept instance scoring its share of its last step's samples. It is used to pick
+the ``auto`` threshold and, at paper scale, to estimate the gain; :meth:`RolloutCosts.fit` fits its costs to
+measurements.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from fusedrl.buckets import round_up
 from fusedrl.fusion.plan import InstanceStats, MovedRequest, build_plan, choose_kept
 
+STATS_LAG = 2  # a check decides on the statistics all-gathered this many checks earlier (see MigrationController)
 TOKEN_BYTES = 12  # a finished sample on the wire: int64 token + float32 log-prob per token (metadata aside)
 
 
@@ -37,8 +40,9 @@ class RolloutCosts:
     pass) are separate terms. Prefill = ``prefill_per_token_s * tokens``; one scoring micro-batch
     (Reference, Reward, Critic) = ``score_base_s + score_per_token_s * rows * padded_len +
     score_per_token_sq_s * rows * padded_len**2`` (the last term: attention, quadratic in length); one transfer
-    = ``transfer_latency_s + bytes / transfer_bytes_per_s``; ``check_s`` is one all-gather of the
-    statistics (plus, with ``auto``, the controller's share of re-simulating the threshold).
+    = ``transfer_latency_s + bytes / transfer_bytes_per_s``; ``check_s`` is what one check costs an
+    instance besides waiting for others (starting the statistics all-gather and collecting an earlier one; with
+    ``auto``, its share of re-simulating the threshold).
     """
 
     decode_base_s: float
@@ -267,6 +271,21 @@ def _step_times(reqs: Sequence[SimRequest], costs: RolloutCosts, steps: int) -> 
     return torch.where(batch > 0, t, torch.zeros_like(t))
 
 
+def _check_clock(interval_s: torch.Tensor, start: Sequence[float], check_s: float, last: int) -> float:
+    """When every instance has reached check ``last`` (0-based): instance i posts check c after its own decode
+    steps of interval c (``interval_s[i, c]``; idle once past its requests) and ``check_s``, then waits for
+    every instance's post of check c - STATS_LAG (the all-gather it decides on)."""
+    d = interval_s.tolist()
+    n = len(d)
+    depart, posts = list(start), []
+    for c in range(last + 1):
+        post = [depart[i] + (d[i][c] if c < len(d[i]) else 0.0) + check_s for i in range(n)]
+        posts.append(post)
+        ready = max(posts[c - STATS_LAG]) if c >= STATS_LAG else 0.0
+        depart = [max(p, ready) for p in post]
+    return max(posts[last]) if posts else max(start, default=0.0)
+
+
 def simulate_rollout(
     instances: Sequence[Sequence[SimRequest]],
     costs: RolloutCosts,
@@ -298,19 +317,24 @@ def simulate_rollout(
             spans.append((i, "score", dec_end, dec_end + score[i]))
         return RolloutTimes(dec_end + max(score, default=0.0), dec_end, spans=spans)
 
-    # Lockstep until a check finds at most `threshold` unfinished requests.
+    # Checks every k steps until one decides on a count of at most `threshold` unfinished requests.
     k = config.check_interval
     intervals = -(-horizon // k)
     per_step = torch.stack(steps) if steps else torch.zeros(0, horizon, dtype=torch.float64)
     per_step = torch.nn.functional.pad(per_step, (0, intervals * k - horizon))
-    interval_s = per_step.view(n, intervals, k).sum(-1).amax(0) + costs.check_s
-    check_clock = max(start, default=0.0) + torch.cumsum(interval_s, 0)
     rem_all = torch.tensor(sorted(r.remaining for reqs in instances for r in reqs), dtype=torch.int64)
     check_steps = torch.arange(1, intervals + 1) * k
     unfinished = len(rem_all) - torch.searchsorted(rem_all, check_steps, right=True)
-    hits = ((unfinished <= threshold) & (unfinished > 0) & (check_steps < horizon)).nonzero().flatten()
-    s0 = int(check_steps[hits[0]]) if len(hits) else None
-    t = float(check_clock[hits[0]]) if len(hits) else float(check_clock[-1]) if intervals else max(start, default=0.0)
+    # Check c decides on the count posted at check c - STATS_LAG; a rollout resumed mid-way (no prefill) takes
+    # its starting count for the checks before its start, a fresh one decides from check STATS_LAG + 1 on. The
+    # count reaches 0 by check `intervals`, so some check decides; it migrates if requests are unfinished then.
+    counts = torch.cat([unfinished, torch.zeros(max(1, intervals) - intervals + STATS_LAG, dtype=torch.int64)])
+    decides = torch.cat([torch.full((STATS_LAG,), len(rem_all)), counts])[: len(counts)] <= threshold
+    if config.prefill:
+        decides[:STATS_LAG] = False
+    first = int(decides.nonzero()[0])
+    t = _check_clock(per_step.view(n, intervals, k).sum(-1), start, costs.check_s, first)
+    s0 = int(check_steps[first]) if counts[first] > 0 else None
     if s0 is None:  # decoding ended before the threshold: everyone scores its own samples
         score = _unfused_scoring(final, costs, config)
         for i in range(n):
@@ -378,15 +402,15 @@ def simulate_rollout(
             spans.append((i, "migrate", t, free_at[i]))
 
     # Freed instances score their own finished samples and the kept ones' they received.
-    busy = {}
+    busy: dict[int, float] = {}
     for f in plan.freed:
         got = [ids[i] for tr in plan.transfers if tr.kind == "samples" and tr.dst == f for i in tr.ids]
         dur = costs.score_s(unscored[f] + got, config.micro_batch_size)
         busy[f] = free_at[f] + dur
         spans.append((f, "score", free_at[f], busy[f]))
 
-    # Kept instances decode the tail; their finished samples go round-robin (per sample) to the freed ones,
-    # which score them in the order they become ready.
+    # Kept instances decode the tail; their finished samples go round-robin (per sample) to their freed ones,
+    # which score them in the order they become ready; a kept instance scores its share of its last step's.
     tail_end = {}
     streams: dict[int, list[tuple[int, float, list[int]]]] = {f: [] for f in plan.freed}
     for k_ in kept:
@@ -400,26 +424,34 @@ def simulate_rollout(
         finish: dict[int, list[int]] = {}
         for r in reqs:
             finish.setdefault(r.remaining, []).append(r.ctx + r.remaining)
+        own: list[int] = []
+        last_step = max(finish, default=0)
         for step in sorted(finish):
+            toks = sorted(finish[step], reverse=True)  # as the controller orders them: longest first
+            dsts = plan.step_destinations(k_, sent, len(toks), last=step == last_step)
+            sent += len(toks)
             by_dst: dict[int, list[int]] = {}
-            for tokens in finish[step]:
-                by_dst.setdefault(plan.tail_destination(k_, sent), []).append(tokens)
-                sent += 1
-            for dst, toks in by_dst.items():
-                streams[dst].append((k_, float(step_ends[step - 1]), toks))
+            for tokens, dst in zip(toks, dsts):
+                by_dst.setdefault(dst, []).append(tokens)
+            own += by_dst.pop(k_, [])
+            for dst, part in by_dst.items():
+                streams[dst].append((k_, float(step_ends[step - 1]), part))
         tail_end[k_] = float(step_ends[-1]) if len(step_ends) else clock
         spans.append((k_, "decode", clock, tail_end[k_]))
+        busy[k_] = tail_end[k_] + costs.score_s(own, config.micro_batch_size)
+        if own:
+            spans.append((k_, "score", tail_end[k_], busy[k_]))
         if unscored[k_]:
             spans.append((k_, "send", t, free_at[k_]))
     for f in plan.freed:
         clock = busy[f]
-        for _, ready, toks in sorted(streams[f], key=lambda x: (x[1], x[0])):
+        for _, ready, part in sorted(streams[f], key=lambda x: (x[1], x[0])):
             clock = max(clock, ready)
-            dur = costs.score_s(toks, config.micro_batch_size)
+            dur = costs.score_s(part, config.micro_batch_size)
             spans.append((f, "score", clock, clock + dur))
             clock += dur
         busy[f] = clock
-    total = max(list(tail_end.values()) + list(busy.values()))
+    total = max(busy.values())
     return RolloutTimes(
         total_s=total,
         decode_end_s=max(tail_end.values()),

@@ -1,7 +1,8 @@
 """Cost model for the pipeline planner: per model and stage, forward/backward time and activation memory.
 
 Times and memory are in arbitrary but consistent units (the planner only compares them). Activation
-memory is the amount one micro-batch holds on a stage between its forward and its backward.
+memory is the amount one micro-batch holds on a stage between its forward and its backward (its weight
+backward W when the backward is split into an input backward I and W).
 """
 
 from __future__ import annotations
@@ -11,25 +12,49 @@ from dataclasses import dataclass
 
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Placement
 
+# Share of a backward spent on weight gradients (W) when no measurement says otherwise. Each weight matmul of the
+# forward costs two matmuls of the same size in the backward, one for the input gradient (I) and one for the weight
+# gradient (W), so W is about half of B; the zero-bubble pipeline paper (Qi et al., ICLR 2024) likewise models W
+# as costing about as much as I for transformer layers. Attention's score/value products have no weights and only
+# add to I, so a long-sequence stage has W a little below half.
+WEIGHT_GRAD_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per-stage costs of one model; every tuple has one entry per stage."""
+    """Per-stage costs of one model; every tuple has one entry per stage.
+
+    ``w`` is the weight-gradient part of each backward ``b`` (the input-gradient part is ``b - w``); empty means
+    ``WEIGHT_GRAD_SHARE x b``. Only split-backward schedules use it."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
     mem: tuple[float, ...]
+    w: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (len(self.f) == len(self.b) == len(self.mem)) or not self.f:
+        if not self.w:
+            object.__setattr__(self, "w", tuple(WEIGHT_GRAD_SHARE * v for v in self.b))
+        if not (len(self.f) == len(self.b) == len(self.mem) == len(self.w)) or not self.f:
             raise ValueError(
-                f"stage costs need one f, b and mem value per stage, got {len(self.f)}, {len(self.b)}, {len(self.mem)}"
+                f"stage costs need one f, b, mem (and optionally w) value per stage, got {len(self.f)}, {len(self.b)}, "
+                f"{len(self.mem)}, {len(self.w)}"
             )
-        for name, values in (("f", self.f), ("b", self.b), ("mem", self.mem)):
+        for name, values in (("f", self.f), ("b", self.b), ("mem", self.mem), ("w", self.w)):
             if any(v < 0 for v in values):
                 raise ValueError(f"stage cost {name} must be >= 0, got {list(values)}")
         if any(v <= 0 for v in self.f + self.b):
             raise ValueError("forward and backward times must be > 0; profile the stage or pass a small positive time")
+        if any(w >= b for w, b in zip(self.w, self.b)):
+            raise ValueError(
+                f"weight-gradient times w={list(self.w)} must be below the backward times b={list(self.b)} "
+                "(the input-gradient part b - w must be > 0)"
+            )
+
+    @property
+    def i(self) -> tuple[float, ...]:
+        """Input-gradient part of each backward (``b - w``)."""
+        return tuple(b - w for b, w in zip(self.b, self.w))
 
 
 @dataclass(frozen=True)
@@ -85,9 +110,10 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Mapping[str, Sequence[float]]], p2p_latency: float = 0.0) -> CostModel:
-        """From measured per-stage numbers: ``{"actor": {"f": [...], "b": [...], "mem": [...]}, "critic": {...}}``.
+        """From measured per-stage numbers: ``{"actor": {"f": [...], "b": [...], "mem": [...], "w": [...]}, "critic": {...}}``.
 
-        ``b`` defaults to 2 x ``f`` and ``mem`` to 1.0 per stage when missing.
+        ``b`` defaults to 2 x ``f``, ``mem`` to 1.0 per stage and ``w`` (the weight-gradient part of ``b``) to
+        ``WEIGHT_GRAD_SHARE x b`` when missing.
         """
 
         def stages(model: str) -> StageCosts:
@@ -97,7 +123,7 @@ class CostModel:
             f = tuple(float(v) for v in p["f"])
             b = tuple(float(v) for v in p.get("b", [2 * v for v in f]))
             mem = tuple(float(v) for v in p.get("mem", [1.0] * len(f)))
-            return StageCosts(f, b, mem)
+            return StageCosts(f, b, mem, tuple(float(v) for v in p.get("w", ())))
 
         return cls(stages(ACTOR), stages(CRITIC), p2p_latency)
 
@@ -116,8 +142,9 @@ class CostModel:
     ) -> CostModel:
         """Estimate costs from the architectures in ``fusedrl.models.FLAVORS``.
 
-        Forward time = forward FLOPs / ``flops_per_second`` (seconds), backward = 2 x forward; memory is the
-        stored activations per micro-batch in GiB. Layers are split evenly over stages (earlier stages get the
+        Forward time = forward FLOPs / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight
+        gradients ``w`` are one matmul per weight matmul of the forward (attention's score and value products have
+        no weights: their backward is all input gradient); memory is the stored activations per micro-batch in GiB. Layers are split evenly over stages (earlier stages get the
         remainder); the LM/value head is charged to the last stage.
         """
         from fusedrl.models import FLAVORS
@@ -134,17 +161,19 @@ class CostModel:
             attn_params = cfg.embed_dim * head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
             mlp_params = 3 * cfg.embed_dim * cfg.intermediate_dim
             # 2 FLOPs per parameter per token, plus causal attention scores and values (QK^T and PV, halved).
-            layer_flops = 2 * tokens * (attn_params + mlp_params) + 2 * tokens * seq * cfg.embed_dim
+            layer_matmul_flops = 2 * tokens * (attn_params + mlp_params)
+            layer_flops = layer_matmul_flops + 2 * tokens * seq * cfg.embed_dim
             # Stored activations per layer without recomputation: ~16 x dim + 2 x intermediate values per token.
             layer_bytes = tokens * (16 * cfg.embed_dim + 2 * cfg.intermediate_dim) * bytes_per_activation
             head_out = cfg.vocab_size if vocab_out else 1
             layers = [cfg.num_layers // n + (1 if s < cfg.num_layers % n else 0) for s in range(n)]
-            f, mem = [], []
+            f, w, mem = [], [], []
             for s, k in enumerate(layers):
-                flops = k * layer_flops + (2 * tokens * cfg.embed_dim * head_out if s == n - 1 else 0)
-                f.append(flops / flops_per_second)
+                head_flops = 2 * tokens * cfg.embed_dim * head_out if s == n - 1 else 0
+                f.append((k * layer_flops + head_flops) / flops_per_second)
+                w.append((k * layer_matmul_flops + head_flops) / flops_per_second)
                 mem.append(k * layer_bytes / 2**30)
-            return StageCosts(tuple(f), tuple(2 * v for v in f), tuple(mem))
+            return StageCosts(tuple(f), tuple(2 * v for v in f), tuple(mem), tuple(w))
 
         return cls(
             stages(actor_flavor, placement.num_stages(ACTOR), True),

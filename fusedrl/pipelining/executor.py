@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from fusedrl.distributed.compat import prepare_static_stage
+from fusedrl.distributed.compat import prepare_static_stage, recomputes_in_backward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action
 from fusedrl.pipelining.lowering import (
     COMM_KINDS,
@@ -109,6 +110,18 @@ class FusedPipelineSchedule:
         if placement.pp < 2:
             raise ValueError("the fused executor needs pp >= 2; with pp=1 train the models without pipelining")
         program.verify()  # before any communication: a bad program never starts
+        if any(a.kind in ("I", "W") for prog in program.programs.values() for a in prog):
+            for spec in (actor, critic):
+                for module in spec.module.modules():
+                    if recomputes_in_backward(module):
+                        raise ValueError(
+                            "the program splits backwards into I and W, which torch cannot run on layers recomputed in "
+                            "the backward (activation checkpointing); plan without split backward or turn recomputation off"
+                        )
+                    # W runs on the graph of the unsharded parameters that its I saw: FSDP2 must keep the stage
+                    # unsharded from its forward to its W (resharding after forward loses the weight gradients).
+                    if isinstance(module, FSDPModule):
+                        module.set_reshard_after_forward(False, recurse=False)
         world = dist.get_world_size(group)
         if world != placement.pp:
             raise ValueError(f"pipeline group has {world} ranks but the program is for pp={placement.pp}")

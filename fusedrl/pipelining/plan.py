@@ -1,10 +1,11 @@
 """Plan a fused Actor+Critic pipeline schedule from the command line.
 
     python -m fusedrl.pipelining.plan --pp-actor 8 --pp-critic 4 --mb-actor 32 --mb-critic 16 \
-        --f-actor 5 --f-critic 4 --mem-actor 1.95 --mem-critic 2 [--budget-s 30] [--seed 0] [--json] \
-        [--png out.png] [--trace out.json]
+        --f-actor 5 --f-critic 4 --mem-actor 1.95 --mem-critic 2 [--budget-s 30] [--seed 0] [--split-backward] \
+        [--json] [--png out.png] [--trace out.json]
 
-``--mb-critic`` is per Critic replica (pp_actor / pp_critic replicas). Backward defaults to 2 x forward.
+``--mb-critic`` is per Critic replica (pp_actor / pp_critic replicas). Backward defaults to 2 x forward, half of it
+weight gradients (W) when ``--split-backward`` splits it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--budget-s", type=float, default=30.0, help="search budget in seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--split-backward", action="store_true", help="split backwards into input (I) and weight (W) gradients, W in bubbles"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     p.add_argument("--png", default=None, help="write a Gantt chart (needs matplotlib: pip install 'fusedrl[viz]')")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON")
@@ -45,9 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def summary(plan: PlanResult, problem: Problem) -> dict:
     return {
+        "split_backward": plan.split_backward,
         "makespan": plan.makespan,
         "lower_bound": plan.lower_bound,
         "makespan_over_lower_bound": plan.makespan / plan.lower_bound,
+        "split_lower_bound": plan.split_lower_bound,
+        "makespan_over_split_lower_bound": plan.makespan / plan.split_lower_bound,
         "sequential_1f1b_makespan": plan.sequential_1f1b_makespan,
         "speedup_vs_sequential": plan.sequential_1f1b_makespan / plan.makespan,
         "bubble_ratio": plan.result.bubble_ratio,
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=args.budget_s,
             seed=args.seed,
             memory_limit=args.memory_limit,
+            split_backward=args.split_backward,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             title=(
                 f"fused schedule: pp_actor={args.pp_actor}, pp_critic={placement.num_stages('critic')}, "
                 f"M_actor={args.mb_actor}, M_critic={args.mb_critic}/replica; makespan {plan.makespan:g} "
-                f"(lower bound {plan.lower_bound:g}, sequential 1F1B {plan.sequential_1f1b_makespan:g})"
+                f"(lower bound {plan.lower_bound:g}{f', split {plan.split_lower_bound:g}' if plan.split_backward else ''}, "
+                f"sequential 1F1B {plan.sequential_1f1b_makespan:g})"
             ),
         )
     if args.trace:

@@ -1,5 +1,6 @@
 """Schedule generators: sequential 1F1B (the unfused baseline), a greedy fused list scheduler, forward-backward
-justification (which compacts any valid schedule without breaking the memory limit) and a local search.
+justification (which compacts any valid schedule without breaking the memory limit) and a local search; with
+``split_backward`` the search continues on the problem whose backwards are split into I and W.
 
 The search is deterministic for a given seed and budget: the budget is converted into a number of simulated
 actions (a machine-independent amount of work), so two runs with the same arguments return the same schedule.
@@ -15,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fusedrl.pipelining.bounds import problem_lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
@@ -54,6 +55,20 @@ LEADING_SETTINGS: list[tuple[tuple[int, float, bool, float], bool, bool]] = [
 GREEDY_SETTINGS = LEADING_SETTINGS + [
     setting for setting in itertools.product(GREEDY_VARIANTS, (False, True), (False, True)) if setting not in LEADING_SETTINGS
 ]
+# Greedy settings on the split-backward problem (a variant and whether the Critic's priorities use the balanced
+# weight; forwards in time only, as a split problem run backwards is not of the same form). Each followed by
+# justification, the leading four reached the best of all 144 settings (RESTART_VARIANTS x both weights) to within
+# 0.1% on the 64 benchmark-grid problems with pp <= 16 and M <= 32; the first alone on 59 of them.
+SPLIT_LEADING_SETTINGS: list[tuple[tuple[int, float, bool, float], bool]] = [
+    ((UNCAPPED, -0.5, False, 1.0), True),
+    ((3, 0.0, False, 1.0), True),
+    ((1, -0.5, True, 1.0), False),
+    ((1, 0.0, False, 1.0), False),
+]
+SPLIT_GREEDY_SETTINGS = SPLIT_LEADING_SETTINGS + [
+    setting for setting in itertools.product(GREEDY_VARIANTS, (False, True)) if setting not in SPLIT_LEADING_SETTINGS
+]
+SPLIT_FB_SHARE = 0.25  # of the budget, for the F/B search whose best order the split-backward phase starts from
 
 
 def sequential_1f1b(placement: Placement, mb_actor: int, mb_critic: int) -> Schedule:
@@ -97,6 +112,8 @@ class PlanResult:
     search_seconds: float
     evaluations: int
     method: str  # which generator produced the returned schedule
+    split_backward: bool  # the schedule's backwards are split into I and W
+    split_lower_bound: float  # lower bound over split-backward schedules (which include every F/B schedule)
 
     @property
     def makespan(self) -> float:
@@ -142,26 +159,28 @@ def greedy_order(
     n_act = len(problem.actions)
     _, tails = problem.release_and_tail
     key = [
-        (t + d + (backward_bias * d if a.kind == "B" else 0.0))
+        (t + d + (backward_bias * d if a.kind in ("B", "I") else 0.0))
         * (critic_weight if a.model != ACTOR else 1.0)
         * (1.0 + noise * rng.random() if noise else 1.0)  # type: ignore[union-attr]
         for t, d, a in zip(tails, problem.dur, problem.actions)
     ]
     finish: list[float | None] = [None] * n_act
     streams = problem.streams
-    nf = [[0] * len(st) for st in streams]
-    nb = [[0] * len(st) for st in streams]
+    done = [[[0, 0, 0] for _ in st] for st in streams]  # per rank and stage: forwards, backwards, weight backwards run
+    slot = {a: (k, which) for st in streams for k, stage in enumerate(st) for which, lst in enumerate(stage) for a in lst}
     caps = [
         [
-            problem.placement.num_stages(problem.actions[fw[0]].model) - problem.actions[fw[0]].stage + extra_in_flight
-            for fw, _ in st
+            problem.placement.num_stages(problem.actions[stage.forward[0]].model)
+            - problem.actions[stage.forward[0]].stage
+            + extra_in_flight
+            for stage in st
         ]
         for st in streams
     ]
     mem_cur = [0.0] * pp
     free = [0.0] * pp
     order: list[list[int]] = [[] for _ in range(pp)]
-    deps, dur, mem = problem.deps, problem.dur, problem.mem
+    deps, dur, mem, mem_delta = problem.deps, problem.dur, problem.mem, problem.mem_delta
     # Successors, for invalidating cached candidates of the ranks they live on.
     succ_ranks: list[set[int]] = [set() for _ in range(n_act)]
     for a in range(n_act):
@@ -170,18 +189,18 @@ def greedy_order(
 
     def candidates(r: int, ignore_memory: bool) -> list[tuple[float, int]]:
         out = []
-        for k, (fw, bw) in enumerate(streams[r]):
-            i, j = nf[r][k], nb[r][k]
+        for k, (fw, bw, wt) in enumerate(streams[r]):
+            i, j, w = done[r][k]
             if i < len(fw) and (ignore_memory or (i - j < caps[r][k] and mem_cur[r] + mem[fw[i]] <= memory_limit + 1e-9)):
                 a = fw[i]
                 est = _ready(a)
                 if est is not None:
                     out.append((max(est, free[r]), a))
-            if j < i:
-                a = bw[j]
-                est = _ready(a)
-                if est is not None:
-                    out.append((max(est, free[r]), a))
+            for lst, nxt in ((bw, j if j < i else -1), (wt, w if w < j else -1)):  # backward, weight backward
+                if 0 <= nxt < len(lst):
+                    est = _ready(lst[nxt])
+                    if est is not None:
+                        out.append((max(est, free[r]), lst[nxt]))
         return out
 
     def _ready(a: int) -> float | None:
@@ -212,21 +231,14 @@ def greedy_order(
         horizon = best_ect - 1e-12 if active else min(est for est, _ in cache[best_r]) + 1e-9  # type: ignore[union-attr]
         conflict = [(est, a) for est, a in cache[best_r] if est < horizon]  # type: ignore[union-attr]
         r = best_r
-        # Above memory_pressure x limit, backwards (which free memory) go before forwards.
+        # Above memory_pressure x limit, backwards (which lead to freeing memory) go before forwards.
         pressed = mem_cur[r] > memory_pressure * memory_limit
-        est, a = max(conflict, key=lambda c: (pressed and problem.actions[c[1]].kind == "B", key[c[1]], -c[1]))
+        est, a = max(conflict, key=lambda c: (pressed and problem.actions[c[1]].kind != "F", key[c[1]], -c[1]))
         finish[a] = free[r] = est + dur[a]
         order[r].append(a)
-        action = problem.actions[a]
-        for k, (fw, bw) in enumerate(streams[r]):
-            if action.kind == "F" and nf[r][k] < len(fw) and fw[nf[r][k]] == a:
-                nf[r][k] += 1
-                mem_cur[r] += mem[a]
-                break
-            if action.kind == "B" and nb[r][k] < len(bw) and bw[nb[r][k]] == a:
-                nb[r][k] += 1
-                mem_cur[r] -= mem[a]
-                break
+        k, which = slot[a]
+        done[r][k][which] += 1
+        mem_cur[r] += mem_delta[a]
         cache[r] = None
         for q in succ_ranks[a]:
             cache[q] = None
@@ -241,8 +253,17 @@ class _Evaluator:
         self.work_limit = budget_s * ACTIONS_PER_SECOND
         self.work = 0
         self.evaluations = 0
-        self.deadline = time.perf_counter() + WALL_CLOCK_FACTOR * budget_s
+        self.started = time.perf_counter()
+        self.deadline = self.started + WALL_CLOCK_FACTOR * budget_s
         self.n = len(problem.actions)
+
+    def continue_on(self, problem: Problem, budget_s: float) -> _Evaluator:
+        """An evaluator of ``problem`` that counts this one's work and evaluations and whose budget ``budget_s`` (with
+        its wall-clock guard) runs from this one's start."""
+        nxt = _Evaluator(problem, budget_s)
+        nxt.work, nxt.evaluations, nxt.started = self.work, self.evaluations, self.started
+        nxt.deadline = self.started + WALL_CLOCK_FACTOR * budget_s
+        return nxt
 
     def charge_greedy(self) -> None:
         self.work += GREEDY_COST * self.n
@@ -312,8 +333,8 @@ class _Justifier:
         n = len(problem.actions)
         preds = [list(d) for d in problem.deps]
         for st in problem.streams:
-            for fw, bw in st:
-                for lst in (fw, bw):
+            for stage in st:
+                for lst in stage:
                     for a, b in zip(lst, lst[1:]):
                         preds[b].append((a, 0.0))  # keep the micro-batch order on each stage
         succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -321,16 +342,15 @@ class _Justifier:
             for a, lag in preds[b]:
                 succs[a].append((b, lag))
         self.preds, self.succs = preds, succs
-        self.is_forward = [a.kind == "F" for a in problem.actions]
 
     def _pass(
-        self, frame_start: list[float], deps: list[list[tuple[int, float]]], forward_adds: bool
+        self, frame_start: list[float], deps: list[list[tuple[int, float]]], mirrored: bool
     ) -> tuple[list[float], list[float]] | None:
         """Left-justify in a time frame (the real one, or mirrored for the late pass, where backwards add memory)."""
         p = self.problem
         if self.evaluator is not None:
             self.evaluator.work += JUSTIFY_PASS_COST * len(p.actions)
-        dur, mem, rank, is_forward = p.dur, p.mem, p.rank, self.is_forward
+        dur, mem_delta, rank = p.dur, p.mem_delta, p.rank
         lines = [_RankLine() for _ in range(p.pp)]
         start = [0.0] * len(dur)
         finish = [0.0] * len(dur)
@@ -339,8 +359,7 @@ class _Justifier:
             for b, lag in deps[a]:
                 if finish[b] + lag > est:
                     est = finish[b] + lag
-            delta = mem[a] if is_forward[a] == forward_adds else -mem[a]
-            t = lines[rank[a]].insert(est, dur[a], delta, self.limit)
+            t = lines[rank[a]].insert(est, dur[a], -mem_delta[a] if mirrored else mem_delta[a], self.limit)
             if t is None:
                 return None
             start[a], finish[a] = t, t + dur[a]
@@ -356,10 +375,10 @@ class _Justifier:
             if self.evaluator is not None and self.evaluator.exhausted():
                 break
             ms = max(finish)
-            late = self._pass([ms - f for f in finish], self.succs, False)
+            late = self._pass([ms - f for f in finish], self.succs, True)
             if late is None:
                 break
-            early = self._pass([ms - f for f in late[1]], self.preds, True)
+            early = self._pass([ms - f for f in late[1]], self.preds, False)
             if early is None:
                 break
             start, finish = early
@@ -410,13 +429,95 @@ class _TimeReversal:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Split backward
+
+
+def split_order(problem: Problem, split: Problem, order: list[list[int]]) -> list[list[int]]:
+    """An order of the F/B ``problem`` as an order of the split-backward problem ``split``: each B becomes its I
+    directly followed by its W. The work and memory per rank are the same, and it is never slower (the next stage's
+    I waits for this I only, not for the W)."""
+    out = []
+    for lst in order:
+        acts = [problem.actions[a] for a in lst]
+        out.append(
+            [split.index[x] for a in acts for x in ((replace(a, kind="I"), replace(a, kind="W")) if a.kind == "B" else (a,))]
+        )
+    return out
+
+
+def _split_search(
+    problem: Problem,
+    split: Problem,
+    fb_order: list[list[int]],
+    fb_method: str,
+    memory_limit: float,
+    target: float,
+    evaluator: _Evaluator,
+    rng: random.Random,
+) -> tuple[list[list[int]], str]:
+    """The split-backward phase of ``fused_schedule``: the best F/B order with each B split into I then W, then greedy
+    schedules of the split problem (a W's remaining path is short, so W's run where nothing on a critical path can:
+    in the bubbles), each compacted by justification, then annealing. Returns the best order within
+    ``memory_limit`` (the split F/B order whatever its peak) and the name of its phase. With no budget only the
+    leading greedy settings run, unjustified."""
+    best = split_order(problem, split, fb_order)
+    start_ms = evaluator.makespan(best)
+    assert start_ms is not None, "a valid F/B order split into I then W cannot deadlock"
+    best_ms, method = start_ms, fb_method + "+split"
+
+    def consider(order: list[list[int]], name: str) -> None:
+        nonlocal best, best_ms, method
+        if max(split.peak_memory(order)) > memory_limit + 1e-9:
+            return
+        ms = evaluator.makespan(order)
+        if ms is not None and ms < best_ms - 1e-12:
+            best, best_ms, method = order, ms, name
+
+    weight = balanced_critic_weight(split)
+
+    def greedy(setting: tuple[tuple[int, float, bool, float], bool]) -> list[list[int]]:
+        (extra, bias, active, pressure), balanced = setting
+        evaluator.charge_greedy()
+        return greedy_order(
+            split,
+            memory_limit,
+            extra_in_flight=extra,
+            backward_bias=bias,
+            active=active,
+            memory_pressure=pressure,
+            critic_weight=weight if balanced else 1.0,
+        )
+
+    if evaluator.work_limit == 0:
+        for setting in SPLIT_LEADING_SETTINGS:
+            consider(greedy(setting), "split_greedy")
+        return best, method
+    justifier = _Justifier(split, memory_limit, evaluator)
+    consider(justifier.improve(best), method + "+justify")
+    for setting in SPLIT_GREEDY_SETTINGS:
+        if evaluator.exhausted(1.0 - RESTART_SHARE) or best_ms <= target:
+            break
+        order = greedy(setting)
+        consider(order, "split_greedy")
+        if best_ms > target and not evaluator.exhausted() and max(split.peak_memory(order)) <= memory_limit + 1e-9:
+            consider(justifier.improve(order), "split_greedy+justify")
+    if not evaluator.exhausted(MEMORY_PASS_SHARE) and best_ms > target:
+        remaining = max(0.0, (1.0 - MEMORY_PASS_SHARE) * evaluator.work_limit - evaluator.work)
+        iterations = max(1, int(remaining / max(1, evaluator.n)))
+        order, ms = anneal(split, best, best_ms, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve)
+        if ms < best_ms - 1e-12:
+            best, best_ms, method = order, ms, "split_anneal"
+    return memory_pass(split, best, best_ms, evaluator), method
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Local search
 
 
 def _swappable(problem: Problem, x: int, y: int) -> bool:
     ax, ay = problem.actions[x], problem.actions[y]
     if (ax.model, ax.replica, ax.stage) == (ay.model, ay.replica, ay.stage):
-        # Same stage: only an F of a later micro-batch and a B of an earlier one may trade places.
+        # Same stage: only actions of different kinds and micro-batches (an F and a later B, I or W) may trade places.
         return ax.kind != ay.kind and ax.microbatch != ay.microbatch
     return True
 
@@ -454,7 +555,7 @@ def anneal(
         if not _swappable(problem, x, y):
             continue
         lst[p], lst[p + 1] = y, x
-        if problem.actions[y].kind == "F" and _rank_peak(problem, lst) > memory_limit + 1e-9:
+        if problem.mem_delta[y] > 0 and _rank_peak(problem, lst) > memory_limit + 1e-9:
             lst[p], lst[p + 1] = x, y
             continue
         ms = evaluator.makespan(cur)
@@ -473,35 +574,331 @@ def anneal(
     return best, best_makespan
 
 
-def memory_pass(problem: Problem, order: list[list[int]], makespan: float, evaluator: _Evaluator) -> list[list[int]]:
-    """Lower each rank's peak activation memory by moving forwards after backwards where the makespan allows."""
-    order = [list(lst) for lst in order]
-    for r in sorted(range(problem.pp), key=lambda q: -_rank_peak(problem, order[q])):
-        improved = True
-        while improved and not evaluator.exhausted():
-            improved = False
-            lst = order[r]
-            peak = _rank_peak(problem, lst)
-            # Positions where the running memory reaches the peak: try delaying the F that got there.
-            cur = 0.0
-            for p, a in enumerate(lst):
-                cur += problem.mem[a] if problem.actions[a].kind == "F" else -problem.mem[a]
-                if cur < peak - 1e-9 or problem.actions[a].kind != "F":
-                    continue
-                q = p + 1
-                while q < len(lst) and problem.actions[lst[q]].kind != "B":
-                    q += 1
-                if q >= len(lst) or not _swappable(problem, a, lst[q]):
-                    break
-                trial = lst[:p] + lst[p + 1 : q + 1] + [a] + lst[q + 1 :]
-                order[r] = trial
-                ms = evaluator.makespan(order)
-                if ms is not None and ms <= makespan + 1e-9 and _rank_peak(problem, trial) < peak - 1e-9:
-                    improved = True
+# ---------------------------------------------------------------------------------------------------------
+# Memory pass
+
+REPLAN_RESOLUTION = 0.02  # x the single-model 1F1B peak: the memory pass stops bisecting a narrower bracket
+REPLAN_ANNEAL_SHARE = 0.25  # of the remaining budget, for annealing towards the makespan at a limit that failed
+LIST_SCHEDULE_COST = 30  # one capped list schedule, in simulations
+REPLAN_MIN_BUDGET = 200  # simulations: with less budget left, the memory pass only shaves single ranks
+SHAVE_REACH = 4  # in-flight forwards and later frees a shaving step combines
+SHAVE_FULL_CHECKS = 4  # candidates a shaving step checks by full simulation when no timing frame admits one
+
+
+def _successors(problem: Problem) -> list[list[tuple[int, float]]]:
+    succs: list[list[tuple[int, float]]] = [[] for _ in problem.actions]
+    for b, deps in enumerate(problem.deps):
+        for a, lag in deps:
+            succs[a].append((b, lag))
+    return succs
+
+
+def _latest_starts(
+    problem: Problem, order: list[list[int]], makespan: float, succs: list[list[tuple[int, float]]]
+) -> list[float] | None:
+    """The latest start of every action such that each rank keeps ``order`` and everything ends by ``makespan``
+    (None on deadlock): the simulation run backwards from the end."""
+    latest: list[float | None] = [None] * len(problem.actions)
+    pos = [len(lst) for lst in order]
+    end = [makespan] * problem.pp
+    remaining = len(problem.actions)
+    while remaining:
+        progressed = False
+        for r, lst in enumerate(order):
+            while pos[r]:
+                a = lst[pos[r] - 1]
+                t = end[r]
+                for x, lag in succs[a]:
+                    lx = latest[x]
+                    if lx is None:
+                        break
+                    t = min(t, lx - lag)
                 else:
-                    order[r] = lst
+                    latest[a] = end[r] = t - problem.dur[a]
+                    pos[r] -= 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 break
+        if not progressed:
+            return None
+    return latest  # type: ignore[return-value]
+
+
+def _capped_list_schedule(problem: Problem, priority: list[float], limit: float, active: bool) -> list[list[int]] | None:
+    """List scheduling under a per-rank activation memory cap: repeatedly take the rank whose next action could finish
+    earliest and run there, among the actions that could start before that finish (``active``) or at the earliest
+    start (non-delay), the one with the lowest ``priority``. An action that allocates runs only within ``limit``;
+    actions of one kind on one stage keep their micro-batch order. None if the cap blocks every rank."""
+    n, pp = len(problem.actions), problem.pp
+    dur, deps, delta = problem.dur, problem.deps, problem.mem_delta
+    queues: list[dict[tuple[str, int, int, str], list[int]]] = [{} for _ in range(pp)]
+    for a in sorted(range(n), key=lambda a: problem.actions[a].microbatch):
+        act = problem.actions[a]
+        queues[problem.rank[a]].setdefault((act.model, act.replica, act.stage, act.kind), []).append(a)
+    lanes = [list(q.values()) for q in queues]
+    head = [[0] * len(q) for q in lanes]
+    succ_ranks: list[set[int]] = [set() for _ in range(n)]
+    for b in range(n):
+        for a, _ in deps[b]:
+            succ_ranks[a].add(problem.rank[b])
+    finish: list[float | None] = [None] * n
+    free = [0.0] * pp
+    mem = [0.0] * pp
+    order: list[list[int]] = [[] for _ in range(pp)]
+    cache: list[list[tuple[float, int, int]] | None] = [None] * pp
+
+    def candidates(r: int) -> list[tuple[float, int, int]]:
+        out = []
+        for k, lane in enumerate(lanes[r]):
+            if head[r][k] == len(lane):
+                continue
+            a = lane[head[r][k]]
+            if delta[a] > 0 and mem[r] + delta[a] > limit + 1e-9:
+                continue
+            t = free[r]
+            for d, lag in deps[a]:
+                fd = finish[d]
+                if fd is None:
+                    break
+                t = max(t, fd + lag)
+            else:
+                out.append((t, a, k))
+        return out
+
+    for _ in range(n):
+        best_r, best_ect = -1, math.inf
+        for r in range(pp):
+            if cache[r] is None:
+                cache[r] = candidates(r)
+            for est, a, _ in cache[r]:  # type: ignore[union-attr]
+                if est + dur[a] < best_ect:
+                    best_r, best_ect = r, est + dur[a]
+        if best_r < 0:
+            return None
+        ready: list[tuple[float, int, int]] = cache[best_r]  # type: ignore[assignment]
+        horizon = best_ect - 1e-12 if active else min(est for est, _, _ in ready) + 1e-9
+        est, a, k = min((c for c in ready if c[0] < horizon), key=lambda c: (priority[c[1]], c[1]))
+        finish[a] = free[best_r] = est + dur[a]
+        head[best_r][k] += 1
+        mem[best_r] += delta[a]
+        order[best_r].append(a)
+        cache[best_r] = None
+        for q in succ_ranks[a]:
+            cache[q] = None
     return order
+
+
+def _lower_limit(problem: Problem, order: list[list[int]], makespan: float, evaluator: _Evaluator) -> list[list[int]]:
+    """Rebuild the schedule under lower memory limits, bisecting between the single-model 1F1B peak and the order's
+    peak. At each limit: memory-capped list schedules whose priorities are the current order's latest starts (so
+    they follow its timing wherever the cap allows), non-delay and active, also on the time-reversed problem, and
+    one by release time; each compacted by justification within the limit. The first that ends by ``makespan`` is
+    kept and the bisection goes lower; if none does, annealing from the closest tries to close the gap."""
+    floor = single_model_1f1b_peak(problem)
+    low, high = floor, max(problem.peak_memory(order))
+    succs = _successors(problem)
+    n = len(problem.actions)
+    reversal = None if problem.split_backward else _TimeReversal(problem)  # a split problem does not reverse
+    rng = random.Random(0)
+    while high - low > REPLAN_RESOLUTION * floor and not evaluator.exhausted():
+        limit = (low + high) / 2
+        evaluator.work += 2 * n
+        latest = _latest_starts(problem, order, makespan, succs)
+        assert latest is not None, "the order is valid"
+        # (problem to schedule, priorities, active, back to this problem's order)
+        attempts: list[tuple[Problem, list[float], bool, Callable[[list[list[int]]], list[list[int]]] | None]] = [
+            (problem, latest, False, None),
+            (problem, latest, True, None),
+        ]
+        if reversal is not None:
+            # Mirrored in time, an action's latest finish is its earliest start in the reversed problem.
+            mirrored = [makespan - latest[i] - problem.dur[i] for i in reversal.original_index]
+            attempts += [(reversal.reversed, mirrored, active, reversal.to_original) for active in (False, True)]
+        attempts.append((problem, problem.release_and_tail[0], False, None))
+        justifier = _Justifier(problem, limit, evaluator)
+        found, closest, closest_ms = None, None, math.inf
+        for prob, priority, active, back in attempts:
+            if evaluator.exhausted():
+                break
+            evaluator.work += LIST_SCHEDULE_COST * n
+            candidate = _capped_list_schedule(prob, priority, limit, active)
+            if candidate is None:
+                continue
+            if back is not None:
+                candidate = back(candidate)
+            ms = evaluator.makespan(candidate)
+            if ms is not None and ms > makespan + 1e-9:
+                candidate = justifier.improve(candidate)
+                ms = evaluator.makespan(candidate)
+            if ms is None:
+                continue
+            if ms <= makespan + 1e-9:
+                found = candidate
+                break
+            if ms < closest_ms:
+                closest, closest_ms = candidate, ms
+        if found is None and closest is not None and not evaluator.exhausted():
+            iterations = max(1, int(REPLAN_ANNEAL_SHARE * (evaluator.work_limit - evaluator.work) / n))
+            annealed, ms = anneal(
+                problem, closest, closest_ms, limit, evaluator, rng, makespan * (1 + 1e-9), iterations, justifier.improve
+            )
+            if ms <= makespan + 1e-9:
+                found = annealed
+        if found is None:
+            low = limit
+        else:
+            order, high = found, max(problem.peak_memory(found))
+    return order
+
+
+class _PeakShaver:
+    """Lowers single ranks' peak activation memory without lengthening the makespan.
+
+    A move reorders one rank: a forward in flight at the rank's peak goes after a later freeing action (B, or W when
+    split), or a freeing action goes before the peak. Either lowers the rank's running memory over the span it
+    crosses and raises it nowhere. The makespan check is cheap first: in a timing frame (the current order timed as
+    early as possible, or as late as possible within the makespan) the other ranks keep their times and the moved
+    rank, timed as early as its inputs allow, must finish each action before its successors elsewhere start; the
+    simulator, which starts everything as early as possible, then finds a makespan no longer. Only when no
+    candidate fits a frame do a few full simulations decide."""
+
+    def __init__(self, problem: Problem, order: list[list[int]], makespan: float, evaluator: _Evaluator) -> None:
+        self.problem, self.evaluator, self.makespan = problem, evaluator, makespan
+        self.order = [list(lst) for lst in order]
+        delta, rank = problem.mem_delta, problem.rank
+        self.stream = [(a.model, a.replica, a.stage, a.kind) for a in problem.actions]  # keeps its micro-batch order
+        frees = {(a.model, a.replica, a.stage, a.microbatch): i for i, a in enumerate(problem.actions) if delta[i] < 0}
+        self.freer = [frees.get((a.model, a.replica, a.stage, a.microbatch), -1) for a in problem.actions]
+        self.succs = _successors(problem)
+        self.neighbours: list[set[int]] = [set() for _ in range(problem.pp)]
+        for a, succ in enumerate(self.succs):
+            for b, _ in succ:
+                if rank[a] != rank[b]:
+                    self.neighbours[rank[a]].add(rank[b])
+                    self.neighbours[rank[b]].add(rank[a])
+        self.frames: list[list[float]] | None = None  # start times: as early as possible, as late as possible
+
+    def peak(self, r: int) -> tuple[float, int]:
+        """The rank's running-memory peak and how many positions of its order reach it."""
+        cur, peak, count = 0.0, 0.0, 0
+        for a in self.order[r]:
+            cur += self.problem.mem_delta[a]
+            if cur > peak + 1e-9:
+                peak, count = cur, 1
+            elif cur >= peak - 1e-9:
+                count += 1
+        return peak, count
+
+    def _timing_frames(self) -> list[list[float]]:
+        if self.frames is None:
+            p = self.problem
+            self.evaluator.work += 2 * len(p.actions)
+            finish = p.finish_times(self.order)
+            latest = _latest_starts(p, self.order, self.makespan, self.succs)
+            assert finish is not None and latest is not None, "every kept order is valid"
+            self.frames = [[f - d for f, d in zip(finish, p.dur)], latest]
+        return self.frames
+
+    def _fits(self, lst: list[int], start: list[float]) -> bool:
+        """Whether rank order ``lst``, timed as early as its inputs in timing frame ``start`` allow, ends every action
+        by the makespan and before its successors on other ranks start, running nothing before a dependency."""
+        p = self.problem
+        self.evaluator.work += len(lst)
+        dur, deps, rank, succs = p.dur, p.deps, p.rank, self.succs
+        r = rank[lst[0]]
+        done: dict[int, float] = {}
+        t = 0.0
+        for a in lst:
+            s = t
+            for d, lag in deps[a]:
+                fd = done.get(d) if rank[d] == r else start[d] + dur[d]
+                if fd is None:
+                    return False
+                s = max(s, fd + lag)
+            t = s + dur[a]
+            if t > self.makespan + 1e-9 or any(rank[x] != r and t + lag > start[x] + 1e-9 for x, lag in succs[a]):
+                return False
+            done[a] = t
+        return True
+
+    def _moves(self, lst: list[int]) -> list[list[int]]:
+        """Reorders of one rank that lower its running memory at the first position reaching its peak, the shortest
+        moves first."""
+        delta, stream = self.problem.mem_delta, self.stream
+        run, cur = [], 0.0
+        for a in lst:
+            cur += delta[a]
+            run.append(cur)
+        peak = max(run, default=0.0)
+        if peak <= 1e-9:
+            return []
+        p = next(i for i, v in enumerate(run) if v >= peak - 1e-9)
+        pos = {a: i for i, a in enumerate(lst)}
+        frees = [q for q in range(p + 1, len(lst)) if delta[lst[q]] < 0][:SHAVE_REACH]
+        held = [i for i in range(p, -1, -1) if delta[lst[i]] > 0 and pos.get(self.freer[lst[i]], len(lst)) > p]
+        moves: list[tuple[int, list[int]]] = []
+        for i in held[:SHAVE_REACH]:
+            a = lst[i]
+            for q in frees:  # the allocation after a later free
+                if any(stream[x] == stream[a] for x in lst[i + 1 : q + 1]):
+                    break
+                moves.append((q - i, lst[:i] + lst[i + 1 : q + 1] + [a] + lst[q + 1 :]))
+        for q in frees:
+            b = lst[q]
+            for i in held[:SHAVE_REACH]:  # the free before an allocation in flight at the peak
+                if any(stream[x] == stream[b] for x in lst[i:q]):
+                    break
+                moves.append((q - i, lst[:i] + [b] + lst[i:q] + lst[q + 1 :]))
+        moves.sort(key=lambda m: m[0])
+        return [m for _, m in moves]
+
+    def lower(self, r: int) -> bool:
+        """Apply one move that lowers rank ``r``'s peak, or the number of positions at it; False if none fits."""
+        frames = self._timing_frames()
+        moves = self._moves(self.order[r])
+        for trial in moves:
+            if self.evaluator.exhausted():
+                return False
+            if any(self._fits(trial, start) for start in frames):
+                self.order[r], self.frames = trial, None
+                return True
+        for trial in moves[:SHAVE_FULL_CHECKS]:
+            if self.evaluator.exhausted():
+                return False
+            old, self.order[r] = self.order[r], trial
+            ms = self.evaluator.makespan(self.order)
+            if ms is not None and ms <= self.makespan + 1e-9:
+                self.frames = None
+                return True
+            self.order[r] = old
+        return False
+
+
+def _shave(problem: Problem, order: list[list[int]], makespan: float, evaluator: _Evaluator) -> list[list[int]]:
+    """Apply ``_PeakShaver`` moves, always to the rank with the highest peak that can still be lowered, until none
+    can or the budget is spent."""
+    shaver = _PeakShaver(problem, order, makespan, evaluator)
+    peaks = [shaver.peak(r) for r in range(problem.pp)]
+    stuck = [False] * problem.pp
+    while not all(stuck) and not evaluator.exhausted():
+        r = max((q for q in range(problem.pp) if not stuck[q]), key=lambda q: (peaks[q], -q))
+        if shaver.lower(r):
+            peaks[r] = shaver.peak(r)
+            for q in shaver.neighbours[r]:
+                stuck[q] = False
+        else:
+            stuck[r] = True
+    return shaver.order
+
+
+def memory_pass(problem: Problem, order: list[list[int]], makespan: float, evaluator: _Evaluator) -> list[list[int]]:
+    """Lower the per-rank peak activation memory of a valid order without lengthening ``makespan``, within the
+    evaluator's budget: rebuild the schedule under lower memory limits (``_lower_limit``, when the budget left
+    affords a few rebuilds), then shave single ranks (``_shave``). Deterministic."""
+    if evaluator.work_limit - evaluator.work >= REPLAN_MIN_BUDGET * len(problem.actions):
+        order = _lower_limit(problem, order, makespan, evaluator)
+    return _shave(problem, order, makespan, evaluator)
 
 
 def fused_schedule(
@@ -512,10 +909,16 @@ def fused_schedule(
     budget_s: float = 30.0,
     seed: int = 0,
     memory_limit: float | None = None,
+    split_backward: bool = False,
 ) -> PlanResult:
     """Find a fused Actor+Critic schedule: greedy list scheduling with several priority settings (each result
     compacted by forward-backward justification), randomised restarts, simulated annealing and a memory pass.
     Never worse than sequential 1F1B (returned when nothing better is found).
+
+    ``split_backward``: the F/B search gets ``SPLIT_FB_SHARE`` of the budget, then every backward is split into an
+    input backward I and a weight backward W and the search continues on that problem (``_split_search``); the
+    schedule holds F, I and W actions, and activations stay until W. Never slower than the F/B schedule it
+    starts from.
 
     ``budget_s = 0`` runs the greedy fused scheduler alone (its leading priority settings, no justification,
     restarts, annealing or memory pass: milliseconds).
@@ -529,7 +932,9 @@ def fused_schedule(
     start = time.perf_counter()
     problem = Problem(placement, costs, mb_actor, mb_critic)
     rng = random.Random(seed)
-    evaluator = _Evaluator(problem, budget_s)
+    evaluator = _Evaluator(problem, budget_s * (SPLIT_FB_SHARE if split_backward else 1.0))
+    split_problem = Problem(placement, costs, mb_actor, mb_critic, split_backward=True)
+    split_bound = problem_lower_bound(split_problem)
     seq_order = problem.to_order(sequential_1f1b(placement, mb_actor, mb_critic))
     seq_ms = evaluator.makespan(seq_order)
     assert seq_ms is not None, "sequential 1F1B cannot deadlock"
@@ -572,19 +977,31 @@ def fused_schedule(
         )
         return to_original(order), name
 
-    if budget_s == 0:
-        for setting in LEADING_SETTINGS:
-            consider(*greedy(setting))
+    def plan_result(prob: Problem, order: list[list[int]], name: str, evaluations: int) -> PlanResult:
         return PlanResult(
-            problem.to_schedule(best),
-            simulate_order(problem, best),
+            prob.to_schedule(order),
+            simulate_order(prob, order),
             bound,
             seq_ms,
             memory_limit,
             time.perf_counter() - start,
-            evaluator.evaluations,
-            method,
+            evaluations,
+            name,
+            split_backward,
+            split_bound,
         )
+
+    def split_phase() -> PlanResult:
+        split_evaluator = evaluator.continue_on(split_problem, budget_s)
+        order, name = _split_search(
+            problem, split_problem, best, method, memory_limit, split_bound * (1 + 1e-9), split_evaluator, rng
+        )
+        return plan_result(split_problem, order, name, split_evaluator.evaluations)
+
+    if budget_s == 0:
+        for setting in LEADING_SETTINGS:
+            consider(*greedy(setting))
+        return split_phase() if split_backward else plan_result(problem, best, method, evaluator.evaluations)
 
     justifier = _Justifier(problem, memory_limit, evaluator)
 
@@ -630,14 +1047,4 @@ def fused_schedule(
         if ms < best_ms - 1e-12:
             best, best_ms, method = order, ms, "anneal"
     best = memory_pass(problem, best, best_ms, evaluator)
-    result = simulate_order(problem, best)
-    return PlanResult(
-        schedule=problem.to_schedule(best),
-        result=result,
-        lower_bound=bound,
-        sequential_1f1b_makespan=seq_ms,
-        memory_limit=memory_limit,
-        search_seconds=time.perf_counter() - start,
-        evaluations=evaluator.evaluations,
-        method=method,
-    )
+    return split_phase() if split_backward else plan_result(problem, best, method, evaluator.evaluations)

@@ -1,0 +1,62 @@
+"""bench.e2e's layout plumbing: which cores each rank gets, pinning every thread, the layouts' configs."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from fusedrl.bench.e2e import LAYOUTS, ROOT, main, pick_cores, pin_process, rank_cores
+from fusedrl.config import ConfigError
+from fusedrl.train import prepare
+
+CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
+
+
+def test_pick_cores_takes_the_first_allowed_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 3, 5})
+    assert pick_cores(2) == [3, 5]
+    with pytest.raises(ConfigError, match=r"needs parallelism.pp \* parallelism.tp = 4 cores, but this process may run on 3"):
+        pick_cores(4)
+
+
+def test_too_few_cores_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert main(["--config", CONFIG, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: one rank per core needs parallelism.pp * parallelism.tp = 2 cores") and err.count("\n") == 1
+
+
+def test_rank_cores_per_layout() -> None:
+    assert rank_cores([2, 5], 1) == [[2], [5]]
+    assert rank_cores([2, 5], 2) == [[2, 5]] * 4
+
+
+def test_both_layouts_of_the_debug_config_are_valid_with_its_batch() -> None:
+    argv = ["--job.config_file", CONFIG, "--training.device=cpu"]
+    batches = {prepare([*argv, f"--parallelism.dp_shard={dp}"], 2 * dp).ppo.batch_size for dp in LAYOUTS.values()}
+    assert len(batches) == 1
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to one core is only observable with two or more")
+def test_pin_process_pins_threads_started_before_and_after() -> None:
+    original = sorted(os.sched_getaffinity(0))
+    stop = threading.Event()
+    before = threading.Thread(target=stop.wait)
+    before.start()
+    after = None
+    try:
+        pin_process(original[:1])
+        after = threading.Thread(target=stop.wait)
+        after.start()
+        assert before.native_id is not None and after.native_id is not None
+        assert os.sched_getaffinity(before.native_id) == {original[0]}
+        assert os.sched_getaffinity(after.native_id) == {original[0]}
+        assert os.sched_getaffinity(0) == {original[0]}
+    finally:
+        pin_process(original)
+        stop.set()
+        before.join()
+        if after is not None:
+            after.join()
