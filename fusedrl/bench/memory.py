@@ -1104,17 +1104,33 @@ def _fsdp_unsharded_grads(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _profile_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``fn`` under the profiler with CPU memory events; (its result, peak net bytes allocated during it)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Run ``fn`` under the profiler with CPU memory events; (its result, peak net bytes allocated during it).
+
+    Counts the calling thread's allocations, and another thread's only when that thread keeps memory past the end:
+    gloo's worker threads allocate and free their own scratch for each collective (one unit's worth per all-gather),
+    and when those frees land depends on how the OS schedules that thread, not on the step (NCCL has no such host
+    scratch)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        with record_function(_PROFILED_RANGE):
+            result = fn()
+    everything = prof.profiler.kineto_results.events()
+    caller = next(e.start_thread_id() for e in everything if e.name() == _PROFILED_RANGE)
+    memory = [e for e in everything if e.name() == "[memory]"]
+    kept: dict[int, int] = {}
+    for e in memory:
+        kept[e.start_thread_id()] = kept.get(e.start_thread_id(), 0) + e.nbytes()
+    counted = {caller} | {thread for thread, net in kept.items() if net}
+    events = sorted((e for e in memory if e.start_thread_id() in counted), key=lambda e: e.start_ns())
     running = peak = 0
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
     return result, peak
+
+
+_PROFILED_RANGE = "fusedrl.bench.memory.measured"
 
 
 class _SavedTensors:
