@@ -1,7 +1,7 @@
 """The job's two layouts of the four PPO models, built on the meta device and materialized shard by shard.
 
 - **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
-  rank pp-1-j) x tensor parallelism over ``tp`` x FSDP2 over ``dp_shard``, with a mixed-precision policy
+  rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2 over ``dp_shard``, with a mixed-precision policy
   (``training.mixed_precision_*``: compute in bf16, float32 master weights, optimizer state and gradient
   reduction).
 - **Rollout**: ``gen_tp`` consecutive ranks form one generation instance (``world / gen_tp`` instances). Each
@@ -61,7 +61,11 @@ RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in 
 @dataclass
 class TrainingLayout:
     """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models; the trainer adds
-    the executor that runs them (``schedule``: a fused pipeline program, or both models locally when pp = 1)."""
+    the executor that runs them (``schedule``: a fused pipeline program, or both models locally when pp = 1).
+
+    The Critic has ``pp_critic`` stages (``critic_index`` is this rank's); with fewer stages than pp it runs as
+    ``critic_replicas`` replicas on consecutive blocks of pipeline ranks, and ``critic_group`` holds the pipeline
+    ranks of this rank's replica (the pipeline group otherwise)."""
 
     mesh: DeviceMesh
     pp_group: dist.ProcessGroup
@@ -73,6 +77,9 @@ class TrainingLayout:
     actor_stage: DecoderStage
     critic_stage: DecoderStage
     tied: TiedEmbeddings  # sums the Actor's embedding and LM-head gradients when pipeline stages split them
+    critic_index: int
+    critic_replicas: int
+    critic_group: dist.ProcessGroup
     schedule: FusedPipelineSchedule | LocalSchedule | None = None
     plan_method: str = ""
     microbatches: int = 0  # per model, per minibatch, on each data-parallel shard
@@ -102,35 +109,47 @@ class RolloutLayout:
 
 def dims_of(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    return ParallelDims(pp=p.pp, dp_shard=p.dp_shard, tp=p.tp, gen_tp=p.gen_tp, world_size=world_size)
+    return ParallelDims(pp=p.pp, dp_shard=p.dp_shard, tp=p.tp, gen_tp=p.gen_tp, world_size=world_size, pp_critic=p.critic_stages)
 
 
 def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> TrainingLayout:
     """Split Actor and Critic into pipeline stages, tensor-parallelize them over ``tp`` and shard them with FSDP2
-    over ``dp_shard`` (collective). Parameters stay on the meta device unless ``materialize``."""
+    over ``dp_shard`` (collective). Parameters stay on the meta device unless ``materialize``.
+
+    A Critic with fewer stages than pp (``parallelism.pp_critic``) is hybrid-sharded over its replicas and
+    ``dp_shard`` (:meth:`ParallelDims.build_critic_mesh`): FSDP2's gradient reduction then averages the replicas'
+    gradients along with the data-parallel shards', once per step."""
     dims = dims_of(cfg, dist.get_world_size())
     mesh = dims.build_mesh(device.type)
     pp_rank = mesh["pp"].get_local_rank()
     t = cfg.training
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
-    def stage(flavor: str, role: Role, index: int) -> DecoderStage:
+    def stage(flavor: str, role: Role, stages: int, index: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DecoderStage:
         # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
-        module = split_decoder(build_model(flavor, role, device="meta"), dims.pp, apply_head=role == "value")[index]
+        module = split_decoder(build_model(flavor, role, device="meta"), stages, apply_head=role == "value")[index]
         if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
             convert_to_float8(module)
         if dims.tp > 1:
-            apply_tp(module, mesh["tp"], vocab_parallel=() if FLAVORS[flavor].tie_word_embeddings else VOCAB_MODULES)
+            apply_tp(module, tp_mesh, vocab_parallel=() if FLAVORS[flavor].tie_word_embeddings else VOCAB_MODULES)
         if t.activation_checkpointing == "full":
             apply_activation_checkpointing(module)
         # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
-        apply_fsdp(module, mesh["dp_shard"], mp_policy=policy, reshard_after_forward=False)
+        apply_fsdp(module, dp_mesh, mp_policy=policy, reshard_after_forward=False)
         if materialize:
             module.to_empty(device=device)
         return module
 
-    actor = stage(cfg.model.actor, "policy", pp_rank)
-    critic = stage(cfg.model.critic, "value", dims.pp - 1 - pp_rank)
+    actor = stage(cfg.model.actor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
+    c = dims.pp_critic
+    critic_index = c - 1 - pp_rank % c
+    if dims.critic_replicas > 1:
+        cmesh = dims.build_critic_mesh(device.type)
+        critic = stage(cfg.model.critic, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])
+        critic_group = cmesh.get_group("critic_pp")
+    else:
+        critic = stage(cfg.model.critic, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
+        critic_group = mesh.get_group("pp")
     tied = TiedEmbeddings(mesh, actor, FLAVORS[cfg.model.actor].tie_word_embeddings)
     return TrainingLayout(
         mesh,
@@ -143,6 +162,9 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
         actor,
         critic,
         tied,
+        critic_index,
+        dims.critic_replicas,
+        critic_group,
     )
 
 

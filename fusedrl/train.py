@@ -162,10 +162,13 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
         if flavor not in FLAVORS:
             raise ConfigError(f"model.{key} = {flavor!r}: unknown flavor; valid flavors: {', '.join(sorted(FLAVORS))}")
         layers = FLAVORS[flavor].num_layers
-        if key != "reward" and layers < par.pp:
+        own = key == "critic" and par.pp_critic is not None
+        stages, name = (par.critic_stages, "pp_critic") if own else (par.pp, "pp")
+        if key != "reward" and layers < stages:
+            smaller = " (or give the Critic fewer stages: parallelism.pp_critic)" if key == "critic" and not own else ""
             raise ConfigError(
-                f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.pp = {par.pp} stages; "
-                "lower pp or pick a deeper flavor"
+                f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.{name} = {stages} stages; "
+                f"lower {name}{smaller} or pick a deeper flavor"
             )
     for key, sharded in (("actor", "tp and gen_tp"), ("critic", "tp and gen_tp"), ("reward", "gen_tp")):
         if key not in neural_models(cfg):
@@ -310,14 +313,17 @@ def check_reward(cfg: JobConfig) -> None:
 # ---------------------------------------------------------------------------------------------- training layout
 
 
-def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, int]:
+def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, dict[str, int]]:
     """The planner's placement, cost model (times in seconds, activation memory in GiB) and micro-batches per model
-    for one minibatch of sequences of ``seq_len`` tokens."""
-    placement = Placement(cfg.parallelism.pp)
+    for one minibatch of sequences of ``seq_len`` tokens on each data-parallel shard (the Critic's: per replica, an
+    equal share of the Actor's count)."""
+    par = cfg.parallelism
+    placement = Placement(par.pp, par.critic_stages)
     costs = CostModel.from_flavors(
         placement, cfg.model.actor, cfg.model.critic, tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len
     )
-    return placement, costs, cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
+    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
@@ -326,12 +332,13 @@ def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
     cap = cfg.fusion.schedule_memory_gib
     if cap is None or cfg.parallelism.pp < 2:
         return cap
-    placement, costs, n_mb = pipeline_costs(cfg, seq_len)
-    need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory
+    placement, costs, counts = pipeline_costs(cfg, seq_len)
+    ma, mc = counts[ACTOR], counts[CRITIC]
+    need = simulate(sequential_1f1b(placement, ma, mc), placement, costs, ma, mc).max_peak_memory
     if cap < need:
         raise ConfigError(
             f"fusion.schedule_memory_gib = {cap} ({source_of(cfg, 'fusion.schedule_memory_gib')}): below the {need:.3g} "
-            f"GiB of activations per pipeline rank that sequential 1F1B stores ({n_mb} micro-batches of "
+            f"GiB of activations per pipeline rank that sequential 1F1B stores ({ma} micro-batches of "
             f"{cfg.ppo.microbatch_size} x {seq_len} tokens, pp = {cfg.parallelism.pp}); raise it, lower "
             "ppo.microbatch_size, or unset it"
         )
@@ -343,13 +350,13 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
 
     Planned on the caller's rank only; broadcast it so that every pipeline rank runs the same program.
     """
-    placement, costs, n_mb = pipeline_costs(cfg, seq_len)
+    placement, costs, counts = pipeline_costs(cfg, seq_len)
     if cfg.fusion.intra_stage:
         plan = fused_schedule(
             placement,
             costs,
-            n_mb,
-            n_mb,
+            counts[ACTOR],
+            counts[CRITIC],
             budget_s=cfg.fusion.schedule_search_budget_s,
             seed=cfg.job.seed,
             memory_limit=schedule_memory_limit(cfg, seq_len),
@@ -357,8 +364,8 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
         )
         schedule, method = plan.schedule, plan.method
     else:
-        schedule, method = sequential_1f1b(placement, n_mb, n_mb), "sequential_1f1b"
-    return lower(schedule, placement, {ACTOR: n_mb, CRITIC: n_mb}), method
+        schedule, method = sequential_1f1b(placement, counts[ACTOR], counts[CRITIC]), "sequential_1f1b"
+    return lower(schedule, placement, counts), method
 
 
 def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> None:
@@ -566,9 +573,9 @@ def train_minibatch(layout: TrainingLayout, mb: Experience, *, record: bool = Fa
     assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
     result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
-    for model, keys in (("actor", POLICY_STATS), ("critic", VALUE_STATS)):
-        r = result[model]
-        out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
+    for model, keys, share in (("actor", POLICY_STATS, 1), ("critic", VALUE_STATS, layout.critic_replicas)):
+        r = result[model]  # each Critic replica's last stage reports its own micro-batches: a 1/K share of the mean
+        out.update({k: r.stats[k] / share if r.loss is not None else torch.zeros(()) for k in keys})
     return out
 
 
@@ -615,12 +622,16 @@ def ppo_update(
                 assert layout.schedule is not None and layout.schedule.timeline is not None  # the step above recorded it
                 timeline = layout.schedule.timeline.gather(layout.pp_group)
                 bubbles.append(timeline.bubble_ratio())
-            for name, stage in (("actor", layout.actor_stage), ("critic", layout.critic_stage)):
+            # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
+            for name, stage, group in (
+                ("actor", layout.actor_stage, layout.pp_group),
+                ("critic", layout.critic_stage, layout.critic_group),
+            ):
                 params = list(stage.parameters())
                 if cfg.optimizer.grad_clip > 0:
-                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, layout.pp_group))
+                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, group))
                 else:
-                    norms[name].append(grad_norm(params, pp_group=layout.pp_group))
+                    norms[name].append(grad_norm(params, pp_group=group))
             if not _skip_update([norms["actor"][-1], norms["critic"][-1]], stats):
                 for optimizer in (opt.actor, opt.critic):
                     optimizer.step()
@@ -728,9 +739,10 @@ class Trainer:
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
-        # groups), so ranks holding different stages must not share names.
+        # groups), so ranks holding different stages must not share names. Critic replicas of a stage share its
+        # name: DCP writes one copy of their identical shards and every replica loads it.
         actor_name = f"actor_stage{self.layout.pp_rank}"
-        critic_name = f"critic_stage{self.layout.pp - 1 - self.layout.pp_rank}"
+        critic_name = f"critic_stage{self.layout.critic_index}"
         self.ckpt = CheckpointManager.from_config(
             cfg.checkpoint,
             self.out,

@@ -64,6 +64,8 @@ def test_parallel_dims_rejects_bad_layouts_before_any_collective():
         ParallelDims(tp=0, world_size=1)
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         ParallelDims(world_size=1).build_mesh("cpu")
+    with pytest.raises(ValueError, match=r"parallelism.pp_critic = 3 must be a divisor of pp = 4"):
+        ParallelDims(pp=4, pp_critic=3, world_size=4)
 
 
 def test_init_distributed_without_launcher_builds_a_one_rank_mesh():
@@ -229,6 +231,50 @@ def _fsdp_on_pipeline_stages() -> None:
 
 def test_fsdp_on_pipeline_stages_and_mixed_precision(two_ranks):
     two_ranks.run(_fsdp_on_pipeline_stages)
+
+
+def _replicated_critic_exports_once(folder: str) -> None:
+    """pp=2 with a one-stage Critic: both pipeline ranks hold the whole Critic, hybrid-sharded over its two
+    replicas. Its full state dict is the model's, gathered with one broadcast (one replica's copy), and the HF export
+    writes that one copy."""
+    from fusedrl.components.checkpoint import export_hf
+    from fusedrl.distributed import gather_full_state_dict
+    from fusedrl.models import load_hf_checkpoint
+
+    dims = ParallelDims(pp=2, pp_critic=1)
+    pp_group = dims.build_mesh("cpu").get_group("pp")
+    torch.manual_seed(0)
+    model = build_model("debug", "value")
+    ref = copy.deepcopy(model)
+    (stage,) = split_decoder(model, 1)
+    apply_fsdp(stage, dims.build_critic_mesh("cpu")["critic_replica", "dp_shard"])
+    broadcasts = []
+    real_broadcast = dist.broadcast
+
+    def counted(*args, **kwargs):
+        broadcasts.append(1)
+        return real_broadcast(*args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        full = gather_full_state_dict(stage, pp_group)
+    finally:
+        dist.broadcast = real_broadcast
+    assert len(broadcasts) == 1  # one float32 buffer, from the first replica only
+    want = ref.state_dict()
+    assert set(full) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(full[name], t, rtol=0, atol=0)
+    path = export_hf(stage, folder, "debug", "value", pp_group)
+    if dist.get_rank() == 0:
+        loaded = build_model("debug", "value")
+        load_hf_checkpoint(loaded, path, "debug", "value")
+        for name, t in loaded.state_dict().items():
+            torch.testing.assert_close(t, want[name], rtol=0, atol=0)
+
+
+def test_replicated_critic_gathers_and_exports_one_copy(two_ranks, tmp_path):
+    two_ranks.run(_replicated_critic_exports_once, str(tmp_path / "critic_hf"))
 
 
 def _tp_forward_backward(flavor: str) -> None:

@@ -58,8 +58,8 @@ def _micro(tokens, targets, m):
     return [(tokens[i * n : (i + 1) * n], {k: v[i * n : (i + 1) * n] for k, v in targets.items()}) for i in range(m)]
 
 
-def _program(kind, pp, ma, mc):
-    placement = Placement(pp)
+def _program(kind, pp, ma, mc, critic_stages=None):
+    placement = Placement(pp, critic_stages)
     if kind == "sequential":
         schedule = sequential_1f1b(placement, ma, mc)
     elif kind == "split_backward":  # every B as an input backward I followed by a weight backward W
@@ -76,14 +76,31 @@ def _program(kind, pp, ma, mc):
 
 
 def _check_gradients(
-    programs, pp, dp, ma, mc, per_dp_batch, seq_lens, boundaries=None, device="cpu", tp=1, flavor="debug", recompute=False
+    programs,
+    pp,
+    dp,
+    ma,
+    mc,
+    per_dp_batch,
+    seq_lens,
+    boundaries=None,
+    device="cpu",
+    tp=1,
+    flavor="debug",
+    recompute=False,
+    critic_stages=None,
 ):
+    """``critic_stages`` < pp: the Critic runs as pp / critic_stages replicas of ``mc`` micro-batches each, hybrid-
+    sharded over them (the reference takes all replicas' micro-batches)."""
     rank = dist.get_rank()
+    dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=pp * dp * tp, pp_critic=critic_stages)
+    replicas, cs = dims.critic_replicas, dims.pp_critic
     if device == "cpu":
-        mesh = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=pp * dp * tp).build_mesh("cpu")
+        mesh = dims.build_mesh("cpu")
         pp_rank, dp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank(), mesh.get_group("pp")
     else:  # NCCL pipeline group next to run_multirank's gloo default group (dp_shard=1)
         pp_rank, dp_rank, pp_group = rank, 0, dist.new_group(backend="nccl")
+    critic_mesh = dims.build_critic_mesh("cpu") if replicas > 1 else None
     models = {}
     for i, (m, role) in enumerate(((ACTOR, "policy"), (CRITIC, "value"))):
         torch.manual_seed(i)
@@ -93,20 +110,26 @@ def _check_gradients(
                 for p in models[m].parameters():
                     p.normal_(0.0, 0.1)
     refs = {m: copy.deepcopy(mod) for m, mod in models.items()}
-    stage_of = {ACTOR: pp_rank, CRITIC: pp - 1 - pp_rank}
-    stages = {m: split_decoder(models[m], pp, boundaries)[stage_of[m]] for m in models}
-    for mod in stages.values():
+    stage_of = {ACTOR: pp_rank, CRITIC: cs - 1 - pp_rank % cs}
+    last_of = {ACTOR: pp - 1, CRITIC: cs - 1}
+    stages = {
+        ACTOR: split_decoder(models[ACTOR], pp, boundaries)[stage_of[ACTOR]],
+        CRITIC: split_decoder(models[CRITIC], cs, boundaries if cs == pp else None)[stage_of[CRITIC]],
+    }
+    for m, mod in stages.items():
         if tp > 1:  # tensor parallel first, then FSDP2 over the TP-sharded parameters (torchtitan's order)
             apply_tp(mod, mesh["tp"])
         if recompute:
             apply_activation_checkpointing(mod)
-        if dp > 1 or tp > 1:  # FSDP2 over TP shards even at dp_shard = 1, as the trainer's layout does
+        if m == CRITIC and critic_mesh is not None:  # replicas: hybrid sharding averages their gradients
+            apply_fsdp(mod, critic_mesh["critic_replica", "dp_shard"])
+        elif dp > 1 or tp > 1:  # FSDP2 over TP shards even at dp_shard = 1, as the trainer's layout does
             apply_fsdp(mod, mesh["dp_shard"])
     forwards = []  # a recomputed layer runs its forward twice per micro-batch
     for mod in stages.values():
         for layer in transformer_layers(mod)[:1]:
             layer.register_forward_pre_hook(lambda *_: forwards.append(1))
-    layered = sum(n for m, n in ((ACTOR, ma), (CRITIC, mc)) if transformer_layers(stages[m]))
+    layered = sum(n for m, n in ((ACTOR, ma), (CRITIC, mc)) if transformer_layers(stages[m]))  # mc: per replica
     tied = TiedEmbeddings(mesh, stages[ACTOR], FLAVORS[flavor].tie_word_embeddings) if device == "cpu" else None
     dim = models[ACTOR].tok_embeddings.embedding_dim
     specs = {ACTOR: StageModule(stages[ACTOR], actor_loss, dim, 512), CRITIC: StageModule(stages[CRITIC], critic_loss, dim, 1)}
@@ -123,17 +146,19 @@ def _check_gradients(
             )
             if tied is not None:
                 tied.sum_gradients()
-            # reference: every dp shard's micro-batch losses, averaged over micro-batches and dp ranks
-            for m, targets, fn, n_mb in ((ACTOR, actor_t, actor_loss, ma), (CRITIC, critic_t, critic_loss, mc)):
+            # reference: every dp shard's micro-batch losses, averaged over micro-batches and dp ranks; the loss
+            # a last stage reports is the mean over its own micro-batches (a Critic replica's: its share)
+            for m, targets, fn, n_mb in ((ACTOR, actor_t, actor_loss, ma), (CRITIC, critic_t, critic_loss, replicas * mc)):
+                mine_mb = range(n_mb) if m == ACTOR else range(pp_rank // cs * mc, (pp_rank // cs + 1) * mc)
                 total = 0.0
                 for d in range(dp):
                     shard = slice(d * per_dp_batch, (d + 1) * per_dp_batch)
-                    for x, t in _micro(tokens[shard], {k: v[shard] for k, v in targets.items()}, n_mb):
+                    for i, (x, t) in enumerate(_micro(tokens[shard], {k: v[shard] for k, v in targets.items()}, n_mb)):
                         loss = fn(refs[m](x), t)[0] / (n_mb * dp)
                         loss.backward()
-                        if d == dp_rank:
-                            total += loss.item() * dp
-                if stage_of[m] == pp - 1:
+                        if d == dp_rank and i in mine_mb:
+                            total += loss.item() * dp * n_mb / len(mine_mb)
+                if stage_of[m] == last_of[m]:
                     assert result[m].loss == pytest.approx(total, rel=1e-5, abs=1e-6), (kind, m)
                     assert set(result[m].stats) == ({"ratio"} if m == ACTOR else {"value"})
                 else:
@@ -219,12 +244,27 @@ def test_split_program_with_recomputed_layers_is_refused():
         FusedPipelineSchedule(_program("split_backward", 2, 2, 2), spec, spec)
 
 
-def test_critic_with_fewer_stages_is_refused():
-    placement = Placement(4, critic_stages=2)
-    program = lower(sequential_1f1b(placement, 2, 2), placement, {ACTOR: 2, CRITIC: 2})
-    stage = torch.nn.Linear(2, 2)
-    spec = StageModule(stage, actor_loss, 2, 2)
-    with pytest.raises(ValueError, match="fewer stages"):
+@pytest.mark.parametrize(
+    "pp,dp,critic_stages,boundaries",
+    # pp=4: the Actor's first stage holds only the embedding, its last only the head; the Critic's 2 stages 1 layer each
+    [(2, 1, 1, None), (4, 1, 2, (0, 1, 2)), (2, 2, 1, None)],
+    ids=["pp2-critic1", "pp4-critic2", "pp2-dp2-critic1"],
+)
+def test_critic_replicas_give_the_reference_gradients(pp, dp, critic_stages, boundaries):
+    """A Critic with fewer stages than the Actor runs as pp / critic_stages replicas, each on its share of the
+    micro-batches; hybrid sharding averages their gradients: every replica holds the single-process gradients."""
+    ma, mc = 4, 4 * critic_stages // pp  # the Critic's micro-batches per replica: the same micro-batch size
+    kinds = ("sequential", "fused") + (("planned_split",) if pp == 2 and dp == 1 else ())
+    programs = {kind: _program(kind, pp, ma, mc, critic_stages) for kind in kinds}
+    args = (programs, pp, dp, ma, mc, 4, (SEQ,), boundaries)
+    run_multirank(_check_gradients, pp * dp, *args, critic_stages=critic_stages, timeout_s=240.0)
+
+
+def test_critic_replicas_without_hybrid_sharding_are_refused():
+    placement = Placement(2, critic_stages=1)
+    program = lower(sequential_1f1b(placement, 2, 1), placement, {ACTOR: 2, CRITIC: 1})
+    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, 2, 2)
+    with pytest.raises(ValueError, match="2 Critic replicas, but Critic parameter 'weight' is not replicated over them"):
         FusedPipelineSchedule(program, spec, spec)
 
 

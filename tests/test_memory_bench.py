@@ -152,11 +152,13 @@ def test_cli_json_and_training_walk(capsys):
         assert 1 <= rank["in_flight_max"]["actor"] <= 4 and 1 <= rank["in_flight_max"]["critic"] <= 4
 
 
-def test_measured_trainer_memory_matches_the_estimate(capsys):
+@pytest.mark.parametrize("critic", [[], ["--parallelism.pp_critic=1"]], ids=["critic-pp2", "critic-replicas"])
+def test_measured_trainer_memory_matches_the_estimate(capsys, critic):
     """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent
     state, gradients, unsharded stages, in-flight activations, weight-sync units, profiled training step, prefill
-    and scoring micro-batch) within 10% on every rank."""
-    code = memory.main(["--measure", "--json", "--model.actor=debug", "--model.critic=debug", "--model.reward=debug"])
+    and scoring micro-batch) within 10% on every rank. Also with the Critic as 2 replicas of one stage (each rank
+    then holds the whole Critic, hybrid-sharded over (replica, dp_shard))."""
+    code = memory.main(["--measure", "--json", "--model.actor=debug", "--model.critic=debug", "--model.reward=debug", *critic])
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     off = [c for c in result["comparison"] if c["gated"] and abs(c["ratio"] - 1) > memory.TOLERANCE]

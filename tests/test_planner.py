@@ -645,7 +645,8 @@ def test_schedule_memory_cap_from_the_config(monkeypatch):
     base = ["--job.config_file", config, "--parallelism.pp=2", "--fusion.schedule_search_budget_s=0.2"]
     cfg = load_config(base)
     seq_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-    placement, costs, n_mb = train.pipeline_costs(cfg, seq_len)
+    placement, costs, counts = train.pipeline_costs(cfg, seq_len)
+    n_mb = counts["actor"]
     need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory
     assert train.schedule_memory_limit(cfg, seq_len) is None  # unset: the search's default
     limits = []

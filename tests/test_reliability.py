@@ -146,7 +146,12 @@ def _ppo_step(
 
     monkeypatch.setattr(train, "train_minibatch", fake_minibatch)
     layout = SimpleNamespace(
-        dp=1, pp_group=None, actor_stage=actor, critic_stage=critic, tied=SimpleNamespace(sum_gradients=lambda: None)
+        dp=1,
+        pp_group=None,
+        critic_group=None,
+        actor_stage=actor,
+        critic_stage=critic,
+        tied=SimpleNamespace(sum_gradients=lambda: None),
     )
     opts = []
     for m in (actor, critic):

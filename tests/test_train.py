@@ -1,4 +1,5 @@
-"""End-to-end PPO trainer on 4 CPU ranks (pp=2 x dp_shard=2): fusions on == off, exact resume, config refusal."""
+"""End-to-end PPO trainer on 4 CPU ranks (pp=2 x dp_shard=2): fusions on == off, Critic replicas == no replicas,
+exact resume (also with replicas), config refusal."""
 
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ COMPARED = (
 FUSED = ("--fusion.inter_stage=true", "--fusion.intra_stage=true", "--fusion.split_backward=true")
 
 
+# The Critic on one pipeline stage: 2 replicas, hybrid-sharded over (replica, dp_shard) = (2, 2).
+REPLICAS = ("--parallelism.pp_critic=1",)
+
+
 def _runs(out: str) -> dict[str, list[dict]]:
     """Fusions on (split-backward fused schedule, checkpoint every step), fusions off (with activation checkpointing
-    and frozen-model offload), and a resume of the first run from its step 1."""
+    and frozen-model offload), fusions on with the Critic as 2 replicas of 1 stage (checkpoint every step), and a
+    resume of the first and the third run from their step 1."""
     from fusedrl.config import load_config
     from fusedrl.train import run
 
@@ -89,19 +95,25 @@ def _runs(out: str) -> dict[str, list[dict]]:
             )
         ),
     }
-    if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint of "on" exists in its folder
-        src = Path(out, "on", "checkpoints")
-        step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
-        shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
-    dist.barrier()
-    histories["resumed"] = run(cfg("resumed", *FUSED, "--checkpoint.resume=true"))
+    histories["replicas"] = run(cfg("replicas", *FUSED, *REPLICAS, "--checkpoint.interval=1"))
+    for name, extra in (("on", FUSED), ("replicas", (*FUSED, *REPLICAS))):
+        if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint of the run exists in its folder
+            src = Path(out, name, "checkpoints")
+            step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
+            shutil.copytree(step1, Path(out, f"{name}_resumed", "checkpoints", step1.name))
+        dist.barrier()
+        histories[f"{name}_resumed"] = run(cfg(f"{name}_resumed", *extra, "--checkpoint.resume=true"))
     return histories
 
 
 @pytest.fixture(scope="module")
-def histories(tmp_path_factory) -> dict[str, list[dict]]:
-    out = tmp_path_factory.mktemp("train")
-    return run_multirank(_runs, 4, str(out), timeout_s=420.0)[0]
+def train_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def histories(train_dir) -> dict[str, list[dict]]:
+    return run_multirank(_runs, 4, str(train_dir), timeout_s=420.0)[0]
 
 
 def _assert_close(a: dict, b: dict, keys, rel: float, what: str) -> None:
@@ -131,10 +143,31 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
     assert on[0]["time_outside"] == 0.0 and on[1]["time_outside"] > 0.0
 
 
-def test_resume_continues_exactly(histories):
-    on, resumed = histories["on"], histories["resumed"]
+@pytest.mark.parametrize("name", ["on", "replicas"])
+def test_resume_continues_exactly(histories, name):
+    run, resumed = histories[name], histories[f"{name}_resumed"]
     assert len(resumed) == 1, "the resumed run must start after the checkpointed step 1"
-    _assert_close(resumed[0], on[1], COMPARED + ("true_score", "lr_actor", "lr_critic"), 1e-6, "resumed step 2")
+    _assert_close(resumed[0], run[1], COMPARED + ("true_score", "lr_actor", "lr_critic"), 1e-6, "resumed step 2")
+
+
+def test_critic_replicas_train_like_one_critic_pipeline(histories, train_dir):
+    """pp_critic=1 at pp=2: two Critic replicas, each training half of the micro-batches, their gradients averaged by
+    hybrid sharding: the same losses, rewards and gradient norms as the Critic split over both stages. The
+    checkpoint holds one copy of the replicated Critic (its shards tile each tensor once)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    on, replicas = histories["on"], histories["replicas"]
+    assert len(replicas) == 2
+    for step, (a, b) in enumerate(zip(on, replicas), start=1):
+        _assert_close(a, b, COMPARED, 1e-4, f"step {step} one Critic pipeline vs two replicas")
+    saved = FileSystemReader(str(train_dir / "replicas" / "checkpoints" / "step-00000001")).read_metadata().state_dict_metadata
+    critic = {k: v for k, v in saved.items() if k.startswith("model.critic_stage0.") and isinstance(v, TensorStorageMetadata)}
+    assert any(".model.layers.1." in k for k in critic) and any(".optimizer." in k for k in critic)
+    assert not any(k.startswith("model.critic_stage1.") for k in saved)  # one stage: every rank holds it
+    for name, meta in critic.items():
+        stored = sum(math.prod(c.sizes) for c in meta.chunks)
+        assert stored == math.prod(meta.size), f"{name}: {stored} elements stored for a tensor of {math.prod(meta.size)}"
 
 
 def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
@@ -191,6 +224,15 @@ BAD_CONFIGS = [
         "model.actor_path is unset: a random initialisation builds the whole 'llama3_1_8b' model in host memory",
     ),
     (["--data.chat_template=true"], "data.chat_template = true, but the tokenizer (model.tokenizer_path = "),
+    (["--parallelism.pp_critic=3"], "parallelism.pp_critic = 3 (command line): must divide parallelism.pp = 2"),
+    (
+        ["--model.critic=debug_small", "--model.critic_path=", "--parallelism.pp_critic=2"],
+        "model.critic = 'debug_small' has 1 layers, fewer than parallelism.pp_critic = 2 stages; lower pp_critic",
+    ),
+    (
+        ["--ppo.minibatch_size=4", "--ppo.microbatch_size=2", "--parallelism.pp_critic=1"],
+        "the 2 Critic replicas split each minibatch's 1 micro-batches per data-parallel shard evenly",
+    ),
 ]
 
 
@@ -208,6 +250,9 @@ BAD_CONFIGS = [
         "gen-tp-world",
         "random-init-8b",
         "no-chat-template",
+        "pp-critic-divisor",
+        "pp-critic-layers",
+        "pp-critic-microbatches",
     ],
 )
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):

@@ -421,11 +421,15 @@ class RankBuild:
 
 
 def rank_coords(cfg: JobConfig, rank: int) -> dict[str, int]:
-    """Coordinates of ``rank`` in the training mesh ``(pp, dp_shard, tp)`` and the generation mesh
-    ``(gen_dp, gen_tp)`` (both row-major over the ranks, as ``init_device_mesh`` lays them out)."""
+    """Coordinates of ``rank`` in the training mesh ``(pp, dp_shard, tp)``, the Critic's replica mesh
+    ``(critic_replica, critic_pp, dp_shard, tp)`` and the generation mesh ``(gen_dp, gen_tp)`` (all row-major over
+    the ranks, as ``init_device_mesh`` lays them out)."""
     p = cfg.parallelism
+    pp = rank // (p.dp_shard * p.tp)
     return {
-        "pp": rank // (p.dp_shard * p.tp),
+        "pp": pp,
+        "critic_replica": pp // p.critic_stages,
+        "critic_pp": pp % p.critic_stages,
         "dp_shard": rank // p.tp % p.dp_shard,
         "tp": rank % p.tp,
         "gen_dp": rank // p.gen_tp,
@@ -458,7 +462,7 @@ def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
         stages = {}
         for model, module, index in (
             (ACTOR, training.actor_stage, training.pp_rank),
-            (CRITIC, training.critic_stage, training.pp - 1 - training.pp_rank),
+            (CRITIC, training.critic_stage, training.critic_index),
         ):
             last = module.output is not None
             stages[model] = StageInfo(
@@ -616,6 +620,7 @@ def training_walk(
     grads: dict[str, int],
     loss_transient: int,
     recompute: dict[str, int],
+    first_unit_grads: dict[str, int],
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
@@ -625,7 +630,9 @@ def training_walk(
     holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing,
     0 without it) joins during the model's B and I (the larger of the two when both apply: the loss's backward
     ends first). A backward is charged at its start (the micro-batch still held, the model's gradients as they
-    were) or at its end (released, gradients present), whichever is larger. Returns (per model the most
+    were) or at its end (released, gradients present), whichever is larger; the model's first backward that computes
+    weight gradients (B, or W when split) is charged at its start with ``first_unit_grads`` more (autograd writes the
+    gradients of the stage's last FSDP2 unit before it frees that unit's saved activations). Returns (per model the most
     micro-batches held at once, the categories live at the largest moment, the largest activations + logits
     alone)."""
     count = {ACTOR: 0, CRITIC: 0}
@@ -636,10 +643,10 @@ def training_walk(
     best: dict[str, int] = {}
     held = 0
 
-    def moment(transient: int, rebuilt: int) -> dict[str, int]:
+    def moment(transient: int, rebuilt: int, first: int = 0) -> dict[str, int]:
         return {
             "unsharded_params": sum(params[x] for x in gathered),
-            "unsharded_grads": sum(grads[x] for x in graded),
+            "unsharded_grads": sum(grads[x] for x in graded) + first,
             "activations": sum(count[x] * per_mb[x] for x in count),
             "actor_logits": count[ACTOR] * logits_mb,
             "logits_transient": transient,
@@ -658,7 +665,8 @@ def training_walk(
             gathered.add(m)
             count[m] += 1
             most[m] = max(most[m], count[m])
-        candidates = [moment(transient, rebuilt)]
+        writes_grads = a.kind == ("W" if split[m] else "B")
+        candidates = [moment(transient, rebuilt, first_unit_grads[m] if writes_grads and m not in graded else 0)]
         held = max(held, candidates[0]["activations"] + candidates[0]["actor_logits"])
         if a.kind in ("B", "W"):
             graded.add(m)
@@ -782,14 +790,22 @@ def estimate_rank(
         if actor_stage.last
         else 0
     )
-    most, compute, held = training_walk(
-        program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads, loss_transient, recompute
-    )
     groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
     for st in build.stages.values():
         for x in st.tensors:
             key = f"{st.model}.{'.'.join(x.name.split('.')[:2]) if x.name.startswith('layers.') else 'root'}"
             groups[key] = groups.get(key, 0) + accum * x.unsharded_numel()
+    # the unit whose gradients a first backward writes before freeing anything: the stage's last layer (its root
+    # alone when it has no layer)
+    first_unit_grads = {
+        m: groups[max((k for k in groups if k.startswith(f"{m}.layers.")), key=lambda k: int(k.split(".")[2]))]
+        if st.layers
+        else stage_grads[m]
+        for m, st in build.stages.items()
+    }
+    most, compute, held = training_walk(
+        program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads, loss_transient, recompute, first_unit_grads
+    )
     transients = {
         "weight_sync_buffers": sync["total"],
         "unsharded_params": sum(stage_params.values()),

@@ -3,8 +3,11 @@
 (a) real compute: pp=2 on two processes with one thread each; wall time of one minibatch (forward, backward,
     gradient reduction of both models) with the planner's fused program vs ``sequential_1f1b``; the runs of the
     two programs alternate and the fastest of each is reported (robust to background load on a shared machine).
-(b) emulated timing at pp=4 and pp=8: every compute action sleeps for its cost-model time while all messages
-    really travel, so the executor's ordering and overheads are measured; compared with the simulator.
+    A second row gives the Critic one stage (``pp_critic=1``): two Critic replicas, each a whole Critic on one
+    rank training half of its micro-batches, hybrid-sharded (FSDP2) so that their gradients are averaged.
+(b) emulated timing at pp=4 and pp=8, and pp=4 with a 2-stage Critic (2 replicas): every compute action sleeps for
+    its cost-model time while all messages really travel, so the executor's ordering and overheads are measured;
+    compared with the simulator.
 
 Run: ``python -m fusedrl.bench.pipeline [--json] [--trace-dir DIR]``
 """
@@ -83,11 +86,12 @@ def _value_loss(values: torch.Tensor, t: dict[str, torch.Tensor]):
 
 
 def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str | None):
-    from fusedrl.distributed import split_decoder
+    from fusedrl.distributed import ParallelDims, apply_fsdp, split_decoder
     from fusedrl.models import build_model
     from fusedrl.models.registry import Role
 
     rank, pp = dist.get_rank(), dist.get_world_size()
+    critic_stages = next(iter(programs.values())).placement.num_stages(CRITIC)
     torch.manual_seed(0)
     models = {}
     roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"), (CRITIC, "value"))
@@ -98,7 +102,10 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     dim = models[ACTOR].tok_embeddings.embedding_dim
     vocab = models[ACTOR].tok_embeddings.num_embeddings
     actor_stage = split_decoder(models[ACTOR], pp)[rank]
-    critic_stage = split_decoder(models[CRITIC], pp)[pp - 1 - rank]
+    critic_stage = split_decoder(models[CRITIC], critic_stages)[critic_stages - 1 - rank % critic_stages]
+    if critic_stages < pp:  # replicas: FSDP2's hybrid sharding averages their gradients
+        mesh = ParallelDims(pp=pp, world_size=pp, pp_critic=critic_stages).build_critic_mesh("cpu")
+        apply_fsdp(critic_stage, mesh["critic_replica", "dp_shard"])
     batch = REAL_MB_SIZE * REAL_MICROBATCHES
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (batch, REAL_SEQ), generator=g)
@@ -136,22 +143,27 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     times = {name: min(v) for name, v in samples.items()}
     if rank == 0 and trace_dir:
         for name, tl in traces.items():
-            tl.save_chrome_trace(Path(trace_dir) / f"pipeline_real_{name}.json")
+            tl.save_chrome_trace(Path(trace_dir) / f"pipeline_real_critic{critic_stages}_{name}.json")
     return {"times": times, "samples": samples, "bubble": {n: t.bubble_ratio() for n, t in traces.items()}}
 
 
-def bench_real(reps: int, trace_dir: str | None) -> dict:
-    placement = Placement(2)
-    m = REAL_MICROBATCHES
-    costs = CostModel.uniform(placement, 1.0, REAL_LAYERS[CRITIC] / REAL_LAYERS[ACTOR])
+def bench_real(reps: int, trace_dir: str | None, critic_stages: int = 2) -> dict:
+    """pp=2; ``critic_stages=1``: the Critic as two replicas of one stage, each with half the micro-batches."""
+    placement = Placement(2, critic_stages)
+    ma = REAL_MICROBATCHES
+    mc = ma // placement.critic_replicas
+    # per-stage cost ratio: layers per Critic stage over layers per Actor stage
+    ratio = (REAL_LAYERS[CRITIC] / critic_stages) / (REAL_LAYERS[ACTOR] / placement.pp)
+    costs = CostModel.uniform(placement, 1.0, ratio)
     schedules = {
-        "sequential": sequential_1f1b(placement, m, m),
-        "fused": fused_schedule(placement, costs, m, m, budget_s=2.0).schedule,
+        "sequential": sequential_1f1b(placement, ma, mc),
+        "fused": fused_schedule(placement, costs, ma, mc, budget_s=2.0).schedule,
     }
-    programs = {n: lower(s, placement, {ACTOR: m, CRITIC: m}) for n, s in schedules.items()}
+    programs = {n: lower(s, placement, {ACTOR: ma, CRITIC: mc}) for n, s in schedules.items()}
     result = _launch(_real_worker, 2, programs, reps, trace_dir)
-    sim = {n: simulate(s, placement, costs, m, m).makespan for n, s in schedules.items()}
+    sim = {n: simulate(s, placement, costs, ma, mc).makespan for n, s in schedules.items()}
     result["simulated_speedup"] = sim["sequential"] / sim["fused"]
+    result["cost_ratio"] = ratio
     return result
 
 
@@ -175,23 +187,27 @@ def _emulated_worker(programs: dict[str, LoweredProgram], costs: CostModel, reps
     return out
 
 
-def bench_emulated(pp: int, reps: int, trace_dir: str | None) -> dict:
-    placement = Placement(pp)
-    m = pp
-    costs = CostModel.uniform(placement, EMU_F_ACTOR, EMU_F_CRITIC)
+def bench_emulated(pp: int, reps: int, trace_dir: str | None, critic_stages: int | None = None) -> dict:
+    """``critic_stages`` < pp: the Critic as pp / critic_stages replicas, each with its share of the micro-batches
+    (a Critic stage then holds pp / critic_stages times the layers: its actions cost that much more)."""
+    placement = Placement(pp, critic_stages)
+    k = placement.critic_replicas
+    ma, mc = pp, pp // k
+    costs = CostModel.uniform(placement, EMU_F_ACTOR, EMU_F_CRITIC * k)
     schedules = {
-        "sequential": sequential_1f1b(placement, m, m),
-        "fused": fused_schedule(placement, costs, m, m, budget_s=5.0).schedule,
+        "sequential": sequential_1f1b(placement, ma, mc),
+        "fused": fused_schedule(placement, costs, ma, mc, budget_s=5.0).schedule,
     }
-    programs = {n: lower(s, placement, {ACTOR: m, CRITIC: m}) for n, s in schedules.items()}
+    programs = {n: lower(s, placement, {ACTOR: ma, CRITIC: mc}) for n, s in schedules.items()}
     measured = _launch(_emulated_worker, pp, programs, costs, reps)
-    row: dict = {"pp": pp, "microbatches": m}
+    row: dict = {"pp": pp, "pp_critic": placement.num_stages(CRITIC), "microbatches": ma}
     for name, s in schedules.items():
-        row[f"{name}_simulated"] = simulate(s, placement, costs, m, m).makespan
+        row[f"{name}_simulated"] = simulate(s, placement, costs, ma, mc).makespan
         row[f"{name}_measured"] = measured[name]["makespan"]
         row[f"{name}_bubble"] = measured[name]["bubble"]
         if trace_dir:
-            measured[name]["timeline"].save_chrome_trace(Path(trace_dir) / f"pipeline_emulated_pp{pp}_{name}.json")
+            path = Path(trace_dir) / f"pipeline_emulated_pp{pp}_critic{row['pp_critic']}_{name}.json"
+            measured[name]["timeline"].save_chrome_trace(path)
     row["timelines"] = {n: measured[n]["timeline"] for n in schedules}
     row["measured_speedup"] = row["sequential_measured"] / row["fused_measured"]
     row["simulated_speedup"] = row["sequential_simulated"] / row["fused_simulated"]
@@ -211,31 +227,35 @@ def main(argv: list[str] | None = None) -> None:
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
 
-    real = bench_real(args.reps, args.trace_dir)
-    t = real["times"]
-    real_speedup = t["sequential"] / t["fused"]
     print(
         f"(a) real compute, pp=2, {REAL_FLAVOR} actor {REAL_LAYERS[ACTOR]} layers / critic {REAL_LAYERS[CRITIC]} layers, "
         f"{REAL_MICROBATCHES} micro-batches of {REAL_MB_SIZE}x{REAL_SEQ} tokens per model"
     )
-    print(
-        f"    sequential_1f1b {t['sequential'] * 1e3:8.1f} ms (bubble {real['bubble']['sequential']:.1%})   "
-        f"fused {t['fused'] * 1e3:8.1f} ms (bubble {real['bubble']['fused']:.1%})   speedup {real_speedup:.3f}x "
-        f"(simulator with a critic/actor cost ratio of 0.5: {real['simulated_speedup']:.3f}x)"
-    )
+    real_speedups = {}
+    for critic_stages, label in ((2, "critic on 2 stages"), (1, "critic on 1 stage, 2 replicas (pp_critic=1)")):
+        real = bench_real(args.reps, args.trace_dir, critic_stages)
+        t = real["times"]
+        real_speedups[critic_stages] = t["sequential"] / t["fused"]
+        print(
+            f"    {label}: sequential_1f1b {t['sequential'] * 1e3:8.1f} ms (bubble {real['bubble']['sequential']:.1%})   "
+            f"fused {t['fused'] * 1e3:8.1f} ms (bubble {real['bubble']['fused']:.1%})   speedup "
+            f"{real_speedups[critic_stages]:.3f}x (simulator with a critic/actor cost ratio of {real['cost_ratio']:g} per "
+            f"stage: {real['simulated_speedup']:.3f}x)"
+        )
 
     rows = [bench_emulated(pp, args.reps, args.trace_dir) for pp in (4, 8)]
+    rows.append(bench_emulated(4, args.reps, args.trace_dir, critic_stages=2))
     print(
-        f"(b) emulated compute (actor f={EMU_F_ACTOR * 1e3:.0f} ms, critic f={EMU_F_CRITIC * 1e3:.0f} ms, b=2f), "
-        "real gloo messages; makespans in ms"
+        f"(b) emulated compute (actor f={EMU_F_ACTOR * 1e3:.0f} ms, critic f={EMU_F_CRITIC * 1e3:.0f} ms per stage, x "
+        "pp/pp_critic with replicas; b=2f), real gloo messages; makespans in ms"
     )
     print(
-        f"    {'pp':>3} {'M':>3} {'seq sim':>9} {'seq meas':>9} {'fused sim':>9} {'fused meas':>10} "
+        f"    {'pp':>3} {'pp_critic':>9} {'M':>3} {'seq sim':>9} {'seq meas':>9} {'fused sim':>9} {'fused meas':>10} "
         f"{'speedup sim':>11} {'speedup meas':>12} {'max rel err':>11}"
     )
     for r in rows:
         print(
-            f"    {r['pp']:>3} {r['microbatches']:>3} {r['sequential_simulated'] * 1e3:9.1f} "
+            f"    {r['pp']:>3} {r['pp_critic']:>9} {r['microbatches']:>3} {r['sequential_simulated'] * 1e3:9.1f} "
             f"{r['sequential_measured'] * 1e3:9.1f} {r['fused_simulated'] * 1e3:9.1f} {r['fused_measured'] * 1e3:10.1f} "
             f"{r['simulated_speedup']:11.3f} {r['measured_speedup']:12.3f} {r['max_rel_error']:11.2%}"
         )
@@ -245,9 +265,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             json.dumps(
                 {
-                    "real_speedup": round(real_speedup, 4),
+                    "real_speedup": round(real_speedups[2], 4),
+                    "real_speedup_pp_critic1": round(real_speedups[1], 4),
                     "emulated": [
-                        {k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")} | {"pp": r["pp"]}
+                        {k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")}
+                        | {"pp": r["pp"], "pp_critic": r["pp_critic"]}
                         for r in rows
                     ],
                 }

@@ -230,9 +230,24 @@ class ParallelismSection:
     """[parallelism]: training mesh (pp x dp_shard x tp = world size) and generation TP."""
 
     pp: int = _key(1, "Pipeline-parallel stages (Actor in rank order, Critic in reverse order).", at_least(1))
+    pp_critic: int | None = _key(
+        None,
+        "Pipeline stages of the Critic; unset: pp. Fewer stages (a divisor of pp) run as pp / pp_critic Critic replicas on "
+        "consecutive rank blocks, each training its share of the micro-batches (gradients averaged like data parallelism).",
+        at_least(1),
+    )
     dp_shard: int = _key(1, "FSDP2 data-parallel shards.", at_least(1))
     tp: int = _key(1, "Tensor-parallel degree for training.", at_least(1))
     gen_tp: int = _key(1, "Tensor-parallel degree of each generation instance; must divide the world size.", at_least(1))
+
+    @property
+    def critic_stages(self) -> int:
+        """The Critic's pipeline stages (``pp_critic``, or ``pp`` when unset)."""
+        return self.pp if self.pp_critic is None else self.pp_critic
+
+    @property
+    def critic_replicas(self) -> int:
+        return self.pp // self.critic_stages
 
 
 @dataclass

@@ -300,11 +300,31 @@ def validate_config(cfg: JobConfig) -> None:
             _check(section, key, value, meta, source)
             setattr(obj, key, value)
     _check_batches(cfg)
+    _check_critic_stages(cfg)
     _check_split_backward(cfg)
     if cfg.data.format != "synthetic" and cfg.data.path is None:
         raise ConfigError(
             f'data.path ({source_of(cfg, "data.path")}): is unset but data.format = "{cfg.data.format}" '
             f"needs a dataset; set --data.path=PATH or --data.format=synthetic"
+        )
+
+
+def _check_critic_stages(cfg: JobConfig) -> None:
+    par, ppo = cfg.parallelism, cfg.ppo
+    if par.pp_critic is None:
+        return
+    where = f"parallelism.pp_critic = {par.pp_critic} ({source_of(cfg, 'parallelism.pp_critic')})"
+    if par.pp % par.pp_critic:
+        raise ConfigError(
+            f"{where}: must divide parallelism.pp = {par.pp} (the Critic runs as pp / pp_critic replicas); choose one of "
+            f"{_divisors(par.pp)}"
+        )
+    microbatches = ppo.minibatch_size // par.dp_shard // ppo.microbatch_size
+    if microbatches % par.critic_replicas:
+        raise ConfigError(
+            f"{where}: the {par.critic_replicas} Critic replicas split each minibatch's {microbatches} micro-batches per "
+            f"data-parallel shard evenly; make that count (ppo.minibatch_size / dp_shard / microbatch_size) a multiple of "
+            f"{par.critic_replicas}, or choose another pp_critic"
         )
 
 

@@ -6,6 +6,7 @@ changes.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -30,6 +31,29 @@ def prepare_static_stage(stage: PipelineStage, num_microbatches: int) -> None:
     else:
         stage._prepare_forward_infra(num_microbatches, (), {})
     stage._prepare_backward_infra(num_microbatches)
+
+
+def pipeline_stage_on_ranks(
+    module: nn.Module,
+    stage_index: int,
+    stage_ranks: list[int],
+    device: torch.device,
+    input_args: torch.Tensor,
+    output_args: torch.Tensor,
+    group: dist.ProcessGroup | None,
+) -> PipelineStage:
+    """A ``PipelineStage`` of a pipeline whose ``len(stage_ranks)`` stages live on ``stage_ranks`` (ranks of
+    ``group``, stage by stage), where ``group`` may hold more ranks than the pipeline has stages: a Critic replica's
+    stages on its block of the pipeline group, whose messages must travel on that group (one message order per
+    rank pair with the Actor's). ``PipelineStage`` refuses a group larger than its stage count; the stage only ever
+    talks to the ranks of ``stage_index_to_group_rank``, so it is built for as many stages as the group has ranks,
+    then given its true stage count (``num_stages``, which nothing reads before the first step)."""
+    stages = len(stage_ranks)
+    built = max(stages, dist.get_world_size(group))
+    stage = PipelineStage(module, stage_index, built, device, input_args=input_args, output_args=output_args, group=group)
+    stage.num_stages = stages
+    stage.stage_index_to_group_rank = dict(enumerate(stage_ranks))
+    return stage
 
 
 def recompute_in_backward(module: nn.Module) -> None:

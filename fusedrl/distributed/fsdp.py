@@ -23,7 +23,8 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
 ) -> FSDPModule:
-    """Shard ``module`` (a TransformerDecoder or a ``split_decoder`` stage) over the 1-D ``dp_mesh``.
+    """Shard ``module`` (a TransformerDecoder or a ``split_decoder`` stage) over the 1-D ``dp_mesh``, or hybrid-shard
+    it over a 2-D ``(replicate, shard)`` mesh (replicated over the first dim, sharded over the second).
 
     Each transformer layer becomes its own FSDP unit (all-gathered just before use); the root unit
     holds the rest (embedding, final norm, head). ``mp_policy``, e.g.
@@ -31,10 +32,13 @@ def apply_fsdp(
     ``param_dtype`` and reduce-scatters gradients in ``reduce_dtype`` while the sharded parameters
     and the optimizer state stay float32. With pipeline parallelism, ``reshard_after_forward=False``
     avoids one all-gather per micro-batch at the cost of keeping the stage unsharded between
-    forward and backward. Gradients are averaged over ``dp_mesh``.
+    forward and backward. Gradients are averaged over all of ``dp_mesh``.
     """
-    if dp_mesh.ndim != 1:
-        raise ValueError(f"apply_fsdp needs a 1-D data-parallel mesh, got dims {dp_mesh.mesh_dim_names}; pass mesh['dp_shard']")
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"apply_fsdp needs a 1-D data-parallel mesh or a 2-D (replicate, shard) one, got dims {dp_mesh.mesh_dim_names}; "
+            "pass mesh['dp_shard']"
+        )
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

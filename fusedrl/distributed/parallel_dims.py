@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 TRAIN_MESH_DIMS: tuple[str, str, str] = ("pp", "dp_shard", "tp")
 GEN_MESH_DIMS: tuple[str, str] = ("gen_dp", "gen_tp")
+CRITIC_MESH_DIMS: tuple[str, str, str, str] = ("critic_replica", "critic_pp", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ParallelDims:
     tp: int = 1
     gen_tp: int = 1
     world_size: int = field(default=None)  # type: ignore[assignment]  # resolved in __post_init__
+    pp_critic: int = field(default=None)  # type: ignore[assignment]  # the Critic's stages; None resolves to pp
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -43,6 +45,13 @@ class ParallelDims:
                 f"parallelism pp*dp_shard*tp = {self.pp}*{self.dp_shard}*{self.tp} = "
                 f"{self.pp * self.dp_shard * self.tp} does not match the world size {self.world_size}; "
                 "choose degrees whose product is the number of processes"
+            )
+        if self.pp_critic is None:
+            object.__setattr__(self, "pp_critic", self.pp)
+        if not isinstance(self.pp_critic, int) or self.pp_critic < 1 or self.pp % self.pp_critic:
+            raise ValueError(
+                f"parallelism.pp_critic = {self.pp_critic!r} must be a divisor of pp = {self.pp} (the Critic runs as "
+                "pp / pp_critic replicas)"
             )
         if self.world_size % self.gen_tp != 0:
             raise ValueError(
@@ -67,6 +76,19 @@ class ParallelDims:
         """The training mesh with dims ``("pp", "dp_shard", "tp")``; collective: call on every rank."""
         self._check_group()
         return init_device_mesh(device_type, (self.pp, self.dp_shard, self.tp), mesh_dim_names=TRAIN_MESH_DIMS)
+
+    @property
+    def critic_replicas(self) -> int:
+        return self.pp // self.pp_critic
+
+    def build_critic_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The training ranks seen as Critic replicas: dims ``("critic_replica", "critic_pp", "dp_shard", "tp")``,
+        the pipeline dim split into ``critic_replicas`` blocks of ``pp_critic`` consecutive pipeline ranks (the
+        same rank order as :meth:`build_mesh`). The Critic shards over ``["critic_replica", "dp_shard"]`` (FSDP2's
+        hybrid sharding: replicated over the replicas, so its gradient reduction averages them too); collective."""
+        self._check_group()
+        shape = (self.critic_replicas, self.pp_critic, self.dp_shard, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=CRITIC_MESH_DIMS)
 
     def build_gen_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The generation mesh with dims ``("gen_dp", "gen_tp")``; collective: call on every rank."""

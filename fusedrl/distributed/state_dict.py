@@ -28,7 +28,8 @@ def gather_full_state_dict(
     Collective: every rank of the job calls it with its own stages. DTensor shards (FSDP2 / TP) are
     all-gathered within their mesh; the stages' full tensors are then broadcast over ``pp_group``, one
     flat buffer per source stage and dtype. Stage modules keep the full model's parameter names, so the
-    union is the full model's state dict. ``pp_group=None`` means the stage is the whole model.
+    union is the full model's state dict (a stage held by several ranks, as Critic replicas are, is broadcast
+    once). ``pp_group=None`` means the stage is the whole model.
     """
     stages = stages if isinstance(stages, list) else [stages]
     local = _local_full_state(stages)
@@ -41,6 +42,8 @@ def gather_full_state_dict(
     me = dist.get_rank(pp_group)
     full: dict[str, torch.Tensor] = {}
     for src, entries in enumerate(all_meta):
+        if all(name in full for name, _, _ in entries):  # a replica of a stage already received (Critic replicas)
+            continue
         for dtype in sorted({d for _, _, d in entries}, key=str):
             group_entries = [(n, s) for n, s, d in entries if d == dtype]
             if src == me:

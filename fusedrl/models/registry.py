@@ -49,6 +49,8 @@ class ModelFlavor:
 FLAVORS: dict[str, ModelFlavor] = {
     # Tiny, CPU-fast: unit tests and the embedded debug task.
     "debug": ModelFlavor("llama3", 512, 2, 4, 2, 64, 192, 512, rope_base=10_000.0),
+    # One layer of "debug": a Critic smaller than the Actor (parallelism.pp_critic runs it on fewer stages).
+    "debug_small": ModelFlavor("llama3", 512, 1, 4, 2, 64, 192, 512, rope_base=10_000.0),
     # ~27M parameters: CPU benchmarks.
     "debug_large": ModelFlavor("llama3", 512, 8, 8, 4, 512, 1536, 1024, rope_base=10_000.0),
     # Tiny qwen2-family model (q/k/v biases, tied embeddings): tests the Qwen code paths on CPU.

@@ -11,6 +11,14 @@ gradients over ``dp_shard``. The gradient is therefore that of ``mean over dp ra
 loss_fn(micro-batch)``, which equals the full-batch gradient whenever ``loss_fn`` is a mean over equally
 sized micro-batches.
 
+Critic replicas: a program whose Critic has fewer stages than the Actor (``Placement(pp, critic_stages)``) runs
+``K = pp / critic_stages`` Critic replicas, each on its own block of pipeline ranks; the Critic's batch is cut into
+``K x M`` micro-batches and replica ``r`` trains micro-batches ``r*M .. r*M+M-1`` (``M`` = the program's Critic
+micro-batches, per replica). The replicas' gradients are averaged by FSDP2's hybrid sharding: each Critic stage
+must be ``fully_shard``-ed over a 2-D mesh whose replicate dim holds the K ranks of that stage
+(``ParallelDims.build_critic_mesh()["critic_replica", "dp_shard"]``), so the one gradient reduction per step
+averages over replicas and data-parallel shards alike, and every replica takes the same optimizer step.
+
 Shapes: stages use static shape metadata (no communication when they are built). All micro-batches of one
 step share one shape, so the batch must be divisible by the model's micro-batch count and sequences are
 right-padded to a common length. Pad each minibatch to one of a few bucket lengths (see
@@ -35,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
-from fusedrl.distributed.compat import prepare_static_stage, recomputes_in_backward
+from fusedrl.distributed.compat import pipeline_stage_on_ranks, prepare_static_stage, recomputes_in_backward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action
 from fusedrl.pipelining.lowering import (
     COMM_KINDS,
@@ -87,7 +96,7 @@ class FusedPipelineSchedule:
     """Trains the Actor and the Critic on the same pipeline ranks with one lowered program.
 
     Actor stage ``i`` lives on pipeline rank ``i`` and Critic stage ``j`` on rank ``pp-1-j`` (the placement
-    of ``program``). Every rank of ``group`` (the pipeline group; for FSDP2 the stage modules are already
+    of ``program``; a Critic with fewer stages runs as replicas, see the module doc). Every rank of ``group`` (the pipeline group; for FSDP2 the stage modules are already
     ``fully_shard``-ed over dp_shard) constructs this with its own stage modules and calls :meth:`step`
     with the same minibatch. The unfused baseline is the same executor with a ``sequential_1f1b`` program.
     """
@@ -102,14 +111,11 @@ class FusedPipelineSchedule:
         device: torch.device | str | None = None,
     ) -> None:
         placement = program.placement
-        if placement.num_stages(CRITIC) != placement.pp:
-            raise ValueError(
-                f"a Critic with fewer stages ({placement.num_stages(CRITIC)}) than the Actor ({placement.pp}) "
-                "is not supported by the executor; give both models pp stages"
-            )
         if placement.pp < 2:
             raise ValueError("the fused executor needs pp >= 2; with pp=1 train the models without pipelining")
         program.verify()  # before any communication: a bad program never starts
+        if placement.critic_replicas > 1:
+            _check_replicated(critic.module, placement.critic_replicas)
         if any(a.kind in ("I", "W") for prog in program.programs.values() for a in prog):
             for spec in (actor, critic):
                 for module in spec.module.modules():
@@ -130,7 +136,14 @@ class FusedPipelineSchedule:
         self.group = group
         self.rank = dist.get_rank(group)
         self.models = {ACTOR: actor, CRITIC: critic}
-        self.stage_index = {m: next(s for s in range(placement.pp) if placement.rank_of(m, s) == self.rank) for m in MODELS}
+        self.stage_index, self.replica = {}, {}
+        for m in MODELS:
+            self.stage_index[m], self.replica[m] = next(
+                (s, r)
+                for r in range(placement.critic_replicas if m == CRITIC else 1)
+                for s in range(placement.num_stages(m))
+                if placement.rank_of(m, s, r) == self.rank
+            )
         if device is None:
             device = next(actor.module.parameters(), torch.empty(0)).device
         self.device = torch.device(device)
@@ -143,7 +156,7 @@ class FusedPipelineSchedule:
         key = (model, n_mb, tuple(mb_input.shape), mb_input.dtype)
         if key in self._stages:
             return self._stages[key]
-        spec, s, n = self.models[model], self.stage_index[model], self.program.placement.pp
+        spec, s, n = self.models[model], self.stage_index[model], self.program.placement.num_stages(model)
         b, seq = mb_input.shape[:2]
 
         def act(dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,28 +165,30 @@ class FusedPipelineSchedule:
         # Non-first stages need requires_grad example inputs, or received activations get no gradient.
         example_in = mb_input.to(self.device) if s == 0 else act(spec.hidden_dim, spec.activation_dtype)
         example_out = act(spec.output_dim, torch.float32) if s == n - 1 else act(spec.hidden_dim, spec.activation_dtype)
-        stage = PipelineStage(spec.module, s, n, self.device, input_args=example_in, output_args=example_out, group=self.group)
-        stage.stage_index_to_group_rank = {j: self.program.placement.rank_of(model, j) for j in range(n)}
+        ranks = [self.program.placement.rank_of(model, j, self.replica[model]) for j in range(n)]
+        stage = pipeline_stage_on_ranks(spec.module, s, ranks, self.device, example_in, example_out, self.group)
         prepare_static_stage(stage, n_mb)  # static metadata: no P2P while building
         self._stages[key] = stage
         return stage
 
     def _split(self, model: str, inputs: torch.Tensor, targets: dict[str, torch.Tensor]):
+        """This rank's micro-batches of ``model``: all M of the batch, or for a Critic replica its M of K x M."""
         m = self.program.microbatches[model]
+        replicas = self.program.placement.critic_replicas if model == CRITIC else 1
         if inputs.dim() != 2:
             raise ValueError(f"{model} inputs must be token ids [batch, seq], got shape {tuple(inputs.shape)}")
         batch = inputs.shape[0]
-        if batch % m:
+        if batch % (m * replicas):
+            counted = f"{m} micro-batches" if replicas == 1 else f"{replicas} replicas x {m} micro-batches"
             raise ValueError(
-                f"{model} batch {batch} is not divisible by its {m} micro-batches; "
-                "change the minibatch size or the micro-batch count"
+                f"{model} batch {batch} is not divisible by its {counted}; change the minibatch size or the micro-batch count"
             )
         for name, t in targets.items():
             if t.shape[0] != batch:
                 raise ValueError(f"{model} target {name!r} has batch {t.shape[0]}, inputs have {batch}")
-        mb_inputs = list(inputs.tensor_split(m))
-        mb_targets = [{k: v[i * (batch // m) : (i + 1) * (batch // m)] for k, v in targets.items()} for i in range(m)]
-        return mb_inputs, mb_targets
+        size = batch // (m * replicas)
+        rows = [slice((self.replica[model] * m + i) * size, (self.replica[model] * m + i + 1) * size) for i in range(m)]
+        return [inputs[r] for r in rows], [{k: v[r] for k, v in targets.items()} for r in rows]
 
     def step(
         self,
@@ -187,8 +202,9 @@ class FusedPipelineSchedule:
         """Forward, backward and gradient reduction of one minibatch for both models.
 
         Gradients accumulate into ``.grad`` (zero them between optimizer steps). Returns per model the mean
-        micro-batch loss and stats on the rank that holds its last stage. ``record``: time every compute
-        action into :attr:`timeline` (else it is None after the step).
+        micro-batch loss and stats on the rank that holds its last stage (each Critic replica's last stage: over
+        that replica's micro-batches). ``record``: time every compute action into :attr:`timeline` (else it is
+        None after the step).
         """
         split = {
             ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
@@ -312,6 +328,25 @@ class LocalSchedule:
             results[m] = _summarize(losses, stats)
         self.timeline = clock.timeline() if clock else None
         return results
+
+
+def _check_replicated(module: nn.Module, replicas: int) -> None:
+    """Critic replicas train different micro-batches: their gradients must be averaged, which FSDP2 does for
+    parameters hybrid-sharded over a mesh whose first (replicate) dim holds the ``replicas`` copies."""
+    for name, p in module.named_parameters():
+        placements = getattr(p, "placements", ())
+        if not (
+            isinstance(p, DTensor)
+            and placements
+            and placements[0].is_replicate()
+            and p.device_mesh.mesh_dim_names is not None
+            and p.device_mesh.size(0) == replicas
+        ):
+            raise ValueError(
+                f"the program runs {replicas} Critic replicas, but Critic parameter {name!r} is not replicated over them "
+                "(its gradient would hold one replica's micro-batches only); fully_shard the Critic stage over "
+                'ParallelDims(...).build_critic_mesh()["critic_replica", "dp_shard"] (fusedrl.distributed.apply_fsdp)'
+            )
 
 
 def _check_same_program(program: LoweredProgram, group: dist.ProcessGroup | None) -> None:
