@@ -278,6 +278,27 @@ class _Evaluator:
         return self.problem.makespan(order)
 
 
+class _Best:
+    """The fastest order a search phase has found within its memory limit, and the name of what found it."""
+
+    def __init__(self, evaluator: _Evaluator, memory_limit: float, order: list[list[int]], makespan: float, method: str):
+        self.evaluator, self.memory_limit = evaluator, memory_limit
+        self.order, self.makespan, self.method = order, makespan, method
+
+    def consider(self, order: list[list[int]], method: str) -> None:
+        """Keep ``order`` if it fits the memory limit and is faster (one simulation, charged to the evaluator)."""
+        if max(self.evaluator.problem.peak_memory(order)) > self.memory_limit + 1e-9:
+            return
+        ms = self.evaluator.makespan(order)
+        if ms is not None:
+            self.keep(order, ms, method)
+
+    def keep(self, order: list[list[int]], makespan: float, method: str) -> None:
+        """Keep an already simulated ``order`` if it is faster."""
+        if makespan < self.makespan - 1e-12:
+            self.order, self.makespan, self.method = order, makespan, method
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Justification (forward-backward improvement)
 
@@ -460,19 +481,10 @@ def _split_search(
     in the bubbles), each compacted by justification, then annealing. Returns the best order within
     ``memory_limit`` (the split F/B order whatever its peak) and the name of its phase. With no budget only the
     leading greedy settings run, unjustified."""
-    best = split_order(problem, split, fb_order)
-    start_ms = evaluator.makespan(best)
+    start = split_order(problem, split, fb_order)
+    start_ms = evaluator.makespan(start)
     assert start_ms is not None, "a valid F/B order split into I then W cannot deadlock"
-    best_ms, method = start_ms, fb_method + "+split"
-
-    def consider(order: list[list[int]], name: str) -> None:
-        nonlocal best, best_ms, method
-        if max(split.peak_memory(order)) > memory_limit + 1e-9:
-            return
-        ms = evaluator.makespan(order)
-        if ms is not None and ms < best_ms - 1e-12:
-            best, best_ms, method = order, ms, name
-
+    best = _Best(evaluator, memory_limit, start, start_ms, fb_method + "+split")
     weight = balanced_critic_weight(split)
 
     def greedy(setting: tuple[tuple[int, float, bool, float], bool]) -> list[list[int]]:
@@ -490,24 +502,25 @@ def _split_search(
 
     if evaluator.work_limit == 0:
         for setting in SPLIT_LEADING_SETTINGS:
-            consider(greedy(setting), "split_greedy")
-        return best, method
+            best.consider(greedy(setting), "split_greedy")
+        return best.order, best.method
     justifier = _Justifier(split, memory_limit, evaluator)
-    consider(justifier.improve(best), method + "+justify")
+    best.consider(justifier.improve(best.order), best.method + "+justify")
     for setting in SPLIT_GREEDY_SETTINGS:
-        if evaluator.exhausted(1.0 - RESTART_SHARE) or best_ms <= target:
+        if evaluator.exhausted(1.0 - RESTART_SHARE) or best.makespan <= target:
             break
         order = greedy(setting)
-        consider(order, "split_greedy")
-        if best_ms > target and not evaluator.exhausted() and max(split.peak_memory(order)) <= memory_limit + 1e-9:
-            consider(justifier.improve(order), "split_greedy+justify")
-    if not evaluator.exhausted(MEMORY_PASS_SHARE) and best_ms > target:
+        best.consider(order, "split_greedy")
+        if best.makespan > target and not evaluator.exhausted() and max(split.peak_memory(order)) <= memory_limit + 1e-9:
+            best.consider(justifier.improve(order), "split_greedy+justify")
+    if not evaluator.exhausted(MEMORY_PASS_SHARE) and best.makespan > target:
         remaining = max(0.0, (1.0 - MEMORY_PASS_SHARE) * evaluator.work_limit - evaluator.work)
         iterations = max(1, int(remaining / max(1, evaluator.n)))
-        order, ms = anneal(split, best, best_ms, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve)
-        if ms < best_ms - 1e-12:
-            best, best_ms, method = order, ms, "split_anneal"
-    return memory_pass(split, best, best_ms, evaluator), method
+        order, ms = anneal(
+            split, best.order, best.makespan, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve
+        )
+        best.keep(order, ms, "split_anneal")
+    return memory_pass(split, best.order, best.makespan, evaluator), best.method
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -944,15 +957,7 @@ def fused_schedule(
     bound = problem_lower_bound(problem)
     target = bound * (1 + 1e-9)
 
-    best, best_ms, method = seq_order, seq_ms, "sequential_1f1b"
-
-    def consider(order: list[list[int]], name: str) -> None:
-        nonlocal best, best_ms, method
-        if max(problem.peak_memory(order)) > memory_limit + 1e-9:
-            return
-        ms = evaluator.makespan(order)
-        if ms is not None and ms < best_ms - 1e-12:
-            best, best_ms, method = order, ms, name
+    best = _Best(evaluator, memory_limit, seq_order, seq_ms, "sequential_1f1b")
 
     # Greedy settings (in-flight cap above 1F1B's, backward bias, active vs non-delay; raw or balanced Critic
     # priorities; forwards in time or on the time-reversed problem) in GREEDY_SETTINGS order, each justified.
@@ -994,32 +999,32 @@ def fused_schedule(
     def split_phase() -> PlanResult:
         split_evaluator = evaluator.continue_on(split_problem, budget_s)
         order, name = _split_search(
-            problem, split_problem, best, method, memory_limit, split_bound * (1 + 1e-9), split_evaluator, rng
+            problem, split_problem, best.order, best.method, memory_limit, split_bound * (1 + 1e-9), split_evaluator, rng
         )
         return plan_result(split_problem, order, name, split_evaluator.evaluations)
 
     if budget_s == 0:
         for setting in LEADING_SETTINGS:
-            consider(*greedy(setting))
-        return split_phase() if split_backward else plan_result(problem, best, method, evaluator.evaluations)
+            best.consider(*greedy(setting))
+        return split_phase() if split_backward else plan_result(problem, best.order, best.method, evaluator.evaluations)
 
     justifier = _Justifier(problem, memory_limit, evaluator)
 
     def consider_justified(order: list[list[int]], name: str) -> None:
         if max(problem.peak_memory(order)) > memory_limit + 1e-9:
             return  # a greedy that had to relax the memory cap: justification cannot repair that
-        consider(order, name)
-        if best_ms > target and not evaluator.exhausted():
-            consider(justifier.improve(order), name + "+justify")
+        best.consider(order, name)
+        if best.makespan > target and not evaluator.exhausted():
+            best.consider(justifier.improve(order), name + "+justify")
 
-    consider(justifier.improve(seq_order), "sequential_1f1b+justify")
+    best.consider(justifier.improve(seq_order), "sequential_1f1b+justify")
     for setting in GREEDY_SETTINGS:
-        if evaluator.exhausted(MEMORY_PASS_SHARE) or best_ms <= target:
+        if evaluator.exhausted(MEMORY_PASS_SHARE) or best.makespan <= target:
             break
         consider_justified(*greedy(setting))
     # Randomised restarts: perturbed priorities and a log-uniform Critic weight spanning both deterministic ones,
     # until RESTART_SHARE of the budget is spent.
-    while not evaluator.exhausted(1.0 - RESTART_SHARE) and best_ms > target:
+    while not evaluator.exhausted(1.0 - RESTART_SHARE) and best.makespan > target:
         extra, bias, active, pressure = RESTART_VARIANTS[rng.randrange(len(RESTART_VARIANTS))]
         prob, weights, to_original, name = directions[rng.randrange(2)]
         weight = math.exp(rng.uniform(math.log(0.6), math.log(1.25 * max(weights))))
@@ -1040,11 +1045,12 @@ def fused_schedule(
             ),
             name + "_restart",
         )
-    if not evaluator.exhausted(MEMORY_PASS_SHARE) and best_ms > target:
+    if not evaluator.exhausted(MEMORY_PASS_SHARE) and best.makespan > target:
         remaining = max(0.0, (1.0 - MEMORY_PASS_SHARE) * evaluator.work_limit - evaluator.work)
         iterations = max(1, int(remaining / max(1, evaluator.n)))
-        order, ms = anneal(problem, best, best_ms, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve)
-        if ms < best_ms - 1e-12:
-            best, best_ms, method = order, ms, "anneal"
-    best = memory_pass(problem, best, best_ms, evaluator)
-    return split_phase() if split_backward else plan_result(problem, best, method, evaluator.evaluations)
+        order, ms = anneal(
+            problem, best.order, best.makespan, memory_limit, evaluator, rng, target, iterations, justify=justifier.improve
+        )
+        best.keep(order, ms, "anneal")
+    best.order = memory_pass(problem, best.order, best.makespan, evaluator)
+    return split_phase() if split_backward else plan_result(problem, best.order, best.method, evaluator.evaluations)
