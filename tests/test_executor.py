@@ -118,7 +118,7 @@ def _check_gradients(
     }
     for m, mod in stages.items():
         if tp > 1:  # tensor parallel first, then FSDP2 over the TP-sharded parameters (torchtitan's order)
-            apply_tp(mod, mesh["tp"])
+            apply_tp(mod, (critic_mesh if m == CRITIC and critic_mesh is not None else mesh)["tp"])
         if recompute:
             apply_activation_checkpointing(mod)
         if m == CRITIC and critic_mesh is not None:  # replicas: hybrid sharding averages their gradients
@@ -245,19 +245,20 @@ def test_split_program_with_recomputed_layers_is_refused():
 
 
 @pytest.mark.parametrize(
-    "pp,dp,critic_stages,boundaries",
+    "pp,dp,tp,critic_stages,boundaries",
     # pp=4: the Actor's first stage holds only the embedding, its last only the head; the Critic's 2 stages 1 layer each
-    [(2, 1, 1, None), (4, 1, 2, (0, 1, 2)), (2, 2, 1, None)],
-    ids=["pp2-critic1", "pp4-critic2", "pp2-dp2-critic1"],
+    [(2, 1, 1, 1, None), (4, 1, 1, 2, (0, 1, 2)), (2, 2, 1, 1, None), (2, 1, 2, 1, None)],
+    ids=["pp2-critic1", "pp4-critic2", "pp2-dp2-critic1", "pp2-tp2-critic1"],
 )
-def test_critic_replicas_give_the_reference_gradients(pp, dp, critic_stages, boundaries):
+def test_critic_replicas_give_the_reference_gradients(pp, dp, tp, critic_stages, boundaries):
     """A Critic with fewer stages than the Actor runs as pp / critic_stages replicas, each on its share of the
-    micro-batches; hybrid sharding averages their gradients: every replica holds the single-process gradients."""
+    micro-batches; hybrid sharding averages their gradients: every replica holds the single-process gradients (also
+    with the replicas tensor-parallel, FSDP2 over the TP shards as in the trainer's layout)."""
     ma, mc = 4, 4 * critic_stages // pp  # the Critic's micro-batches per replica: the same micro-batch size
-    kinds = ("sequential", "fused") + (("planned_split",) if pp == 2 and dp == 1 else ())
+    kinds = ("sequential", "fused") + (("planned_split",) if pp == 2 and dp == tp == 1 else ())
     programs = {kind: _program(kind, pp, ma, mc, critic_stages) for kind in kinds}
-    args = (programs, pp, dp, ma, mc, 4, (SEQ,), boundaries)
-    run_multirank(_check_gradients, pp * dp, *args, critic_stages=critic_stages, timeout_s=240.0)
+    args = (programs, pp, dp, ma, mc, 4, (SEQ,), boundaries, "cpu", tp)
+    run_multirank(_check_gradients, pp * dp * tp, *args, critic_stages=critic_stages, timeout_s=240.0)
 
 
 def test_critic_replicas_without_hybrid_sharding_are_refused():
