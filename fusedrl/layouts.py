@@ -1,9 +1,9 @@
 """The job's two layouts of the four PPO models, built on the meta device and materialized shard by shard.
 
 - **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
-  rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2 over ``dp_shard``, with a mixed-precision policy
-  (``training.mixed_precision_*``: compute in bf16, float32 master weights, optimizer state and gradient
-  reduction).
+  rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2
+  over ``dp_shard``, with a mixed-precision policy (``training.mixed_precision_*``: compute in bf16, float32 master
+  weights, optimizer state and gradient reduction).
 - **Rollout**: ``gen_tp`` consecutive ranks form one generation instance (``world / gen_tp`` instances). Each
   instance holds the engine's Actor, the Reference, the Reward and the scoring Critic, tensor-parallel over its
   ranks (DTensors: attention, MLP, token embedding and LM head sharded, norms and value heads replicated), in

@@ -47,7 +47,8 @@ def pipeline_stage_on_ranks(
     stages on its block of the pipeline group, whose messages must travel on that group (one message order per
     rank pair with the Actor's). ``PipelineStage`` refuses a group larger than its stage count; the stage only ever
     talks to the ranks of ``stage_index_to_group_rank``, so it is built for as many stages as the group has ranks,
-    then given its true stage count (``num_stages``, which nothing reads before the first step)."""
+    then given its true stage count (``num_stages``: the constructor only checks it; ``is_first`` / ``is_last`` and
+    the stage's preparation read it afterwards)."""
     stages = len(stage_ranks)
     built = max(stages, dist.get_world_size(group))
     stage = PipelineStage(module, stage_index, built, device, input_args=input_args, output_args=output_args, group=group)

@@ -96,9 +96,10 @@ class FusedPipelineSchedule:
     """Trains the Actor and the Critic on the same pipeline ranks with one lowered program.
 
     Actor stage ``i`` lives on pipeline rank ``i`` and Critic stage ``j`` on rank ``pp-1-j`` (the placement
-    of ``program``; a Critic with fewer stages runs as replicas, see the module doc). Every rank of ``group`` (the pipeline group; for FSDP2 the stage modules are already
-    ``fully_shard``-ed over dp_shard) constructs this with its own stage modules and calls :meth:`step`
-    with the same minibatch. The unfused baseline is the same executor with a ``sequential_1f1b`` program.
+    of ``program``; a Critic with fewer stages runs as replicas, see the module doc). Every rank of ``group`` (the
+    pipeline group; for FSDP2 the stage modules are already ``fully_shard``-ed over dp_shard) constructs this with
+    its own stage modules and calls :meth:`step` with the same minibatch. The unfused baseline is the same executor
+    with a ``sequential_1f1b`` program.
     """
 
     def __init__(
