@@ -50,7 +50,7 @@ from fusedrl.distributed import (
 )
 from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
 from fusedrl.models.registry import Role
-from fusedrl.pipelining import FusedPipelineSchedule, LocalSchedule
+from fusedrl.pipelining import CRITIC, FusedPipelineSchedule, LocalSchedule, Placement
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
 
     actor = stage(cfg.model.actor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
     c = dims.pp_critic
-    critic_index = c - 1 - pp_rank % c
+    critic_index, _ = Placement(dims.pp, c).stage_at(CRITIC, pp_rank)
     if dims.critic_replicas > 1:
         cmesh = dims.build_critic_mesh(device.type)
         critic = stage(cfg.model.critic, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])

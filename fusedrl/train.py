@@ -573,9 +573,11 @@ def train_minibatch(layout: TrainingLayout, mb: Experience, *, record: bool = Fa
     assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
     result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
-    for model, keys, share in (("actor", POLICY_STATS, 1), ("critic", VALUE_STATS, layout.critic_replicas)):
-        r = result[model]  # each Critic replica's last stage reports its own micro-batches: a 1/K share of the mean
-        out.update({k: r.stats[k] / share if r.loss is not None else torch.zeros(()) for k in keys})
+    for model, keys in (("actor", POLICY_STATS), ("critic", VALUE_STATS)):
+        r = result[model]
+        out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
+    if layout.critic_replicas > 1:  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
+        out.update({k: out[k] / layout.critic_replicas for k in VALUE_STATS})
     return out
 
 

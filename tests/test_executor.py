@@ -110,7 +110,8 @@ def _check_gradients(
                 for p in models[m].parameters():
                     p.normal_(0.0, 0.1)
     refs = {m: copy.deepcopy(mod) for m, mod in models.items()}
-    stage_of = {ACTOR: pp_rank, CRITIC: cs - 1 - pp_rank % cs}
+    placement = Placement(pp, cs)
+    stage_of = {m: placement.stage_at(m, pp_rank)[0] for m in (ACTOR, CRITIC)}
     last_of = {ACTOR: pp - 1, CRITIC: cs - 1}
     stages = {
         ACTOR: split_decoder(models[ACTOR], pp, boundaries)[stage_of[ACTOR]],
@@ -149,7 +150,8 @@ def _check_gradients(
             # reference: every dp shard's micro-batch losses, averaged over micro-batches and dp ranks; the loss
             # a last stage reports is the mean over its own micro-batches (a Critic replica's: its share)
             for m, targets, fn, n_mb in ((ACTOR, actor_t, actor_loss, ma), (CRITIC, critic_t, critic_loss, replicas * mc)):
-                mine_mb = range(n_mb) if m == ACTOR else range(pp_rank // cs * mc, (pp_rank // cs + 1) * mc)
+                replica = placement.stage_at(CRITIC, pp_rank)[1]
+                mine_mb = range(n_mb) if m == ACTOR else range(replica * mc, (replica + 1) * mc)
                 total = 0.0
                 for d in range(dp):
                     shard = slice(d * per_dp_batch, (d + 1) * per_dp_batch)

@@ -75,6 +75,17 @@ def _valid():
     return placement, costs, ma, mc, sequential_1f1b(placement, ma, mc)
 
 
+@pytest.mark.parametrize("pp,pp_critic", [(4, 4), (4, 2), (8, 2), (4, 1)])
+def test_stage_at_inverts_rank_of(pp, pp_critic):
+    placement = Placement(pp, pp_critic)
+    for model in (ACTOR, CRITIC):
+        for rank in range(pp):
+            stage, replica = placement.stage_at(model, rank)
+            assert placement.rank_of(model, stage, replica) == rank
+    with pytest.raises(ValueError, match=r"pipeline rank 4 out of range \[0, 4\)"):
+        Placement(4).stage_at(CRITIC, 4)
+
+
 def test_missing_action_is_named():
     placement, costs, ma, mc, sched = _valid()
     dropped = sched[1].pop()

@@ -91,7 +91,8 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     from fusedrl.models.registry import Role
 
     rank, pp = dist.get_rank(), dist.get_world_size()
-    critic_stages = next(iter(programs.values())).placement.num_stages(CRITIC)
+    placement = next(iter(programs.values())).placement
+    critic_stages = placement.num_stages(CRITIC)
     torch.manual_seed(0)
     models = {}
     roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"), (CRITIC, "value"))
@@ -102,7 +103,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     dim = models[ACTOR].tok_embeddings.embedding_dim
     vocab = models[ACTOR].tok_embeddings.num_embeddings
     actor_stage = split_decoder(models[ACTOR], pp)[rank]
-    critic_stage = split_decoder(models[CRITIC], critic_stages)[critic_stages - 1 - rank % critic_stages]
+    critic_stage = split_decoder(models[CRITIC], critic_stages)[placement.stage_at(CRITIC, rank)[0]]
     if critic_stages < pp:  # replicas: FSDP2's hybrid sharding averages their gradients
         mesh = ParallelDims(pp=pp, world_size=pp, pp_critic=critic_stages).build_critic_mesh("cpu")
         apply_fsdp(critic_stage, mesh["critic_replica", "dp_shard"])

@@ -139,12 +139,7 @@ class FusedPipelineSchedule:
         self.models = {ACTOR: actor, CRITIC: critic}
         self.stage_index, self.replica = {}, {}
         for m in MODELS:
-            self.stage_index[m], self.replica[m] = next(
-                (s, r)
-                for r in range(placement.critic_replicas if m == CRITIC else 1)
-                for s in range(placement.num_stages(m))
-                if placement.rank_of(m, s, r) == self.rank
-            )
+            self.stage_index[m], self.replica[m] = placement.stage_at(m, self.rank)
         if device is None:
             device = next(actor.module.parameters(), torch.empty(0)).device
         self.device = torch.device(device)
@@ -335,14 +330,7 @@ def _check_replicated(module: nn.Module, replicas: int) -> None:
     """Critic replicas train different micro-batches: their gradients must be averaged, which FSDP2 does for
     parameters hybrid-sharded over a mesh whose first (replicate) dim holds the ``replicas`` copies."""
     for name, p in module.named_parameters():
-        placements = getattr(p, "placements", ())
-        if not (
-            isinstance(p, DTensor)
-            and placements
-            and placements[0].is_replicate()
-            and p.device_mesh.mesh_dim_names is not None
-            and p.device_mesh.size(0) == replicas
-        ):
+        if not (isinstance(p, DTensor) and p.placements[0].is_replicate() and p.device_mesh.size(0) == replicas):
             raise ValueError(
                 f"the program runs {replicas} Critic replicas, but Critic parameter {name!r} is not replicated over them "
                 "(its gradient would hold one replica's micro-batches only); fully_shard the Critic stage over "

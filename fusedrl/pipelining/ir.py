@@ -73,3 +73,11 @@ class Placement:
         if not 0 <= replica < self.critic_replicas:
             raise ValueError(f"critic replica {replica} out of range [0, {self.critic_replicas})")
         return (replica + 1) * n - 1 - stage
+
+    def stage_at(self, model: str, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` of ``model`` on pipeline rank ``rank``: the inverse of :meth:`rank_of` (every rank holds
+        one stage of each model)."""
+        if not 0 <= rank < self.pp:
+            raise ValueError(f"pipeline rank {rank} out of range [0, {self.pp})")
+        n = self.num_stages(model)
+        return (rank, 0) if model == ACTOR else (n - 1 - rank % n, rank // n)
