@@ -48,7 +48,17 @@ from fusedrl.distributed import (
     mesh_lines,
     split_decoder,
 )
-from fusedrl.models import FLAVORS, CheckpointError, build_model, init_rope_buffers, load_hf_weights, load_state_slices
+from fusedrl.models import (
+    FLAVORS,
+    CheckpointError,
+    ModelFlavor,
+    build_model,
+    init_rope_buffers,
+    load_hf_weights,
+    load_state_slices,
+    read_flavor,
+    resolve_flavor,
+)
 from fusedrl.models.registry import Role
 from fusedrl.pipelining import CRITIC, FusedPipelineSchedule, LocalSchedule, Placement
 
@@ -56,6 +66,18 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
+MODEL_ROLES: dict[str, Role] = {"actor": "policy", "critic": "value", "reward": "value"}
+DEFAULT_FLAVOR = "debug"  # an empty model name without a checkpoint path
+
+
+def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
+    """The architecture of ``model.<key>`` (actor, critic or reward): the named flavor; with an empty name the one
+    ``config.json`` of ``model.<key>_path`` describes (raises :class:`CheckpointError` if it cannot be built), or
+    the ``debug`` flavor without a path. The Reference is built as the Actor."""
+    name, path = getattr(cfg.model, key), getattr(cfg.model, f"{key}_path")
+    if name:
+        return resolve_flavor(name)
+    return read_flavor(path, MODEL_ROLES[key]) if path else FLAVORS[DEFAULT_FLAVOR]
 
 
 @dataclass
@@ -125,13 +147,13 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     t = cfg.training
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
-    def stage(flavor: str, role: Role, stages: int, index: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DecoderStage:
+    def stage(flavor: ModelFlavor, role: Role, stages: int, index: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DecoderStage:
         # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
         module = split_decoder(build_model(flavor, role, device="meta"), stages, apply_head=role == "value")[index]
         if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
             convert_to_float8(module)
         if dims.tp > 1:
-            apply_tp(module, tp_mesh, vocab_parallel=() if FLAVORS[flavor].tie_word_embeddings else VOCAB_MODULES)
+            apply_tp(module, tp_mesh, vocab_parallel=() if flavor.tie_word_embeddings else VOCAB_MODULES)
         if t.activation_checkpointing == "full":
             apply_activation_checkpointing(module)
         # unsharded between a micro-batch's forward and backward: one all-gather per stage and step
@@ -140,17 +162,18 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
             module.to_empty(device=device)
         return module
 
-    actor = stage(cfg.model.actor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
+    actor_flavor, critic_flavor = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
+    actor = stage(actor_flavor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
     c = dims.pp_critic
     critic_index, _ = Placement(dims.pp, c).stage_at(CRITIC, pp_rank)
     if dims.critic_replicas > 1:
         cmesh = dims.build_critic_mesh(device.type)
-        critic = stage(cfg.model.critic, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])
+        critic = stage(critic_flavor, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])
         critic_group = cmesh.get_group("critic_pp")
     else:
-        critic = stage(cfg.model.critic, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
+        critic = stage(critic_flavor, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
         critic_group = mesh.get_group("pp")
-    tied = TiedEmbeddings(mesh, actor, FLAVORS[cfg.model.actor].tie_word_embeddings)
+    tied = TiedEmbeddings(mesh, actor, actor_flavor.tie_word_embeddings)
     return TrainingLayout(
         mesh,
         mesh.get_group("pp"),
@@ -174,7 +197,7 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     mesh = dims.build_gen_mesh(device.type)
     t, m = cfg.training, cfg.model
 
-    def model(flavor: str, role: Role, dtype: str) -> nn.Module:
+    def model(flavor: ModelFlavor, role: Role, dtype: str) -> nn.Module:
         module = build_model(flavor, role, device="meta").to(DTYPES[dtype])
         if dims.gen_tp > 1:
             apply_tp(module, mesh["gen_tp"])
@@ -194,10 +217,10 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
         mesh["gen_dp"].get_local_rank(),
         dims.num_gen_instances,
         dims.gen_tp,
-        actor=model(m.actor, "policy", t.rollout_dtype),
-        critic=model(m.critic, "value", t.rollout_dtype),
-        reference=model(m.actor, "policy", t.frozen_dtype),
-        reward=model(m.reward, "value", t.frozen_dtype) if m.uses_reward_model else None,
+        actor=model(model_flavor(cfg, "actor"), "policy", t.rollout_dtype),
+        critic=model(model_flavor(cfg, "critic"), "value", t.rollout_dtype),
+        reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype),
+        reward=model(model_flavor(cfg, "reward"), "value", t.frozen_dtype) if m.uses_reward_model else None,
         group=group,
         control_group=control,
         instance_group=instance,
@@ -224,15 +247,16 @@ def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: Roll
     or from a seeded random initialisation (every rank draws the same full model). The rollout copies of the
     Actor and the Critic are filled by the first weight sync."""
     m = cfg.model
-    actor = _source(cfg, m.actor, "policy", m.actor_path, offset=0)
+    actor_flavor = model_flavor(cfg, "actor")
+    actor = _source(cfg, actor_flavor, "policy", m.actor_path, offset=0)
     actor(training.actor_stage)
-    _source(cfg, m.critic, "value", m.critic_path, offset=1)(training.critic_stage)
-    (_source(cfg, m.actor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
+    _source(cfg, model_flavor(cfg, "critic"), "value", m.critic_path, offset=1)(training.critic_stage)
+    (_source(cfg, actor_flavor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
     if rollout.reward is not None:
-        _source(cfg, m.reward, "value", m.reward_path, offset=2)(rollout.reward)
+        _source(cfg, model_flavor(cfg, "reward"), "value", m.reward_path, offset=2)(rollout.reward)
 
 
-def _source(cfg: JobConfig, flavor: str, role: Role, path: str | None, offset: int) -> Callable[[nn.Module], None]:
+def _source(cfg: JobConfig, flavor: ModelFlavor, role: Role, path: str | None, offset: int) -> Callable[[nn.Module], None]:
     """A function filling a module of (flavor, role) from ``path`` or from the seeded random initialisation."""
     if path:
 
@@ -295,10 +319,3 @@ class HostCopies:
             for local, host in self._pairs:
                 local.untyped_storage().resize_(host.numel() * host.element_size())
                 local.copy_(host, non_blocking=True)
-
-
-def random_init_params(flavor: str) -> int:
-    """Parameters of ``flavor`` (what a random initialisation builds in host memory)."""
-    f = FLAVORS[flavor]
-    layer = 2 * f.embed_dim * (f.num_heads + f.num_kv_heads) * (f.embed_dim // f.num_heads) + 3 * f.embed_dim * f.intermediate_dim
-    return f.vocab_size * f.embed_dim * (1 if f.tie_word_embeddings else 2) + f.num_layers * layer

@@ -68,6 +68,7 @@ from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.generation import GenerationEngine, Request, SamplingParams, WeightSync
 from fusedrl.layouts import (
     DTYPES,
+    MODEL_ROLES,
     RANDOM_INIT_MAX_PARAMS,
     HostCopies,
     RolloutLayout,
@@ -75,9 +76,9 @@ from fusedrl.layouts import (
     build_rollout_layout,
     build_training_layout,
     load_initial_weights,
-    random_init_params,
+    model_flavor,
 )
-from fusedrl.models import FLAVORS
+from fusedrl.models import ModelFlavor
 from fusedrl.pipelining import (
     ACTOR,
     CRITIC,
@@ -157,56 +158,50 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
             f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
             "equal share of the prompts)"
         )
-    for key in neural_models(cfg):
-        flavor = getattr(cfg.model, key)
-        if flavor not in FLAVORS:
-            raise ConfigError(f"model.{key} = {flavor!r}: unknown flavor; valid flavors: {', '.join(sorted(FLAVORS))}")
-        layers = FLAVORS[flavor].num_layers
+    flavors = model_flavors(cfg)
+    for key, f in flavors.items():
+        what = f"model.{key} = {getattr(cfg.model, key)!r}" if getattr(cfg.model, key) else f"model.{key}_path's {f.family} model"
         own = key == "critic" and par.pp_critic is not None
         stages, name = (par.critic_stages, "pp_critic") if own else (par.pp, "pp")
-        if key != "reward" and layers < stages:
+        if key != "reward" and f.num_layers < stages:
             smaller = " (or give the Critic fewer stages: parallelism.pp_critic)" if key == "critic" and not own else ""
             raise ConfigError(
-                f"model.{key} = {flavor!r} has {layers} layers, fewer than parallelism.{name} = {stages} stages; "
-                f"lower {name}{smaller} or pick a deeper flavor"
+                f"{what} has {f.num_layers} layers, fewer than parallelism.{name} = {stages} stages; "
+                f"lower {name}{smaller} or use a deeper model"
             )
-    for key, sharded in (("actor", "tp and gen_tp"), ("critic", "tp and gen_tp"), ("reward", "gen_tp")):
-        if key not in neural_models(cfg):
-            continue
-        f = FLAVORS[getattr(cfg.model, key)]
-        for name, degree in (("parallelism.tp", par.tp), ("parallelism.gen_tp", par.gen_tp)):
-            if name.endswith(".tp") and key == "reward":
+        sharded = "gen_tp" if key == "reward" else "tp and gen_tp"
+        for option, degree in (("parallelism.tp", par.tp), ("parallelism.gen_tp", par.gen_tp)):
+            if option.endswith(".tp") and key == "reward":
                 continue
-            for what, value in (
+            for part, value in (
                 ("attention heads", f.num_heads),
                 ("KV heads", f.num_kv_heads),
                 ("MLP width", f.intermediate_dim),
             ):
                 if value % degree:
                     raise ConfigError(
-                        f"{name} = {degree}: does not divide the {what} of model.{key} = "
-                        f"{getattr(cfg.model, key)!r} ({value}); tensor parallelism ({sharded}) splits them "
-                        "evenly: choose a degree dividing it"
+                        f"{option} = {degree}: does not divide the {part} of {what} ({value}); tensor parallelism "
+                        f"({sharded}) splits them evenly: choose a degree dividing it"
                     )
-        path = getattr(cfg.model, f"{key}_path")
-        if not path and random_init_params(getattr(cfg.model, key)) > RANDOM_INIT_MAX_PARAMS:
+        if not getattr(cfg.model, f"{key}_path") and f.num_params(MODEL_ROLES[key]) > RANDOM_INIT_MAX_PARAMS:
             raise ConfigError(
-                f"model.{key}_path is unset: a random initialisation builds the whole "
-                f"{getattr(cfg.model, key)!r} model in host memory (allowed up to "
-                f"{RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder"
+                f"model.{key}_path is unset: a random initialisation builds the whole {f.name!r} model in host memory "
+                f"(allowed up to {RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder"
             )
-    actor = FLAVORS[cfg.model.actor]
-    if any(FLAVORS[getattr(cfg.model, k)].vocab_size != actor.vocab_size for k in neural_models(cfg)):
+    actor = flavors["actor"]
+    if any(f.vocab_size != actor.vocab_size for f in flavors.values()):
+        sizes = ", ".join(f"{key} {f.vocab_size}" for key, f in flavors.items())
         raise ConfigError(
-            f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({actor.vocab_size}); "
+            f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({sizes}); "
             "all four models must share the tokenizer"
         )
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
-    limit = min(FLAVORS[getattr(cfg.model, k)].max_seq_len for k in neural_models(cfg))
-    if longest > limit:
+    key, shortest = min(flavors.items(), key=lambda kv: kv[1].max_seq_len)
+    if longest > shortest.max_seq_len:
         raise ConfigError(
             f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {gen.max_new_tokens} "
-            f"= {longest}: exceeds the models' max_seq_len {limit}; lower one of them"
+            f"= {longest}: exceeds the max_seq_len {shortest.max_seq_len} of model.{key} (its max_position_embeddings, "
+            "or a sliding window, within which attention is exact); lower one of them"
         )
     schedule_memory_limit(cfg, longest)
     try:
@@ -269,7 +264,7 @@ def check_tokenizer(cfg: JobConfig) -> None:
     where = f"model.tokenizer_path = {cfg.model.tokenizer_path!r}"
     try:
         tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        check_vocab(tokenizer, FLAVORS[cfg.model.actor].vocab_size)
+        check_vocab(tokenizer, model_flavor(cfg, "actor").vocab_size)
     except (ValueError, OSError) as e:
         raise ConfigError(f"{where}: {e}") from None
     if cfg.data.chat_template and getattr(tokenizer, "chat_template", None) is None:
@@ -277,6 +272,20 @@ def check_tokenizer(cfg: JobConfig) -> None:
             f"data.chat_template = true, but the tokenizer ({where}) has no chat template; {CHAT_TEMPLATE_FIX}, "
             "or set --data.chat_template=false"
         )
+
+
+def model_flavors(cfg: JobConfig) -> dict[str, ModelFlavor]:
+    """The architecture of each built model (:func:`neural_models`) by [model] key; ConfigError naming the key when
+    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build."""
+    out = {}
+    for key in neural_models(cfg):
+        try:
+            out[key] = model_flavor(cfg, key)
+        except InputError as e:
+            raise ConfigError(f"model.{key}: {e}") from None
+        except ValueError as e:  # an unknown flavor name
+            raise ConfigError(f"model.{key} = {getattr(cfg.model, key)!r}: {e}") from None
+    return out
 
 
 def neural_models(cfg: JobConfig) -> tuple[str, ...]:
@@ -320,7 +329,11 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
     par = cfg.parallelism
     placement = Placement(par.pp, par.critic_stages)
     costs = CostModel.from_flavors(
-        placement, cfg.model.actor, cfg.model.critic, tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len, seq_len=seq_len
+        placement,
+        model_flavor(cfg, "actor"),
+        model_flavor(cfg, "critic"),
+        tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
+        seq_len=seq_len,
     )
     n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
     return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
@@ -372,7 +385,7 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     """Give ``layout`` its executor (collective). pp >= 2: plan one program for every minibatch (the cost model
     uses the longest sequence) on rank 0, broadcast it, and run it with the fused executor over the pipeline
     group. pp = 1: the models train one after the other (``fusion.intra_stage`` has nothing to fuse)."""
-    actor, critic = FLAVORS[cfg.model.actor], FLAVORS[cfg.model.critic]
+    actor, critic = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
     compute = DTYPES[cfg.training.mixed_precision_param]
     # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
     # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
@@ -707,7 +720,7 @@ class Trainer:
         self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-        vocab = FLAVORS[cfg.model.actor].vocab_size
+        vocab = model_flavor(cfg, "actor").vocab_size
         check_vocab(self.tokenizer, vocab)
         self.layout = build_training_layout(cfg, self.device)
         self.rollout = build_rollout_layout(cfg, self.device)
@@ -912,7 +925,12 @@ class Trainer:
         """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
         folder = self.out / "actor_hf"
         path = export_hf(
-            self.layout.actor_stage, folder, self.cfg.model.actor, "policy", self.layout.pp_group, tokenizer=self.tokenizer
+            self.layout.actor_stage,
+            folder,
+            model_flavor(self.cfg, "actor"),
+            "policy",
+            self.layout.pp_group,
+            tokenizer=self.tokenizer,
         )
         if path is None:
             return None

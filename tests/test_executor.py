@@ -16,12 +16,13 @@ from fusedrl.distributed import (
     split_decoder,
     transformer_layers,
 )
-from fusedrl.models import FLAVORS, build_model
+from fusedrl.models import build_model, flavor_from_hf_config, resolve_flavor
 from fusedrl.pipelining import FusedPipelineSchedule, LoweredProgram, ProgramError, StageModule, lower
 from fusedrl.pipelining.cost import CostModel
 from fusedrl.pipelining.ir import ACTOR, CRITIC, Placement
 from fusedrl.pipelining.search import fused_schedule, sequential_1f1b
 from fusedrl.testing import run_multirank
+from fusedrl.testing.architectures import TINY_ARCHITECTURES
 
 SEQ = 6
 
@@ -39,11 +40,11 @@ def critic_loss(values, t):
     return (((v - t["returns"]) ** 2) * t["mask"]).sum() / t["mask"].sum(), {"value": v.mean().detach()}
 
 
-def make_batch(batch, seq, seed=1, device="cpu"):
+def make_batch(batch, seq, seed=1, device="cpu", vocab=512):
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 512, (batch, seq), generator=g)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
     actor_t = {
-        "tokens": torch.randint(0, 512, (batch, seq), generator=g),
+        "tokens": torch.randint(0, vocab, (batch, seq), generator=g),
         "old_logprobs": -6.0 + 0.1 * torch.randn(batch, seq, generator=g),
         "advantages": torch.randn(batch, seq, generator=g),
         "mask": (torch.rand(batch, seq, generator=g) > 0.2).float(),
@@ -131,16 +132,20 @@ def _check_gradients(
         for layer in transformer_layers(mod)[:1]:
             layer.register_forward_pre_hook(lambda *_: forwards.append(1))
     layered = sum(n for m, n in ((ACTOR, ma), (CRITIC, mc)) if transformer_layers(stages[m]))  # mc: per replica
-    tied = TiedEmbeddings(mesh, stages[ACTOR], FLAVORS[flavor].tie_word_embeddings) if device == "cpu" else None
+    f = resolve_flavor(flavor)
+    tied = TiedEmbeddings(mesh, stages[ACTOR], f.tie_word_embeddings) if device == "cpu" else None
     dim = models[ACTOR].tok_embeddings.embedding_dim
-    specs = {ACTOR: StageModule(stages[ACTOR], actor_loss, dim, 512), CRITIC: StageModule(stages[CRITIC], critic_loss, dim, 1)}
+    specs = {
+        ACTOR: StageModule(stages[ACTOR], actor_loss, dim, f.vocab_size),
+        CRITIC: StageModule(stages[CRITIC], critic_loss, dim, 1),
+    }
 
     for kind in programs:
         for mod in list(stages.values()) + list(refs.values()):
             mod.zero_grad(set_to_none=True)
         ex = FusedPipelineSchedule(programs[kind], specs[ACTOR], specs[CRITIC], group=pp_group)
         for step, seq in enumerate(seq_lens):
-            tokens, actor_t, critic_t = make_batch(per_dp_batch * dp, seq, seed=step + 1, device=device)
+            tokens, actor_t, critic_t = make_batch(per_dp_batch * dp, seq, seed=step + 1, device=device, vocab=f.vocab_size)
             mine = slice(dp_rank * per_dp_batch, (dp_rank + 1) * per_dp_batch)
             result = ex.step(
                 tokens[mine], tokens[mine], {k: v[mine] for k, v in actor_t.items()}, {k: v[mine] for k, v in critic_t.items()}
@@ -198,6 +203,18 @@ def test_gradients_match_single_process_reference(pp, dp, ma, mc, boundaries):
     # pp2-dp1 also runs two minibatches of different padded lengths (two stage builds, accumulated gradients)
     seq_lens = (SEQ, SEQ + 2) if pp == 2 and dp == 1 else (SEQ,)
     run_multirank(_check_gradients, pp * dp, programs, pp, dp, ma, mc, 4, seq_lens, boundaries, timeout_s=240.0)
+
+
+def _every_architecture(program, flavors) -> None:
+    for flavor in flavors:
+        _check_gradients({"fused": program}, 2, 1, 2, 2, 2, (SEQ,), flavor=flavor)
+
+
+def test_every_architecture_gives_the_reference_gradients_at_pp2():
+    """Llama (biases, head_dim != hidden / heads, 9 heads), llama3 RoPE, Mistral, Qwen2 (odd vocabulary), Qwen3 (q/k
+    norms, with and without biases), tied and untied: the fused pp=2 program's gradients are the single process's."""
+    flavors = [flavor_from_hf_config(config) for config in TINY_ARCHITECTURES.values()]
+    run_multirank(_every_architecture, 2, _program("fused", 2, 2, 2), flavors, timeout_s=240.0)
 
 
 def test_tied_embedding_gradients_match_the_reference_at_pp2():

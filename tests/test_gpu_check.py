@@ -25,3 +25,8 @@ def test_gpu_check_dry_run_passes_and_summarizes_every_step():
     assert len(summary["trainer"]["iterations"]) == 3 and all(r["samples_per_s"] > 0 for r in summary["trainer"]["iterations"])
     assert set(summary["generation_bench"]["modes"]) == {"torchtune", "eager"}
     assert set(summary["generation_bench"]["speedup_vs_torchtune"]) == {"1", "2"}
+    recipe = summary["smollm2_recipe"]  # skipped without the SmolLM2 folder (.ci/run builds it)
+    if (ROOT / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
+        assert len(recipe["iterations"]) == 3 and all(r["samples_per_s"] > 0 for r in recipe["iterations"])
+    else:
+        assert "scripts/smollm2_from_gguf.py" in recipe["skipped"]

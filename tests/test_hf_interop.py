@@ -1,5 +1,6 @@
-"""HF interop: config.json fields that change the math are checked, bare HF folders load with their flavor
-inferred, and an exported Actor works as is with plain transformers (logits, tokenizer, generate, file modes)."""
+"""HF interop: config.json fields that change the math are checked against a named flavor, a folder's own
+architecture is read from its config.json, and an exported Actor works as is with plain transformers (logits,
+tokenizer, generate, file modes)."""
 
 import json
 import os
@@ -14,17 +15,19 @@ from fusedrl.components.tokenizer import ByteTokenizer
 from fusedrl.models import (
     FLAVORS,
     CheckpointError,
+    Llama3RoPE,
     ModelFlavor,
     build_model,
+    flavor_from_hf_config,
     from_pretrained,
     hf_config,
-    infer_flavor,
     load_hf_weights,
+    read_flavor,
     save_hf_checkpoint,
 )
 
 # A tiny llama3_1-family flavor (scaled RoPE, tied embeddings), registered by the fixture below.
-TINY_LLAMA31 = ModelFlavor("llama3_1", 384, 2, 4, 2, 64, 160, 256, scale_factor=32, tie_word_embeddings=True)
+TINY_LLAMA31 = ModelFlavor("llama", 384, 2, 4, 2, 64, 160, 256, 5e5, rope_scaling=Llama3RoPE(32.0), tie_word_embeddings=True)
 TEXTS = ["hello world", "héllo 日本語 🎉", "repeat a 2 times:", ""]
 
 
@@ -102,7 +105,11 @@ CONFIG_EDITS = [
         "config.json has rope_scaling.rope_type='linear' but flavor 'debug' has 'default'",
     ),
     ("debug", _as_rope_parameters(5e5), "config.json has rope_parameters.rope_theta=500000.0 but flavor 'debug' has 10000.0"),
-    ("debug_qwen", _set("use_sliding_window", True), "config.json has use_sliding_window=True but flavor 'debug_qwen' has False"),
+    (
+        "debug_qwen",
+        lambda c: c.update(use_sliding_window=True, sliding_window=256),
+        "config.json has sliding_window=256 but flavor 'debug_qwen' has max_seq_len 512, which the window would cut",
+    ),
     (
         "debug_qwen",
         _drop("tie_word_embeddings"),
@@ -134,7 +141,7 @@ def test_each_math_field_of_config_json_is_checked(tmp_path, tiny_llama31, flavo
     _edit_config(folder, edit)
     message = _load_error(folder, flavor)
     assert "1 problem(s)" in message and expected in message  # one line per field, file value and flavor value
-    assert "infer_flavor" in message
+    assert "leave the model's flavor empty to read its architecture from config.json" in message
 
 
 def test_absent_fields_take_transformers_defaults(tmp_path):
@@ -148,8 +155,6 @@ def test_absent_fields_take_transformers_defaults(tmp_path):
         "tie_word_embeddings",
         "attention_bias",
         "mlp_bias",
-        "fusedrl_flavor",
-        "fusedrl_role",
     ]
     _edit_config(folder, lambda c: [c.pop(k) for k in fields])
     load_hf_weights(build_model("debug"), folder, "debug")
@@ -167,22 +172,16 @@ def test_sizes_and_model_type_are_still_checked(tmp_path):
     assert "config.json has model_type='llama' but flavor 'debug_qwen' is a 'qwen2' model" in message
 
 
-# ---------------------------------------------------------------------------- bare HF folders
-
-
-def _bare(folder):
-    """A folder as transformers users have them: no fusedrl keys."""
-    _edit_config(folder, lambda c: (c.pop("fusedrl_flavor"), c.pop("fusedrl_role")))
-    return folder
+# ---------------------------------------------------------------------------- a folder's own architecture
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug_qwen", "tiny_llama31"])
 @pytest.mark.parametrize("role", ["policy", "value"])
-def test_from_pretrained_infers_the_flavor_of_a_bare_folder(tmp_path, tiny_llama31, flavor, role):
+def test_from_pretrained_reads_the_architecture_of_a_folder(tmp_path, tiny_llama31, flavor, role):
     src = _random_model(flavor, role, seed=1)
-    folder = _bare(save_hf_checkpoint(src, tmp_path / "ckpt", flavor, role))
+    folder = save_hf_checkpoint(src, tmp_path / "ckpt", flavor, role)
     model, found = from_pretrained(folder, role)
-    assert found == flavor and infer_flavor(folder) == flavor
+    assert found == FLAVORS[flavor] == read_flavor(folder, role) and found.name == "ckpt"
     tokens = torch.randint(0, FLAVORS[flavor].vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(tokens), src(tokens))
@@ -192,54 +191,24 @@ def test_from_pretrained_infers_the_flavor_of_a_bare_folder(tmp_path, tiny_llama
 
 
 def test_from_pretrained_starts_a_value_model_from_an_lm_folder(tmp_path):
-    folder = _bare(save_hf_checkpoint(_random_model("debug_qwen", seed=2), tmp_path / "lm", "debug_qwen"))
+    folder = save_hf_checkpoint(_random_model("debug_qwen", seed=2), tmp_path / "lm", "debug_qwen")
     value, flavor = from_pretrained(folder, "value", init_value_head_from_lm=True)
-    assert flavor == "debug_qwen" and value.output.weight.shape == (1, 64)
+    assert flavor == FLAVORS["debug_qwen"] and value.output.weight.shape == (1, 64)
 
 
 @pytest.mark.parametrize("flavor", ["debug", "debug_qwen", "tiny_llama31"])
-def test_infer_flavor_reads_configs_written_by_transformers(tmp_path, tiny_llama31, flavor):
-    """transformers 5 rewrites RoPE as rope_parameters and the dtype as dtype: the flavor is still found."""
+def test_read_flavor_reads_configs_written_by_transformers(tmp_path, tiny_llama31, flavor):
+    """transformers 5 rewrites RoPE as rope_parameters and the dtype as dtype: the architecture is the same."""
     transformers = pytest.importorskip("transformers")
-    folder = _bare(save_hf_checkpoint(_random_model(flavor), tmp_path / "ckpt", flavor))
+    folder = save_hf_checkpoint(_random_model(flavor), tmp_path / "ckpt", flavor)
     transformers.AutoConfig.from_pretrained(folder).save_pretrained(tmp_path / "resaved")
-    assert infer_flavor(tmp_path / "resaved") == flavor
+    assert read_flavor(tmp_path / "resaved") == FLAVORS[flavor]
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
-def test_every_registered_flavor_is_inferred_from_its_config(tmp_path, flavor):
-    config = hf_config(flavor)
-    del config["fusedrl_flavor"], config["fusedrl_role"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert infer_flavor(tmp_path) == flavor
-
-
-def test_no_fitting_flavor_lists_the_nearest_and_their_differences(tmp_path):
-    folder = _bare(save_hf_checkpoint(_random_model("debug"), tmp_path / "ckpt", "debug"))
-    _edit_config(folder, _set("rope_theta", 5e5))  # the user's report: silently loaded with fusedrl's 1e4 before
-    with pytest.raises(CheckpointError) as err:
-        from_pretrained(folder)
-    message = str(err.value)
-    assert "matches no flavor" in message and "\n" not in message and "Fix: register a ModelFlavor" in message
-    assert err.value.problems[0] == "flavor 'debug' differs in rope_theta (config.json: 500000.0; flavor: 10000.0)"
-    assert len(err.value.problems) == 3
-
-    _edit_config(folder, lambda c: (_set("rope_theta", 1e4)(c), _set("model_type", "mistral")(c)))
-    with pytest.raises(CheckpointError, match="model_type='mistral'; fusedrl builds 'llama' and 'qwen2' models"):
-        infer_flavor(folder)
-    (folder / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="has no config.json"):
-        infer_flavor(folder)
-
-
-def test_flavors_with_equal_math_need_the_fusedrl_flavor_key(tmp_path, monkeypatch):
-    twin = ModelFlavor("llama3", 512, 2, 4, 2, 64, 192, 1024, rope_base=10_000.0)  # debug but max_seq_len
-    monkeypatch.setitem(FLAVORS, "debug_twin", twin)
-    folder = save_hf_checkpoint(_random_model("debug"), tmp_path / "ckpt", "debug")
-    assert infer_flavor(folder) == "debug"  # fusedrl_flavor picks among equal ones
-    _bare(folder)
-    with pytest.raises(CheckpointError, match="fits flavors 'debug', 'debug_twin' equally"):
-        infer_flavor(folder)
+@pytest.mark.parametrize("role", ["policy", "value"])
+def test_every_registered_flavor_reads_back_from_its_config(flavor, role):
+    assert flavor_from_hf_config(hf_config(flavor, role), role) == FLAVORS[flavor]
 
 
 # ---------------------------------------------------------------------------- export for transformers

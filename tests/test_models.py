@@ -12,6 +12,7 @@ import fusedrl.models.hf as hf_module
 from fusedrl.models import (
     FLAVORS,
     CheckpointError,
+    Llama3RoPE,
     ModelFlavor,
     build_model,
     hf_config,
@@ -36,7 +37,7 @@ REAL_FLAVORS = {
 }
 
 # A tiny Llama 3.2-style flavor (llama3_1 family, RoPE scaling, tied embeddings) for round trips.
-TINY_LLAMA32 = ModelFlavor("llama3_1", 384, 2, 4, 2, 64, 160, 256, scale_factor=32, tie_word_embeddings=True)
+TINY_LLAMA32 = ModelFlavor("llama", 384, 2, 4, 2, 64, 160, 256, 5e5, rope_scaling=Llama3RoPE(32.0), tie_word_embeddings=True)
 
 
 def _n_params(model):
@@ -289,7 +290,7 @@ def test_index_naming_missing_shard(tmp_path):
 
 
 def test_vocab_mismatch(tmp_path, monkeypatch):
-    monkeypatch.setitem(FLAVORS, "debug_vocab600", ModelFlavor("llama3", 600, 2, 4, 2, 64, 192, 512, rope_base=10_000.0))
+    monkeypatch.setitem(FLAVORS, "debug_vocab600", ModelFlavor("llama", 600, 2, 4, 2, 64, 192, 512))
     folder = save_hf_checkpoint(_random_model("debug_vocab600", "policy", 9), tmp_path / "c", "debug_vocab600")
     message = _load_error(folder)
     assert "vocab mismatch: model.embed_tokens.weight has 600 rows but flavor 'debug' has vocab_size 512" in message

@@ -7,8 +7,11 @@ from torch.distributed.tensor import DTensor
 
 from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder
 from fusedrl.distributed.reshard import Box, local_tensor, plan_reshard, reshard
-from fusedrl.models import build_model
+from fusedrl.models import build_model, flavor_from_hf_config
 from fusedrl.testing import MultiRankPool
+from fusedrl.testing.architectures import TINY_ARCHITECTURES
+
+QWEN3 = flavor_from_hf_config(TINY_ARCHITECTURES["qwen3_biased"])  # q/k norms inside the projections, o_proj bias
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +27,12 @@ def test_box_intersection_and_index():
     assert Box((6, 4), (2, 2)).within(a) == (slice(6, 8), slice(0, 2))
 
 
-def _reference(flavor: str, role: str) -> torch.nn.Module:
+def _reference(flavor, role: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return build_model(flavor, role)
 
 
-def _training_layout(flavor: str, role: str, pp: int, dp: int, tp: int) -> torch.nn.Module:
+def _training_layout(flavor, role: str, pp: int, dp: int, tp: int) -> torch.nn.Module:
     """This rank's stage of the reference model: pp stages x FSDP over dp (x TP over tp)."""
     mesh = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=dist.get_world_size()).build_mesh("cpu")
     stage = split_decoder(_reference(flavor, role), pp)[mesh["pp"].get_local_rank()]
@@ -39,7 +42,7 @@ def _training_layout(flavor: str, role: str, pp: int, dp: int, tp: int) -> torch
     return stage
 
 
-def _rollout_layout(flavor: str, role: str, gen_tp: int, dtype: torch.dtype) -> torch.nn.Module:
+def _rollout_layout(flavor, role: str, gen_tp: int, dtype: torch.dtype) -> torch.nn.Module:
     """A TP-sharded copy with other (garbage) values, to be overwritten."""
     torch.manual_seed(99)
     model = build_model(flavor, role).to(dtype)
@@ -48,7 +51,7 @@ def _rollout_layout(flavor: str, role: str, gen_tp: int, dtype: torch.dtype) -> 
     return model
 
 
-def _reshard_case(flavor: str, role: str, pp: int, dp: int, tp: int, gen_tp: int, dtype: torch.dtype) -> dict:
+def _reshard_case(flavor, role: str, pp: int, dp: int, tp: int, gen_tp: int, dtype: torch.dtype) -> dict:
     src = _training_layout(flavor, role, pp, dp, tp)
     dst = _rollout_layout(flavor, role, gen_tp, dtype)
     src_params, dst_params = dict(src.named_parameters()), dict(dst.named_parameters())
@@ -78,8 +81,9 @@ def _reshard_case(flavor: str, role: str, pp: int, dp: int, tp: int, gen_tp: int
         ("debug", "policy", 2, 2, 1, 1, torch.bfloat16),  # -> 4 full replicas, bf16 on the wire
         ("debug_qwen", "policy", 1, 2, 2, 2, torch.float32),  # FSDP2 x TP2 training (strided shards) -> TP2, tied head
         ("debug_large", "value", 4, 1, 1, 2, torch.bfloat16),  # 4 stages, FSDP over 1 -> TP2 value model
+        (QWEN3, "policy", 2, 1, 2, 2, torch.float32),  # pp2 x TP2 x FSDP2 over 1 -> TP2 of a Qwen3
     ],
-    ids=["pp2-dp2-to-gentp2", "pp2-dp2-to-replicas-bf16", "dp2-tp2-to-gentp2-qwen", "pp4-to-gentp2-value-bf16"],
+    ids=["pp2-dp2-to-gentp2", "pp2-dp2-to-replicas-bf16", "dp2-tp2-to-gentp2-qwen", "pp4-to-gentp2-value-bf16", "pp2-tp2-qwen3"],
 )
 def test_reshard_fills_every_rollout_shard_exactly(four_ranks, case):
     results = four_ranks.run(_reshard_case, *case)

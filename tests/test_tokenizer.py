@@ -223,6 +223,67 @@ def test_hf_chat_template_matches_transformers(byte_folder):
         (folder / "chat_template.jinja").unlink(missing_ok=True)
 
 
+# Templates in the style of each supported family (written for these tests), on the byte tokenizer's files: ChatML with
+# a default system turn (Qwen2, SmolLM2), Qwen3's namespace and reasoning-block stripping, Mistral's [INST] turns that
+# must alternate. Rendering and ids must be transformers' apply_chat_template(..., add_generation_prompt=True).
+CHATML_STYLE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a careful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+QWEN3_STYLE = """\
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for m in messages %}
+    {%- set content = m.content %}
+    {%- if m.role == 'assistant' and '</think>' in content %}
+        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+    {%- endif %}
+    {%- if loop.index0 > ns.last_user and m.role == 'assistant' %}{%- set content = content | trim %}{%- endif %}
+{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
+MISTRAL_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate user/assistant') }}"
+    "{% endif %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+TURNS = [
+    {"role": "user", "content": "What is 7 + 5?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n12"},
+    {"role": "user", "content": "And 3 + 4?"},
+]
+
+
+@pytest.mark.parametrize(
+    "template,chats",
+    [
+        (CHATML_STYLE, (TURNS[:1], TURNS, [CHAT[0], *TURNS])),
+        (QWEN3_STYLE, (TURNS[:1], TURNS, [CHAT[0], *TURNS])),
+        (MISTRAL_STYLE, (TURNS[:1], TURNS)),
+    ],
+    ids=["chatml", "qwen3", "mistral"],
+)
+def test_family_chat_templates_render_and_encode_like_transformers(byte_folder, template, chats):
+    transformers = pytest.importorskip("transformers")
+    folder = _with_template(byte_folder, template)
+    ours, theirs = HFTokenizer(folder), transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+    for chat in chats:
+        text = ours.render_chat(chat)
+        assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ours.encode(text, add_bos=False) == list(ids)
+    if template is MISTRAL_STYLE:
+        with pytest.raises(ValueError, match="roles must alternate"):
+            ours.render_chat([CHAT[0], *TURNS])
+
+
 def test_hf_chat_template_sources_and_errors(byte_folder):
     tok = HFTokenizer(byte_folder)
     assert tok.chat_template is None

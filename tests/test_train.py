@@ -213,7 +213,7 @@ BAD_CONFIGS = [
     (["--parallelism.dp_shard=1"], "must equal the world size 4"),
     (["--ppo.minibatch_size=12"], "must be a multiple of ppo.minibatch_size = 12 (command line)"),
     (["--ppo.clip_epss=0.1"], "unknown key in [ppo]; did you mean clip_eps?"),
-    (["--generation.max_new_tokens=500"], "exceeds the models' max_seq_len 512"),
+    (["--generation.max_new_tokens=500"], "exceeds the max_seq_len 512 of model.actor"),
     (["--training.float8=true"], "float8 training needs CUDA"),
     (["--model.actor_path=/no/such/folder", "--model.critic_path=", "--model.reward_path="], "folder not found"),
     (["--parallelism.gen_tp=4"], "parallelism.gen_tp = 4: does not divide the KV heads of model.actor = 'debug' (2)"),
@@ -349,3 +349,32 @@ def test_ppo_doc_covers_every_config_key():
         if (s, k) != ("job", "config_file") and f"`{s}.{k}`" not in doc
     ]
     assert not missing, f"docs/ppo.md does not explain {missing}"
+
+
+def test_empty_model_names_read_each_checkpoints_config_json(tmp_path, monkeypatch):
+    """model.actor / critic / reward empty: the architecture is the path's config.json (the debug assets are a
+    Llama); one the trainer cannot build, or a head count gen_tp cannot split, is one line naming the key."""
+    import json
+
+    from fusedrl.config import ConfigError
+    from fusedrl.layouts import model_flavor
+    from fusedrl.models import FLAVORS
+    from fusedrl.train import prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.chdir(ROOT)
+    empty = [f"--model.{k}=" for k in ("actor", "critic", "reward")]
+    cfg = prepare(["--job.config_file", "train_configs/debug_ppo.toml", *empty])
+    assert {key: model_flavor(cfg, key) for key in ("actor", "critic", "reward")} == dict.fromkeys(
+        ("actor", "critic", "reward"), FLAVORS["debug"]
+    )
+    assert model_flavor(cfg, "actor").name == "actor"  # named after its folder
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    config = json.loads((ROOT / "assets/debug/actor/config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    with pytest.raises(ConfigError, match=r"^model.actor: cannot build .*model_type='mixtral': fusedrl builds") as err:
+        prepare(["--job.config_file", "train_configs/debug_ppo.toml", *empty, f"--model.actor_path={moe}"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="gen_tp = 4: does not divide the KV heads of model.actor_path.s llama model"):
+        prepare(["--job.config_file", "train_configs/debug_ppo.toml", *empty, "--parallelism.gen_tp=4"])

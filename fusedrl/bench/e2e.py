@@ -7,8 +7,10 @@ on the same cores, each allowed on all of them, so that an idle rank hands its c
 dp_shard is not used; the global batch is the config's in both layouts. Each layout spawns its CPU processes with
 one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
 iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
-of other processes on the machine hits both alike. Reports per layout samples/s over the measured iterations and
-the mean seconds per phase. Both modes sample the same responses (fusion changes when work runs, not what is
+of other processes on the machine hits both alike. Reports per layout samples/s over the measured iterations, the
+mean seconds per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the
+longest). ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks' memory:
+a real model's two trainers per rank may not fit twice). Both modes sample the same responses (fusion changes when work runs, not what is
 computed), so the ``true_score`` figures of the two modes agree. Needs Linux (``os.sched_setaffinity``) and at
 least pp x tp cores.
 
@@ -19,8 +21,8 @@ overhead per pipeline action: (time inside ``FusedPipelineSchedule.step`` - time
 forward/backward and the losses) / program entries executed, and the same without the time spent waiting for
 messages (see :mod:`fusedrl.bench.tree_worker`).
 
-Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--baseline TREE]
-[--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
+Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--fusion-layouts NAMES]
+[--baseline TREE] [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
 (fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at dp_shard = 2,
 "layouts": {"one_rank_per_core": {"samples_per_s": {"on": .., "off": ..}, "phases": {...}, ...}, ...}, ...}``;
 trees: per layout the samples/s and overhead figures of both trees and their ratios).
@@ -108,15 +110,22 @@ def _bench(argv: list[str], out: str, warmup: int, steps: int, cores: list[list[
     return histories
 
 
+LENGTH_FIGURES = ("p50", "p90", "p99", "max")
+
+
 def summarize(histories: dict[str, list[dict]]) -> dict:
-    """samples/s over the measured steps (total samples / total step time) and mean seconds per phase."""
-    out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}}
+    """samples/s over the measured steps (total samples / total step time), mean seconds per phase, and the response
+    lengths the rollout saw: per iteration p50 / p90 / p99 (averaged over iterations) and the longest."""
+    out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}, "response_len": {}}
     for mode, records in histories.items():
         out["samples_per_s"][mode] = _samples_per_s(records)
         out["phases"][mode] = {p: sum(r[f"time_{p}"] for r in records) / len(records) for p in PHASES}
         out["bubble_ratio"][mode] = sum(r["bubble_ratio"] for r in records) / len(records)
         if all("true_score" in r for r in records):
             out["true_score"][mode] = sum(r["true_score"] for r in records) / len(records)
+        out["response_len"][mode] = {
+            q: (max if q == "max" else statistics.fmean)(r[f"response_len_{q}"] for r in records) for q in LENGTH_FIGURES
+        }
     out["speedup"] = out["samples_per_s"]["on"] / out["samples_per_s"]["off"]
     return out
 
@@ -127,7 +136,15 @@ def _samples_per_s(records: list[dict]) -> float:
 
 
 def _fusions(
-    config_argv: list[str], cores: list[int], pp: int, warmup: int, steps: int, config: str, batch: int, as_json: bool
+    config_argv: list[str],
+    cores: list[int],
+    pp: int,
+    warmup: int,
+    steps: int,
+    config: str,
+    batch: int,
+    as_json: bool,
+    layouts: dict[str, int] = LAYOUTS,
 ) -> None:
     print(
         f"end-to-end PPO, {config}, batch {batch}, on cores {cores}: {warmup} warm-up + {steps} measured iterations "
@@ -135,7 +152,7 @@ def _fusions(
         flush=True,
     )
     result: dict = {"config": config, "batch_size": batch, "measured_steps_per_mode": steps, "cores": cores, "layouts": {}}
-    for name, dp_shard in LAYOUTS.items():
+    for name, dp_shard in layouts.items():
         per_rank = rank_cores(cores, dp_shard)
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
@@ -152,14 +169,19 @@ def _fusions(
             print(f"{p:<24}{off:>14.3f}{on:>14.3f}{ratio:>10}")
         print(f"{'samples/s':<24}{layout['samples_per_s']['off']:>14.2f}{layout['samples_per_s']['on']:>14.2f}")
         print(f"{'pipeline bubble ratio':<24}{layout['bubble_ratio']['off']:>14.3f}{layout['bubble_ratio']['on']:>14.3f}")
+        for m in MODES:
+            lengths = layout["response_len"][m]
+            print(f"response tokens, fusions {m}: " + ", ".join(f"{q} {lengths[q]:.1f}" for q in LENGTH_FIGURES))
         print(f"speedup (samples/s, on / off): {layout['speedup']:.3f}x", flush=True)
-    pinned, shared = result["layouts"]["one_rank_per_core"], result["layouts"]["oversubscribed"]
-    result["speedup"], result["speedup_oversubscribed"] = pinned["speedup"], shared["speedup"]
-    print(
-        f"\nspeedup one rank per core: {result['speedup']:.3f}x, oversubscribed: {result['speedup_oversubscribed']:.3f}x; "
-        "samples/s one rank per core / oversubscribed: "
-        + ", ".join(f"fusions {m} {pinned['samples_per_s'][m] / shared['samples_per_s'][m]:.2f}x" for m in MODES)
-    )
+    pinned, shared = result["layouts"].get("one_rank_per_core"), result["layouts"].get("oversubscribed")
+    result["speedup"] = None if pinned is None else pinned["speedup"]
+    result["speedup_oversubscribed"] = None if shared is None else shared["speedup"]
+    if pinned is not None and shared is not None:
+        print(
+            f"\nspeedup one rank per core: {pinned['speedup']:.3f}x, oversubscribed: {shared['speedup']:.3f}x; "
+            "samples/s one rank per core / oversubscribed: "
+            + ", ".join(f"fusions {m} {pinned['samples_per_s'][m] / shared['samples_per_s'][m]:.2f}x" for m in MODES)
+        )
     if as_json:
         print(json.dumps(result))
 
@@ -256,17 +278,28 @@ def main(argv: list[str] | None = None) -> int:
         help="another fusedrl source tree (e.g. a git worktree of the starting commit): compare trees",
     )
     parser.add_argument("--layouts", default="4,2", help="with --baseline: world sizes to run (pp as configured)")
+    parser.add_argument(
+        "--fusion-layouts",
+        default=",".join(LAYOUTS),
+        help="without --baseline: the layouts to run (one_rank_per_core, oversubscribed: twice the ranks and memory)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout")
     args, overrides = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
 
+    unknown = set(args.fusion_layouts.split(",")) - set(LAYOUTS)
+    if unknown:
+        parser.error(
+            f"--fusion-layouts {args.fusion_layouts}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(LAYOUTS)}"
+        )
+    layouts = {name: dp for name, dp in LAYOUTS.items() if name in args.fusion_layouts.split(",")}
     config_argv = ["--job.config_file", args.config, *overrides, "--training.device=cpu"]
     try:
         par = load_config(config_argv).parallelism
         if args.baseline is None:
             cores = pick_cores(par.pp * par.tp)
-            for dp_shard in LAYOUTS.values():  # check every layout before any rank starts
+            for dp_shard in layouts.values():  # check every layout before any rank starts
                 cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp_shard}"], len(cores) * dp_shard)
         else:
             prepare(config_argv, par.pp * par.dp_shard * par.tp)
@@ -274,22 +307,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.baseline is None:
-        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json)
+        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json, layouts)
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():
         parser.error(
             f"--baseline {args.baseline}: not a fusedrl source tree (no fusedrl/train.py); "
             "make one with `git worktree add <dir> <commit>`"
         )
-    layouts = [int(w) for w in args.layouts.split(",")]
-    if any(w % par.pp for w in layouts):
+    worlds = [int(w) for w in args.layouts.split(",")]
+    if any(w % par.pp for w in worlds):
         parser.error(f"--layouts {args.layouts}: every world size must be a multiple of parallelism.pp = {par.pp}")
     _trees(
         args.baseline,
         args.config,
         [*overrides, "--training.device=cpu"],
         par.pp,
-        layouts,
+        worlds,
         args.rounds,
         args.warmup,
         args.steps,

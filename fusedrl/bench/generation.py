@@ -1,13 +1,17 @@
-"""Generation throughput: fusedrl engine (eager, compiled, int8) vs torchtune's ``generate``.
+"""Generation throughput: fusedrl engine (eager, compiled, int8) vs torchtune's or transformers' ``generate``.
 
     python -m fusedrl.bench.generation [--json] [--quantize] [--new-tokens N] [--batch-sizes 1,8,32]
+    python -m fusedrl.bench.generation --model models/SmolLM2-135M-Instruct --batch-sizes 1,16 --json
     python -m fusedrl.bench.generation --device cuda --flavor llama3_2_1b --dtype bfloat16 \
         --compile-mode reduce-overhead --batch-sizes 1,8,32,128 --json     # on a GPU
 
-Same model (``debug_large`` by default, random weights), same prompts, same number of new tokens per
-request (forced: no stop tokens, sampling at temperature 1); on CPU one thread (``torch.set_num_threads(1)``).
-Tokens/s counts generated tokens over wall time including prefill; compile time is excluded (a
-warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
+Same model, same prompts (random ids, one length), same number of new tokens per request (forced: no stop tokens);
+on CPU ``--threads`` threads (``torch.set_num_threads``). ``--flavor`` (``debug_large`` by default): random weights,
+sampling at temperature 1, against torchtune's ``generate``. ``--model FOLDER``: a real HF checkpoint, greedy
+decoding, against transformers' ``generate`` on the same folder loaded by transformers (same dtype, batched, no
+padding), and the greedy tokens of every row are compared (rows whose tokens differ from transformers' are counted:
+float rounding can flip a near tie). Tokens/s counts generated tokens over wall time including prefill; compile time
+is excluded (a warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
 ``--repeats`` times each, and the best time per mode counts.
 
 On a GPU each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode
@@ -27,7 +31,7 @@ from torchtune.generation import generate as torchtune_generate
 from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.models import build_model
+from fusedrl.models import build_model, from_pretrained, resolve_flavor
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: str) -> torch.Tensor:
@@ -49,15 +53,32 @@ def _torchtune_runner(model, prompts: torch.Tensor, new_tokens: int):
     return run
 
 
-def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: int):
-    params = SamplingParams(temperature=1.0, target_len=new_tokens)
+def _transformers_runner(model, prompts: torch.Tensor, new_tokens: int, out: dict):
+    """transformers' greedy ``generate`` of exactly ``new_tokens`` per row (no stop token); ``out["tokens"]``: the rows."""
+    model.generation_config.eos_token_id = None  # decode to the limit, as the engine does without stop tokens
+    mask = torch.ones_like(prompts)
+
+    def run():
+        tokens = model.generate(
+            prompts, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0, use_cache=True
+        )
+        assert tokens.shape[1] == prompts.shape[1] + new_tokens
+        out["tokens"] = tokens[:, prompts.shape[1] :].tolist()
+
+    return run
+
+
+def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: int, greedy: bool = False, out=None):
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens) if greedy else SamplingParams(target_len=new_tokens)
     calls = iter(range(1 << 30))
 
     def run():
         call = next(calls)
-        reqs = [Request(f"{call}-{i}", p.tolist(), params) for i, p in enumerate(prompts)]
-        results = engine.generate(reqs, progress=False)
+        reqs = [Request(i, p.tolist(), params, seed=call) for i, p in enumerate(prompts)]
+        results = sorted(engine.generate(reqs, progress=False), key=lambda r: r.id)
         assert all(len(r.tokens) == new_tokens for r in results), "engine produced the wrong number of tokens"
+        if out is not None:
+            out["tokens"] = [r.tokens for r in results]
 
     return run
 
@@ -84,7 +105,8 @@ def roofline_tokens_per_s(model: TransformerDecoder, batch: int, prompt_len: int
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--flavor", default="debug_large")
+    p.add_argument("--flavor", default="debug_large", help="random weights of this flavor (without --model)")
+    p.add_argument("--model", default=None, help="an HF checkpoint folder: greedy decoding against transformers' generate")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -106,34 +128,54 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = build_model(args.flavor).to(device=args.device, dtype=dtype).eval()
-    vocab = model.tok_embeddings.num_embeddings
+    hf_model = None
+    if args.model:
+        import transformers
+
+        loaded, flavor = from_pretrained(args.model, dtype=dtype, device=args.device)
+        model = loaded.eval()
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+        label, baseline = args.model, "transformers"
+    else:
+        flavor = resolve_flavor(args.flavor)
+        model = build_model(flavor).to(device=args.device, dtype=dtype).eval()
+        label, baseline = args.flavor, "torchtune"
+    vocab = flavor.vocab_size
     max_len = args.prompt_len + args.new_tokens
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    greedy = hf_model is not None
 
-    modes: dict[str, dict[str, float]] = {"torchtune": {}, "eager": {}}
+    modes: dict[str, dict[str, float]] = {baseline: {}, "eager": {}}
     if not args.no_compile:
         modes["compiled"] = {}
     if args.quantize:
         modes["int8_eager"] = {}
     compile_s: dict[str, float] = {}
-    print(f"{args.flavor}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {args.threads} thread(s)")
-    print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in modes) + f" {'best/torchtune':>15}")
+    sampling = "greedy" if greedy else "temperature 1"
+    print(f"{label}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {sampling}, {args.threads} thread(s)")
+    print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in modes) + f" {'best/' + baseline:>18}")
     speedup: dict[str, float] = {}
     roofline: dict[str, dict[str, float]] = {}
+    differing_rows: dict[str, int] = {}
     for b in batch_sizes:
         prompts = _prompts(b, args.prompt_len, vocab, seed=b, device=args.device)
         tokens = b * args.new_tokens
-        runners = {"torchtune": _torchtune_runner(model, prompts, args.new_tokens)}
-        runners["eager"] = _engine_runner(GenerationEngine(model, max_slots=b, max_len=max_len), prompts, args.new_tokens)
+        theirs: dict = {}
+        ours: dict = {}
+        if hf_model is not None:
+            runners = {baseline: _transformers_runner(hf_model, prompts, args.new_tokens, theirs)}
+        else:
+            runners = {baseline: _torchtune_runner(model, prompts, args.new_tokens)}
+        engine = GenerationEngine(model, max_slots=b, max_len=max_len)
+        runners["eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy, ours)
         if "compiled" in modes:
             # One length bucket: one compiled graph per batch size.
             mode = None if args.compile_mode == "default" else args.compile_mode
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, mode=mode, len_buckets=[max_len])
-            runners["compiled"] = _engine_runner(engine, prompts, args.new_tokens)
+            runners["compiled"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
         if "int8_eager" in modes:
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, quantize="int8_weight_only")
-            runners["int8_eager"] = _engine_runner(engine, prompts, args.new_tokens)
+            runners["int8_eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
         warmup = {name: _seconds(run) for name, run in runners.items()}
         best = {name: float("inf") for name in runners}
         # Interleaved repeats, best time per mode: other load on the machine hits all modes alike.
@@ -146,8 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
         if "compiled" in runners:
             compile_s[str(b)] = warmup["compiled"] - best["compiled"]
         fused = [modes[m][str(b)] for m in ("eager", "compiled") if m in modes]
-        speedup[str(b)] = max(fused) / modes["torchtune"][str(b)]
-        line = f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>14.2f}x"
+        speedup[str(b)] = max(fused) / modes[baseline][str(b)]
+        line = f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>17.2f}x"
+        if greedy:
+            differing_rows[str(b)] = sum(x != y for x, y in zip(ours["tokens"], theirs["tokens"]))
+            line += f"  greedy tokens equal in {b - differing_rows[str(b)]}/{b} rows"
         if args.device == "cuda":
             roof = roofline_tokens_per_s(model, b, args.prompt_len, args.new_tokens, args.hbm_bytes_per_s)
             roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
@@ -156,11 +201,12 @@ def main(argv: list[str] | None = None) -> dict:
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
     out = {
-        "speedup_vs_torchtune": speedup,
+        f"speedup_vs_{baseline}": speedup,
         "modes": modes,
+        "greedy_rows_differing": differing_rows,
         "compile_overhead_s": compile_s,
         "roofline_fraction": roofline,
-        "flavor": args.flavor,
+        "model": label,
         "device": args.device,
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,

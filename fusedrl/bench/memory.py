@@ -14,7 +14,7 @@ plans the sync from them.
 
 Notation: ``c`` compute itemsize (``training.mixed_precision_param``), ``r`` rollout itemsize (``rollout_dtype``;
 the Reference and Reward use ``frozen_dtype``), ``kv`` KV-cache itemsize; ``D`` embed dim, ``H`` / ``KV`` heads / KV
-heads, ``hd = D / H``, ``q = H hd``, ``k = KV hd``, ``F`` MLP width, ``V`` vocabulary, ``L`` layers; ``tp``, ``g =
+heads, ``hd`` the head size (``head_dim``: ``D / H`` unless config.json sets it), ``q = H hd``, ``k = KV hd``, ``F`` MLP width, ``V`` vocabulary, ``L`` layers; ``tp``, ``g =
 gen_tp``; ``P = data.max_prompt_len``, ``N = generation.max_new_tokens``; a training micro-batch has ``b =
 ppo.microbatch_size`` rows of ``s`` tokens (the longest bucket ``round_up(P + N, evenly_spaced(P + N))``), ``T = b
 s``; ``M = minibatch_size / dp_shard / microbatch_size`` micro-batches per model.
@@ -91,7 +91,8 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
   ``fusion.migration_mode = "reprefill"``); inside a layer the MLP phase holds
   ``r T_p (4 D + 3 F / g + (q + 2 k) / g)`` (layer input, residual, attention output, normed input, SiLU, w3's
   output, product, and the layer's q, k, v), unless the attention phase ``r T_p (2 D + 6 q / g)`` is larger; plus
-  ``max_slots x V x (r + 4)`` last-position logits.
+  ``max_slots x V x (r + 4)`` last-position logits; or, when larger (SmolLM2's 49152-entry vocabulary), the first
+  token's sampling from them, as ``decode_logits`` below over the prefilled rows.
 - ``decode_logits`` (generation): ``max_slots x V x 65``: float32 logits, log-softmax, scaled logits and
   probabilities, and the counter-based exponential noise, whose hash runs in int64 ``[slots, V]`` temporaries
   (measured 64.5 bytes per entry, with or without top-k / top-p filtering).
@@ -104,7 +105,8 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
 
 Not estimated: the CUDA context, NCCL buffers, allocator caching and fragmentation, CUDA-graph pools of the compiled
 decode; the int8 engine copy (``generation.quantize``); the KV states of migrated requests queued on a kept instance;
-the example tensors the executor allocates when it builds a stage for a new shape; host memory (the CPU engine's
+the example tensors the executor allocates when it builds a stage for a new shape; the tensors Qwen3's per-head q/k
+norms save for their backward (about ``8 T (q + k) / tp`` bytes per layer, not in the per-layer figure); host memory (the CPU engine's
 prepacked weights, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
 
 ``--measure`` runs a config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation, a small
@@ -138,9 +140,8 @@ from fusedrl.config import ConfigError, JobConfig, load_config, validate_world_s
 from fusedrl.distributed import plan_reshard
 from fusedrl.distributed.compat import init_fake_process_group
 from fusedrl.distributed.reshard import Box, ReshardPlan
-from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout
-from fusedrl.models import FLAVORS
-from fusedrl.models.registry import ModelFlavor
+from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout, model_flavor
+from fusedrl.models import ModelFlavor
 from fusedrl.models.weights import shard_indices
 from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, LoweredProgram
 from fusedrl.rlhf import Scorer
@@ -213,7 +214,7 @@ def training_seq_len(cfg: JobConfig) -> int:
 def layer_activation_bytes(f: ModelFlavor, tokens: int, c: int, tp: int) -> int:
     """Autograd's saved bytes of one transformer layer's forward over ``tokens`` tokens (module docstring)."""
     d, h = f.embed_dim, f.num_heads
-    q = h * (d // h)
+    q = h * f.head_dim
     per_token = 2 * (8 * d + c * d) + c * (4 * q // tp + 4 * f.intermediate_dim // tp) + 8 + 4 * (h // tp)
     return tokens * per_token
 
@@ -263,7 +264,7 @@ def body_peak_bytes(f: ModelFlavor, tokens: int, r: int, g: int, engine: bool = 
     output, their product) unless the attention phase ``r T (2 D + 6 q / g)`` is larger. ``engine``: the
     generation engine's prefill also still holds the layer's q, k and v during the MLP: ``+ r T (q + 2 kv) / g``."""
     d, h = f.embed_dim, f.num_heads
-    q, kv = h * (d // h), f.num_kv_heads * (d // h)
+    q, kv = h * f.head_dim, f.num_kv_heads * f.head_dim
     mlp = r * (4 * d + 3 * f.intermediate_dim // g) + (r * (q + 2 * kv) // g if engine else 0)
     return tokens * max(mlp, r * (2 * d + 6 * q // g))
 
@@ -274,7 +275,9 @@ def decode_logits_bytes(f: ModelFlavor, slots: int) -> int:
 
 
 def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
-    return body_peak_bytes(f, rows * width, r, g, engine=True) + rows * f.vocab_size * (r + 4)
+    """The prefill's forward (body and last-position logits), or the first token's sampling from those logits, which
+    holds as much as a decode step's over the same rows (the larger with a real vocabulary)."""
+    return max(body_peak_bytes(f, rows * width, r, g, engine=True) + rows * f.vocab_size * (r + 4), decode_logits_bytes(f, rows))
 
 
 def scoring_bytes(
@@ -736,7 +739,7 @@ def estimate_rank(
     )
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
     rows, seq = cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg)
-    flavors = {ACTOR: FLAVORS[cfg.model.actor], CRITIC: FLAVORS[cfg.model.critic]}
+    flavors = {ACTOR: model_flavor(cfg, "actor"), CRITIC: model_flavor(cfg, "critic")}
     actor = flavors[ACTOR]
     n_mb = program.microbatches[ACTOR]
 
@@ -748,8 +751,7 @@ def estimate_rank(
     for name in ROLLOUT_MODELS:
         persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))  # 0: no Reward model
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
-    head_dim = actor.embed_dim // actor.num_heads
-    persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * longest * build.kv_heads * head_dim * kv
+    persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * longest * build.kv_heads * actor.head_dim * kv
     persistent["rope_buffers"] = sum(st.rope for st in build.stages.values()) + sum(build.rollout_rope.values())
     pipe = 0
     for m, st in build.stages.items():
@@ -824,7 +826,7 @@ def estimate_rank(
     width = longest - 1 if reprefill else cfg.data.max_prompt_len
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
     transients["decode_logits"] = decode_logits_bytes(actor, gen.max_slots)
-    scored_bodies = (flavors[CRITIC], FLAVORS[cfg.model.reward]) if cfg.model.uses_reward_model else (flavors[CRITIC],)
+    scored_bodies = (flavors[CRITIC], model_flavor(cfg, "reward")) if cfg.model.uses_reward_model else (flavors[CRITIC],)
     body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g, scored_bodies)
     transients["scoring_activations"], transients["scoring_logits"] = body, head
     gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
@@ -1401,7 +1403,7 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
     out: list[Comparison] = []
     t = cfg.training
     r, g = _itemsize(t.rollout_dtype), cfg.parallelism.gen_tp
-    actor = FLAVORS[cfg.model.actor]
+    actor = model_flavor(cfg, "actor")
     for m, e in zip(measured, est.ranks):
         for name, value in m["persistent"].items():
             offloaded = name in e.details["host"]  # freed on the device outside the rollout: 0 expected

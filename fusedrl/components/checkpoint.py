@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from fusedrl.components.tokenizer import Tokenizer
 from fusedrl.config import CheckpointSection
 from fusedrl.distributed import gather_full_state_dict
-from fusedrl.models import save_hf_checkpoint
+from fusedrl.models import ModelFlavor, save_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ def _fsync_dir(path: Path) -> None:
 def export_hf(
     stages: nn.Module | list[nn.Module],
     folder: str | os.PathLike,
-    flavor: str,
+    flavor: str | ModelFlavor,
     role: str = "policy",
     pp_group: dist.ProcessGroup | None = None,
     tokenizer: Tokenizer | None = None,

@@ -143,7 +143,7 @@ class PhaseTimers:
 
 
 def length_stats(lengths: Sequence[int] | torch.Tensor, prefix: str = "response_len") -> dict[str, float]:
-    """Mean, p50, p99 and max of ``lengths`` (nearest-rank percentiles) as ``{prefix}_mean`` etc."""
+    """Mean, p50, p90, p99 and max of ``lengths`` (nearest-rank percentiles) as ``{prefix}_mean`` etc."""
     x = torch.as_tensor(lengths, dtype=torch.float64).flatten()
     if x.numel() == 0:
         raise ValueError("length_stats needs at least one length")
@@ -151,6 +151,7 @@ def length_stats(lengths: Sequence[int] | torch.Tensor, prefix: str = "response_
     return {
         f"{prefix}_mean": xs.mean().item(),
         f"{prefix}_p50": percentile(xs, 50),
+        f"{prefix}_p90": percentile(xs, 90),
         f"{prefix}_p99": percentile(xs, 99),
         f"{prefix}_max": xs[-1].item(),
     }

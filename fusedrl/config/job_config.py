@@ -91,13 +91,16 @@ class ModelSection:
     """[model]: flavors and initial weights of the four PPO models."""
 
     actor: str = _key(
-        "debug", "Actor (policy) flavor from fusedrl.models.FLAVORS; the Reference uses the same flavor.", non_empty
+        "",
+        "Actor (policy) flavor from fusedrl.models.FLAVORS; empty: the architecture of actor_path's config.json (any "
+        "Llama, Mistral, Qwen2 or Qwen3 checkpoint), or the tiny debug flavor without actor_path. The Reference is "
+        "built as the Actor.",
     )
-    critic: str = _key("debug", "Critic (value model) flavor from fusedrl.models.FLAVORS.", non_empty)
+    critic: str = _key("", "Critic (value model) flavor from fusedrl.models.FLAVORS; empty: as for actor, from critic_path.")
     reward: str = _key(
-        "debug",
-        'Reward model (value head) flavor from fusedrl.models.FLAVORS, or "none": no Reward model (reward_fn alone scores).',
-        non_empty,
+        "",
+        'Reward model (value head) flavor from fusedrl.models.FLAVORS; empty: as for actor, from reward_path; "none": '
+        "no Reward model (reward_fn alone scores).",
     )
     actor_path: str | None = _key(
         None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation."

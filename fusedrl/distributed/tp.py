@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torchtune.modules import TiedLinear
 
 from fusedrl.distributed.fsdp import transformer_layers
+from fusedrl.models import QKNormProjection
 
 VOCAB_MODULES = ("tok_embeddings", "output")
 
@@ -24,8 +25,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
     divides the vocabulary and the two are not tied (pass ``()`` for a pipeline stage of a tied model,
     whose head is a copy): the embedding's lookups are summed over the TP ranks, the head's logits
     gathered whole, so callers see plain tensors. Norms and a value head (one output) stay replicated.
-    One plan serves every torchtune decoder family fusedrl builds (Llama and Qwen share the layer
-    structure).
+    One plan serves every decoder family fusedrl builds (they share the layer structure; Qwen3's per-head q/k
+    norms stay replicated and run on each rank's heads).
     Call before ``apply_fsdp``.
     """
     if tp_mesh.ndim != 1:
@@ -41,12 +42,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
                 )
         if attn.kv_cache is not None:
             raise ValueError("apply_tp must run before KV caches are set up (caches are sized by the local head count)")
+        # Qwen3's q/k projections norm each head after the linear: the linear is sharded, the norm runs per local head
+        q, k = (
+            ("attn.q_proj.linear", "attn.k_proj.linear")
+            if isinstance(attn.q_proj, QKNormProjection)
+            else ("attn.q_proj", "attn.k_proj")
+        )
         parallelize_module(
             layer,
             tp_mesh,
             {
-                "attn.q_proj": ColwiseParallel(),
-                "attn.k_proj": ColwiseParallel(),
+                q: ColwiseParallel(),
+                k: ColwiseParallel(),
                 "attn.v_proj": ColwiseParallel(),
                 "attn.output_proj": RowwiseParallel(),
                 "mlp.w1": ColwiseParallel(),

@@ -23,6 +23,7 @@ from fusedrl.config import GenerationSection
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.state import RequestState
+from fusedrl.models import QKNormProjection
 
 Quantize = Literal["int8_weight_only"]
 QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
@@ -130,6 +131,8 @@ class _SlotForward(nn.Module):
             if torch.compiler.is_compiling():
                 return torch.ops.fusedrl.packed_linear(x, module.weight, module.bias)
             return _packed_linear_cpu(x, module.weight, module.bias)
+        if type(module) is QKNormProjection:  # Qwen3: its linear prepacked too, then the per-head norm
+            return module.normalize(self._linear(module.linear, x))
         return module(x)
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

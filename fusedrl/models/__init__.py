@@ -1,34 +1,49 @@
-"""Model registry over torchtune builders: flavors, roles, HF weights, tokenizers."""
+"""Decoder architectures over torchtune modules: flavors (named, or read from an HF config.json), roles, HF weights."""
 
 from fusedrl.models.hf import (
     CheckpointError,
     PretrainedModel,
+    flavor_from_hf_config,
     from_pretrained,
     hf_config,
-    infer_flavor,
     load_hf_checkpoint,
     load_hf_weights,
+    read_flavor,
     save_hf_checkpoint,
 )
-from fusedrl.models.registry import FLAVORS, ROLES, ModelFlavor, build_model
+from fusedrl.models.registry import (
+    FAMILIES,
+    FLAVORS,
+    ROLES,
+    Llama3RoPE,
+    ModelFlavor,
+    QKNormProjection,
+    build_model,
+    resolve_flavor,
+)
 from fusedrl.models.weights import hf_to_tune_state, init_rope_buffers, load_state_slices, local_indices, tune_to_hf_state
 
 __all__ = [
+    "FAMILIES",
     "FLAVORS",
     "ROLES",
     "CheckpointError",
+    "Llama3RoPE",
     "ModelFlavor",
     "PretrainedModel",
+    "QKNormProjection",
     "build_model",
+    "flavor_from_hf_config",
     "from_pretrained",
     "hf_config",
     "hf_to_tune_state",
-    "infer_flavor",
     "init_rope_buffers",
     "load_hf_checkpoint",
     "load_hf_weights",
     "load_state_slices",
     "local_indices",
+    "read_flavor",
+    "resolve_flavor",
     "save_hf_checkpoint",
     "tune_to_hf_state",
 ]

@@ -1,4 +1,4 @@
-"""HF-format safetensors checkpoints for fusedrl flavors.
+"""HF-format safetensors checkpoints of Llama, Mistral, Qwen2 and Qwen3 decoders.
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``, with tensor names as
@@ -6,6 +6,10 @@ in HF ``transformers`` (``model.layers.0.self_attn.q_proj.weight``, ...). Names 
 permutation of q/k are converted by :mod:`fusedrl.models.weights`. The head is named by role:
 ``lm_head.weight`` for a policy (absent when embeddings are tied) and ``score.weight`` ([1, dim],
 as in HF ``*ForSequenceClassification`` reward models) for a value model.
+
+The architecture comes from ``config.json`` (:func:`read_flavor`) or from a named flavor, which is then
+checked against ``config.json`` field by field; what fusedrl cannot build exactly is refused before any
+weight is read.
 
 Loading validates every header of the folder first, then reads, per tensor the module holds,
 only the slice covering its local shard (``safe_open(...).get_slice``), so a meta-built, sharded,
@@ -32,13 +36,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fusedrl.config import InputError
-from fusedrl.models.registry import FLAVORS, ROLES, ModelFlavor, Role, build_model
+from fusedrl.models.registry import FAMILIES, Llama3RoPE, ModelFlavor, Role, build_model, check_role, resolve_flavor
 from fusedrl.models.weights import (
     EMBED_KEY,
     LM_HEAD_KEY,
     TUNE_HEAD_KEY,
     VALUE_HEAD_KEY,
-    _flavor,
     fill_slices,
     hf_name,
     hf_to_tune_rows,
@@ -97,8 +100,11 @@ class CheckpointError(InputError):
         self.problems = list(problems)
 
 
+_ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
 def hf_config(
-    flavor: str,
+    flavor: str | ModelFlavor,
     role: str = "policy",
     dtype: torch.dtype = torch.float32,
     *,
@@ -107,17 +113,19 @@ def hf_config(
     pad_token_id: int | None = None,
 ) -> dict:
     """HF ``config.json`` fields describing ``flavor`` with the head of ``role``; ``dtype`` is the tensors'.
+    transformers builds the same architecture class from it (``LlamaForCausalLM``, ``Qwen3ForSequenceClassification``,
+    ...), and :func:`read_flavor` reads ``flavor`` back from it.
 
     The special token ids go into the file as given: ``None`` is written as ``null`` rather than left out,
     which would make transformers assume its own defaults (Llama: bos 1, eos 2). ``eos_token_id`` may list
     every id generation stops on.
     """
-    f = _flavor(flavor)
-    _check_role(role)
-    arch = "Qwen2" if f.family == "qwen2" else "Llama"
+    f = resolve_flavor(flavor)
+    check_role(role)
+    arch = _ARCHITECTURES[f.family]
     dtype_name = str(dtype).removeprefix("torch.")
     math = _flavor_math(f)  # the fields the load check compares, so an export always passes it
-    rope = {"rope_type": math.pop("rope_type")} | {k: math.pop(k) for k in _ROPE_SCALING_KEYS if k in math}
+    rope = {"rope_type": math.pop("rope_type")} | {k: math.pop(k) for k in _LLAMA3_ROPE_KEYS if k in math}
     config = {
         "architectures": [f"{arch}ForCausalLM" if role == "policy" else f"{arch}ForSequenceClassification"],
         **math,
@@ -128,9 +136,9 @@ def hf_config(
         "bos_token_id": bos_token_id,
         "eos_token_id": _ids(eos_token_id),
         "pad_token_id": pad_token_id,
-        "fusedrl_flavor": flavor,
-        "fusedrl_role": role,
     }
+    if f.family == "mistral":
+        config["sliding_window"] = None  # transformers' default is a 4096-token window
     if role == "value":
         config["num_labels"] = 1
     return config
@@ -143,7 +151,7 @@ def _ids(ids: int | Sequence[int] | None) -> int | list[int] | None:
 def save_hf_checkpoint(
     model: nn.Module | Mapping[str, torch.Tensor],
     folder: str | os.PathLike,
-    flavor: str,
+    flavor: str | ModelFlavor,
     role: str = "policy",
     max_shard_bytes: int | None = None,
     *,
@@ -163,8 +171,8 @@ def save_hf_checkpoint(
     when any is given, into ``generation_config.json``, so that transformers' ``generate()`` stops
     where fusedrl's generation does (``eos_token_id``: every stop id).
     """
-    _flavor(flavor)
-    _check_role(role)
+    resolve_flavor(flavor)
+    check_role(role)
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}; pass None for one file")
     folder = Path(folder)
@@ -211,7 +219,7 @@ def save_hf_checkpoint(
 def load_hf_weights(
     module: nn.Module,
     folder: str | os.PathLike,
-    flavor: str,
+    flavor: str | ModelFlavor,
     role: str = "policy",
     *,
     init_value_head_from_lm: bool = False,
@@ -234,14 +242,14 @@ def load_hf_weights(
     are near 0 while the backbone still gets gradients. The full head is drawn whether or not
     ``module`` holds it, so equal RNG states give every rank the same head and the same RNG state after.
     """
-    f = _flavor(flavor)
-    _check_role(role)
+    f = resolve_flavor(flavor)
+    check_role(role)
     if init_value_head_from_lm and role != "value":
         raise ValueError("init_value_head_from_lm=True needs role='value'; a policy loads its own LM head")
     folder = Path(folder)
     targets = module_targets(module)
-    full = _full_shapes(flavor, cast(Role, role))  # a valid Role: _check_role passed above
-    _check_module(targets, full, flavor, role)
+    full = _full_shapes(f, cast(Role, role))  # a valid Role: check_role passed above
+    _check_module(targets, full, f, role)
 
     problems: list[str] = []
     fixes: list[str] = []
@@ -260,9 +268,9 @@ def load_hf_weights(
                 fixes.append("re-export the checkpoint (its index and shards do not match)")
         for name, (dtype, shape) in header.items():
             found[name] = (path, dtype, shape)
-    _check_config(folder, f, flavor, problems, fixes)
+    _check_config(folder, f, role, problems, fixes)
     if not readable:  # nothing to compare tensors against: report the file problems alone
-        _raise(folder, flavor, role, problems, fixes)
+        _raise(folder, f, role, problems, fixes)
 
     tied = role == "policy" and f.tie_word_embeddings  # no lm_head: a stage's output.weight reads the embedding
     expected = {hf_name(name, role): shape for name, shape in full.items() if not (tied and name == TUNE_HEAD_KEY)}
@@ -276,9 +284,9 @@ def load_hf_weights(
             fixes.append("load a value checkpoint with init_value_head_from_lm=False")
             ignored.append(VALUE_HEAD_KEY)
         del expected[VALUE_HEAD_KEY]
-    _compare(found, expected, set(ignored), f, flavor, role, problems, fixes)
+    _compare(found, expected, set(ignored), f, role, problems, fixes)
     if problems:
-        _raise(folder, flavor, role, problems, fixes)
+        _raise(folder, f, role, problems, fixes)
     if ignored:
         log.info("checkpoint %s: ignored %d tensor(s): %s", folder, len(ignored), _group(sorted(ignored)))
 
@@ -299,7 +307,7 @@ def load_hf_weights(
 def load_hf_checkpoint(
     model: nn.Module,
     folder: str | os.PathLike,
-    flavor: str,
+    flavor: str | ModelFlavor,
     role: str = "policy",
     *,
     init_value_head_from_lm: bool = False,
@@ -309,10 +317,10 @@ def load_hf_checkpoint(
 
 
 class PretrainedModel(NamedTuple):
-    """What :func:`from_pretrained` returns: the loaded model and the flavor that builds it."""
+    """What :func:`from_pretrained` returns: the loaded model and the flavor (architecture) that builds it."""
 
     model: nn.Module
-    flavor: str
+    flavor: ModelFlavor
 
 
 def from_pretrained(
@@ -323,69 +331,139 @@ def from_pretrained(
     device: torch.device | str = "cpu",
     init_value_head_from_lm: bool = False,
 ) -> PretrainedModel:
-    """Build and load an HF Llama / Qwen2 checkpoint folder, its flavor inferred from ``config.json``.
+    """Build and load an HF Llama / Mistral / Qwen2 / Qwen3 checkpoint folder, its architecture read from its
+    ``config.json`` (:func:`read_flavor`).
 
-    The folder needs no ``fusedrl_flavor`` key (see :func:`infer_flavor`). The model is built on the meta
-    device in ``dtype``, materialised on ``device`` and filled by :func:`load_hf_weights` (same checks,
-    same ``init_value_head_from_lm``). ``model, flavor = from_pretrained(folder)``.
+    The model is built on the meta device in ``dtype``, materialised on ``device`` and filled by
+    :func:`load_hf_weights` (same checks, same ``init_value_head_from_lm``). ``model, flavor = from_pretrained(folder)``.
     """
-    _check_role(role)
-    flavor = infer_flavor(folder)
-    model = build_model(flavor, cast(Role, role), device="meta").to(dtype)  # a valid Role: _check_role passed above
+    check_role(role)
+    flavor = read_flavor(folder, role)
+    model = build_model(flavor, cast(Role, role), device="meta").to(dtype)  # a valid Role: check_role passed above
     model.to_empty(device=device)
     load_hf_weights(model, folder, flavor, role, init_value_head_from_lm=init_value_head_from_lm)
     return PretrainedModel(model, flavor)
 
 
-def infer_flavor(folder: str | os.PathLike) -> str:
-    """The flavor of :data:`FLAVORS` whose math equals the HF checkpoint ``folder``'s ``config.json``.
+def read_flavor(folder: str | os.PathLike, role: str = "policy") -> ModelFlavor:
+    """The architecture of the HF checkpoint ``folder``, from its ``config.json`` (:func:`flavor_from_hf_config`).
 
-    Every field that changes the math (model type, sizes, ``head_dim``, ``hidden_act``, ``rms_norm_eps``,
-    RoPE ``rope_theta`` / ``rope_scaling``, ``tie_word_embeddings``, biases, sliding window, dropout) must
-    match; fields absent from the file take transformers' defaults. ``max_position_embeddings`` is not
-    compared (it bounds the length, it does not change the math). When several flavors fit, the file's
-    ``fusedrl_flavor`` picks one. Raises :class:`CheckpointError` listing the nearest flavors and the fields
-    in which they differ when none fits.
+    Raises :class:`CheckpointError` (one line naming the field, its value and the fix) when the folder has no
+    readable ``config.json`` or it describes something fusedrl cannot build exactly. Reads no weights.
     """
     folder = Path(folder)
     path = folder / CONFIG_FILE
-    fix = f"point to an HF checkpoint folder with its {CONFIG_FILE}, or name the flavor and use load_hf_weights"
     if not path.is_file():
-        raise CheckpointError(f"cannot infer the flavor of {folder}: it has no {CONFIG_FILE}. Fix: {fix}.", [f"no {CONFIG_FILE}"])
-    try:
-        config = _read_config(path)
-    except ValueError as e:
-        raise CheckpointError(f"cannot infer the flavor of {folder}: {e}. Fix: repair {path}.", [str(e)]) from e
-    model_type = config.get("model_type")
-    if model_type not in _HF_DEFAULTS:
-        families = " and ".join(map(repr, _HF_DEFAULTS))
-        problem = f"{CONFIG_FILE} has model_type={model_type!r}; fusedrl builds {families} models"
-        raise CheckpointError(f"cannot infer the flavor of {folder}: {problem}. Fix: {fix}.", [problem])
-    differences = {name: _config_differences(config, f) for name, f in FLAVORS.items()}
-    fits = [name for name, diff in differences.items() if not diff]
-    if config.get("fusedrl_flavor") in fits:
-        return config["fusedrl_flavor"]
-    if len(fits) == 1:
-        return fits[0]
-    if fits:
-        problem = f"{CONFIG_FILE} fits flavors {', '.join(map(repr, fits))} equally"
+        problem = f"{folder} has no {CONFIG_FILE}"
         raise CheckpointError(
-            f'cannot infer the flavor of {folder}: {problem}. Fix: add "fusedrl_flavor": "<one of them>" to {path}.',
+            f"cannot read the architecture: {problem}. Fix: point to an HF checkpoint folder with its {CONFIG_FILE}, "
+            "or name the model's flavor",
             [problem],
         )
-    nearest = sorted(differences, key=lambda name: len(differences[name]))[:3]
-    problems = [
-        f"flavor {name!r} differs in "
-        + ", ".join(f"{m.field} ({CONFIG_FILE}: {m.in_file()}; flavor: {m.want!r})" for m in differences[name])
-        for name in nearest
-    ]
-    raise CheckpointError(
-        f"cannot infer the flavor of {folder}: its {CONFIG_FILE} matches no flavor of fusedrl.models.FLAVORS; nearest: "
-        + "; ".join(problems)
-        + f". Fix: register a ModelFlavor with the checkpoint's values (docs/models.md, "
-        f'"How to add a model flavor") or correct {path}.',
-        problems,
-    )
+    try:
+        return flavor_from_hf_config(_read_config(path), role, name=folder.name)
+    except ValueError as e:
+        raise CheckpointError(f"cannot build {path}: {e}", [str(e)]) from None
+
+
+def flavor_from_hf_config(config: Mapping[str, Any], role: str = "policy", *, name: str = "") -> ModelFlavor:
+    """The :class:`ModelFlavor` of an HF ``config.json`` (a dict), read as transformers reads it (absent fields
+    take its defaults); ``role`` is the head the model gets. ``name`` labels the flavor in messages.
+
+    Supported: ``model_type`` llama (RoPE ``default`` or ``llama3``, biases, explicit ``head_dim``), mistral,
+    qwen2 and qwen3, tied or untied embeddings, and for the value role a causal LM (fresh head) or a
+    ``*ForSequenceClassification`` with one label. A sliding window caps ``max_seq_len`` at its width (within it
+    attention is full). Raises ValueError ("field=value: why. Fix: ...", one line) for anything else: another
+    model type, mixture of experts, a quantized checkpoint, another RoPE type or activation, partial rotary factors,
+    attention dropout, several labels.
+    """
+    check_role(role)
+    model_type = config.get("model_type")
+    if model_type not in _HF_DEFAULTS:
+        raise ValueError(
+            f"model_type={model_type!r}: fusedrl builds {', '.join(FAMILIES)} decoders. Fix: use a checkpoint of one "
+            "of these families (MoE, multimodal and other architectures are not supported)"
+        )
+    for key in _MOE_KEYS:
+        if config.get(key):
+            raise ValueError(f"{key}={config[key]!r}: a mixture-of-experts model. Fix: use a dense checkpoint")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
+        raise ValueError(
+            f"quantization_config (quant_method={method!r}): fusedrl loads float weights. Fix: dequantize the "
+            "checkpoint to bf16 safetensors first"
+        )
+    read = _config_math(config, model_type)
+    value = {k: v for k, (v, _, _) in read.items()}
+    field = {k: where for k, (_, where, _) in read.items()}
+
+    def refuse(key: str, why: str, fix: str) -> ValueError:
+        return ValueError(f"{field[key]}={value[key]!r}: {why}. Fix: {fix}")
+
+    if value["hidden_act"] != "silu":
+        raise refuse("hidden_act", "fusedrl's MLP is SiLU-gated", "use a SiLU model or correct config.json")
+    if value["partial_rotary_factor"] != 1.0:
+        raise refuse("partial_rotary_factor", "fusedrl rotates every feature of a head", "use a model with full RoPE")
+    if value["attention_dropout"] not in (0, 0.0):
+        raise refuse("attention_dropout", "fusedrl trains without dropout", "set attention_dropout to 0.0 in config.json")
+    rope_type = value["rope_type"]
+    if rope_type not in ("default", "llama3") or (rope_type == "llama3" and model_type != "llama"):
+        built = "default RoPE (and llama3 scaling for Llama)"
+        raise refuse("rope_type", f"fusedrl builds {built}", "use a checkpoint with one of them")
+    if role == "value":
+        labels = config.get("num_labels", len(config.get("id2label") or {}) or 1)
+        if labels != 1:
+            raise ValueError(
+                f"num_labels={labels!r}: a value model (Critic, Reward) has one scalar head. Fix: use a reward model "
+                "with num_labels = 1 or an LM checkpoint (it gets a fresh head)"
+            )
+    sizes = {}
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings"):  # fmt: skip
+        if not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1:
+            raise refuse(key, "must be a positive integer", "correct config.json")
+        sizes[key] = value[key]
+    for key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(value[key], (int, float)) or isinstance(value[key], bool) or value[key] <= 0:
+            raise refuse(key, "must be a positive number", "correct config.json")
+    max_seq_len = sizes["max_position_embeddings"]
+    window = _sliding_window(value, model_type)
+    if window is not None and window < max_seq_len:
+        log.info(
+            "%s: sliding_window %d caps sequences at %d tokens (attention is full within it)",
+            name or "config.json",
+            window,
+            window,
+        )
+        max_seq_len = window
+    scaling = None
+    if rope_type == "llama3":
+        for key in _LLAMA3_ROPE_KEYS:
+            if not isinstance(value[key], (int, float)) or isinstance(value[key], bool) or value[key] <= 0:
+                raise refuse(key, "llama3 RoPE needs it as a positive number", "correct config.json")
+        factor, low, high, original = (value[k] for k in _LLAMA3_ROPE_KEYS)
+        scaling = Llama3RoPE(float(factor), float(low), float(high), int(original))
+    try:
+        return ModelFlavor(
+            model_type,
+            sizes["vocab_size"],
+            sizes["num_hidden_layers"],
+            sizes["num_attention_heads"],
+            sizes["num_key_value_heads"],
+            sizes["hidden_size"],
+            sizes["intermediate_size"],
+            max_seq_len,
+            rope_base=float(value["rope_theta"]),
+            norm_eps=float(value["rms_norm_eps"]),
+            tie_word_embeddings=bool(value["tie_word_embeddings"]),
+            head_dim=sizes["head_dim"],
+            rope_scaling=scaling,
+            attention_bias=bool(value.get("attention_bias", False)),
+            mlp_bias=bool(value.get("mlp_bias", False)),
+            name=name,
+        )
+    except ValueError as e:
+        raise ValueError(f"{e}. Fix: correct config.json") from None
 
 
 class _SliceReader:
@@ -414,29 +492,29 @@ class _SliceReader:
         return hf_to_tune_rows(block, head_dim)[rows.start - first : rows.stop - first]
 
 
-def _full_shapes(flavor: str, role: Role) -> dict[str, tuple[int, ...]]:
+def _full_shapes(f: ModelFlavor, role: Role) -> dict[str, tuple[int, ...]]:
     """torchtune name -> global shape of every tensor of the full model (a tied policy's head included)."""
-    state = build_model(flavor, role, device="meta").state_dict()
+    state = build_model(f, role, device="meta").state_dict()
     shapes = {name: tuple(t.shape) for name, t in state.items()}
     if TUNE_HEAD_KEY not in shapes and role == "policy":  # tied: a last stage's head is the embedding
         shapes[TUNE_HEAD_KEY] = shapes["tok_embeddings.weight"]
     return shapes
 
 
-def _check_module(targets: Mapping[str, torch.Tensor], full: Mapping[str, tuple[int, ...]], flavor: str, role: str) -> None:
+def _check_module(targets: Mapping[str, torch.Tensor], full: Mapping[str, tuple[int, ...]], f: ModelFlavor, role: str) -> None:
     """Every tensor of ``module`` must be a tensor of the full model, with its global shape."""
     wrong = [n for n, t in targets.items() if full.get(n) != tuple(t.shape)]
     if wrong:
         raise ValueError(
-            f"module does not match flavor {flavor!r} role {role!r}: that model lacks or shapes differently "
+            f"module does not match {f.describe()} role {role!r}: that model lacks or shapes differently "
             f"{_group(wrong)}; pass the flavor and role the module was built with (build_model(flavor, role))"
         )
 
 
-def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: list[str]) -> None:
+def _raise(folder: Path, f: ModelFlavor, role: str, problems: list[str], fixes: list[str]) -> None:
     fix = "; ".join(dict.fromkeys(fixes))
     raise CheckpointError(
-        f"cannot load HF checkpoint {folder} as flavor {flavor!r} role {role!r}: {len(problems)} problem(s): "
+        f"cannot load HF checkpoint {folder} as {f.describe()} role {role!r}: {len(problems)} problem(s): "
         + "; ".join(problems)
         + f". Fix: {fix}.",
         problems,
@@ -446,7 +524,7 @@ def _raise(folder: Path, flavor: str, role: str, problems: list[str], fixes: lis
 # ---------------------------------------------------------------------------- validation
 
 
-def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None:
+def _compare(found, expected, ignored, f: ModelFlavor, role, problems, fixes) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - ignored)
     if missing:
@@ -458,7 +536,7 @@ def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None
     elif role == "policy" and VALUE_HEAD_KEY in unexpected:
         fixes.append("this is a value-model checkpoint: load it with role='value'")
     if set(missing + unexpected) - {LM_HEAD_KEY, VALUE_HEAD_KEY}:
-        fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
+        fixes.append(f"check that {f.describe()} matches the checkpoint's architecture (see its config.json)")
 
     wrong_shape: dict[tuple, list[str]] = {}
     wrong_dtype: dict[torch.dtype, list[str]] = {}
@@ -469,14 +547,14 @@ def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None
             wrong_dtype.setdefault(dtype, []).append(name)
         if shape != want_shape:
             if name in (EMBED_KEY, LM_HEAD_KEY) and shape[1:] == want_shape[1:]:
-                problems.append(f"vocab mismatch: {name} has {shape[0]} rows but flavor {flavor!r} has vocab_size {f.vocab_size}")
+                problems.append(f"vocab mismatch: {name} has {shape[0]} rows but {f.describe()} has vocab_size {f.vocab_size}")
                 fixes.append("use the flavor whose vocab_size equals the checkpoint's embedding rows")
             else:
                 wrong_shape.setdefault((want_shape, shape), []).append(name)
     for (want, got), names in wrong_shape.items():
         problems.append(f"wrong shape: {_group(names)} expected {list(want)}, found {list(got)}")
     if wrong_shape:
-        fixes.append(f"check that flavor {flavor!r} matches the checkpoint's architecture (see its config.json)")
+        fixes.append(f"check that {f.describe()} matches the checkpoint's architecture (see its config.json)")
     for got, names in wrong_dtype.items():
         problems.append(f"unsupported dtype: {_group(names)} is {got}, expected a float tensor (bf16, fp16 or fp32)")
     if wrong_dtype:
@@ -486,7 +564,7 @@ def _compare(found, expected, ignored, f, flavor, role, problems, fixes) -> None
         )
 
 
-def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str], fixes: list[str]) -> None:
+def _check_config(folder: Path, f: ModelFlavor, role: str, problems: list[str], fixes: list[str]) -> None:
     path = folder / CONFIG_FILE
     if not path.is_file():
         log.debug("checkpoint %s has no %s; only tensor names and shapes are checked", folder, CONFIG_FILE)
@@ -499,60 +577,79 @@ def _check_config(folder: Path, f: ModelFlavor, flavor: str, problems: list[str]
         return
     for m in _config_differences(config, f):
         if m.field == "model_type":
-            problems.append(f"{CONFIG_FILE} has model_type={m.got!r} but flavor {flavor!r} is a {m.want!r} model")
+            problems.append(f"{CONFIG_FILE} has model_type={m.got!r} but {f.describe()} is a {m.want!r} model")
             fixes.append(f"use a flavor of the checkpoint's model family (model_type {m.got!r})")
             continue
         kind = "vocab mismatch: " if m.field == "vocab_size" else ""
         has = f"does not set {m.field} (transformers' default {m.got!r})" if m.absent else f"has {m.field}={m.got!r}"
-        problems.append(f"{kind}{CONFIG_FILE} {has} but flavor {flavor!r} has {m.want!r}")
+        want = f"max_seq_len {f.max_seq_len}, which the window would cut" if m.field.endswith("sliding_window") else repr(m.want)
+        problems.append(f"{kind}{CONFIG_FILE} {has} but {f.describe()} has {want}")
         fixes.append(
-            f"use the flavor that matches {CONFIG_FILE} (fusedrl.models.infer_flavor(folder) names it) or correct {CONFIG_FILE}"
+            f"leave the model's flavor empty to read its architecture from {CONFIG_FILE}, or use the flavor that "
+            f"matches {CONFIG_FILE}, or correct {CONFIG_FILE}"
         )
 
 
 # ---------------------------------------------------------------------------- config.json math
 
-# transformers' defaults (LlamaConfig / Qwen2Config, as documented) for the fields below when config.json leaves them
-# out or sets them to null; transformers builds the model from these, so fusedrl compares them too. Absent
-# num_key_value_heads (llama) is num_attention_heads, absent head_dim is hidden_size // num_attention_heads.
-# max_position_embeddings is not compared (it bounds lengths); it is the default of llama3 RoPE's original length.
+# transformers' defaults (its LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config) for the fields below when
+# config.json leaves them out or sets them to null; transformers builds the model from these, so fusedrl reads them
+# too. Absent num_key_value_heads (llama, mistral) is num_attention_heads, absent head_dim is hidden_size //
+# num_attention_heads (but Qwen3's default is 128). max_position_embeddings is not compared (it bounds lengths); it
+# is the default of llama3 RoPE's original length. A family reads only the fields its HF model reads (Mistral and
+# Qwen2 have no bias fields: their biases are fixed).
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "partial_rotary_factor": 1.0,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+}
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096}
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
+        **_COMMON_DEFAULTS,
         "vocab_size": 32000,
-        "hidden_size": 4096,
         "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "hidden_act": "silu",
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10_000.0,
-        "partial_rotary_factor": 1.0,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
         "attention_bias": False,
         "mlp_bias": False,
     },
+    "mistral": {
+        **_COMMON_DEFAULTS,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
     "qwen2": {
+        **_COMMON_DEFAULTS,
         "vocab_size": 151_936,
-        "hidden_size": 4096,
         "intermediate_size": 22_016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
         "num_key_value_heads": 32,
-        "hidden_act": "silu",
         "max_position_embeddings": 32_768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10_000.0,
-        "partial_rotary_factor": 1.0,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
+        **_QWEN_WINDOW,
+    },
+    "qwen3": {
+        **_COMMON_DEFAULTS,
+        "vocab_size": 151_936,
+        "intermediate_size": 22_016,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32_768,
+        "attention_bias": False,
+        **_QWEN_WINDOW,
     },
 }
-# torchtune's Llama3ScaledRoPE constants (its llama3_1 / llama3_2 builders pass only the scale factor).
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_ROPE_SCALING_KEYS = ("factor", *_LLAMA3_ROPE)
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# rope_scaling fields of rope_type "llama3", in Llama3RoPE's order.
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_WINDOW_KEYS = ("sliding_window", "use_sliding_window")
 
 
 class _Mismatch(NamedTuple):
@@ -561,25 +658,18 @@ class _Mismatch(NamedTuple):
     want: Any
     absent: bool  # config.json leaves the field out: ``got`` is transformers' default
 
-    def in_file(self) -> str:
-        return f"not set, transformers' default {self.got!r}" if self.absent else repr(self.got)
-
-
-def _model_type(f: ModelFlavor) -> str:
-    return "qwen2" if f.family == "qwen2" else "llama"
-
 
 def _flavor_math(f: ModelFlavor) -> dict[str, Any]:
-    """Every config.json field that changes the math, with flavor ``f``'s value (what torchtune's builders compute)."""
+    """Every config.json field that changes the math, with flavor ``f``'s value (what fusedrl builds)."""
     math = {
-        "model_type": _model_type(f),
+        "model_type": f.family,
         "vocab_size": f.vocab_size,
         "hidden_size": f.embed_dim,
         "intermediate_size": f.intermediate_dim,
         "num_hidden_layers": f.num_layers,
         "num_attention_heads": f.num_heads,
         "num_key_value_heads": f.num_kv_heads,
-        "head_dim": f.embed_dim // f.num_heads,
+        "head_dim": f.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": f.norm_eps,
         "rope_theta": f.rope_base,
@@ -588,21 +678,26 @@ def _flavor_math(f: ModelFlavor) -> dict[str, Any]:
         "tie_word_embeddings": f.tie_word_embeddings,
         "attention_dropout": 0.0,
     }
-    if f.family == "llama3_1":
-        math.update(rope_type="llama3", factor=float(f.scale_factor), **_LLAMA3_ROPE)
-    if f.family == "qwen2":  # q/k/v biases are fixed in both torchtune's and HF's Qwen2 (no config field)
-        math["use_sliding_window"] = False  # torchtune's qwen2 attends to the whole sequence in every layer
-    else:
-        math.update(attention_bias=False, mlp_bias=False)
+    if f.rope_scaling is not None:
+        s = f.rope_scaling
+        math.update(rope_type="llama3", **{k: getattr(s, k) for k in _LLAMA3_ROPE_KEYS})
+    if f.family == "llama":
+        math.update(attention_bias=f.attention_bias, mlp_bias=f.mlp_bias)
+    if f.family == "qwen3":
+        math["attention_bias"] = f.attention_bias
+    if f.family in ("qwen2", "qwen3"):
+        math["use_sliding_window"] = False
     return math
 
 
 def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[Any, str, bool]]:
-    """The fields of :func:`_flavor_math` read from a config.json as transformers reads them: field -> (value, name
-    in the file, whether it was absent and took transformers' default)."""
+    """The fields of :func:`_flavor_math` (and the sliding window's) read from a config.json as transformers reads
+    them: field -> (value, name in the file, whether it was absent and took transformers' default)."""
     given = {k: v for k, v in config.items() if v is not None}
     out = {k: (given.get(k, default), k, k not in given) for k, default in _HF_DEFAULTS[model_type].items()}
     out["model_type"] = (model_type, "model_type", False)
+    if model_type == "mistral" and "sliding_window" in config:  # an explicit null is "no window", not the default
+        out["sliding_window"] = (config["sliding_window"], "sliding_window", False)
     hidden, heads = out["hidden_size"][0], out["num_attention_heads"][0]
     head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     for key, default in (("num_key_value_heads", heads), ("head_dim", head_dim)):
@@ -618,7 +713,7 @@ def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[
         if key in rope:
             out[key] = (rope[key], f"{where}.{key}", False)
     out["rope_type"] = (rope.get("rope_type", rope.get("type", "default")), f"{where}.rope_type", not rope)
-    for key in _ROPE_SCALING_KEYS:
+    for key in _LLAMA3_ROPE_KEYS:
         out[key] = (rope.get(key), f"{where}.{key}", key not in rope)
     if "original_max_position_embeddings" not in rope:
         name = out["original_max_position_embeddings"][1]
@@ -626,20 +721,38 @@ def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[
     return out
 
 
+def _sliding_window(value: Mapping[str, Any], model_type: str) -> int | None:
+    """The attention window a config's layers use (None: full attention), from :func:`_config_math`'s values."""
+    if model_type in ("qwen2", "qwen3") and not value.get("use_sliding_window"):
+        return None
+    window = value.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"sliding_window={window!r}: must be a positive integer or null. Fix: correct config.json")
+    return window
+
+
 def _config_differences(config: Mapping[str, Any], f: ModelFlavor) -> list[_Mismatch]:
-    """The math fields in which ``config`` (a config.json) differs from flavor ``f``, one entry per field."""
+    """The math fields in which ``config`` (a config.json) differs from flavor ``f``, one entry per field. A sliding
+    window differs only where it is shorter than ``f.max_seq_len`` (within it attention is full)."""
     want = _flavor_math(f)
     model_type = config.get("model_type") or want["model_type"]
-    if model_type not in _HF_DEFAULTS:
+    if model_type not in _HF_DEFAULTS or model_type != want["model_type"]:
         return [_Mismatch("model_type", model_type, want["model_type"], False)]
     got = _config_math(config, model_type)
     out = []
     for key, value in want.items():
-        if key not in got or (key in _ROPE_SCALING_KEYS and got["rope_type"][0] != want["rope_type"]):
-            continue  # a field of the other model family; scaling parameters of another RoPE type
+        if key in _WINDOW_KEYS or (key in _LLAMA3_ROPE_KEYS and got["rope_type"][0] != want["rope_type"]):
+            continue  # the window is compared below; scaling parameters of another RoPE type
         found, name, absent = got[key]
         if found != value:
             out.append(_Mismatch(name, found, value, absent))
+    try:
+        window = _sliding_window({k: v for k, (v, _, _) in got.items()}, model_type)
+    except ValueError:
+        window = 0
+    if window is not None and window < f.max_seq_len:
+        value, name, absent = got["sliding_window"]
+        out.append(_Mismatch(name, value, None, absent))
     return out
 
 
@@ -801,8 +914,3 @@ def _replace_folder(tmp: Path, folder: Path) -> None:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"unknown model role {role!r}; valid roles: {', '.join(ROLES)}")

@@ -20,28 +20,33 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fusedrl.models.registry import FLAVORS, ModelFlavor
+from fusedrl.models.registry import ModelFlavor, resolve_flavor
 
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 VALUE_HEAD_KEY = "score.weight"
 TUNE_EMBED_KEY = "tok_embeddings.weight"
 TUNE_HEAD_KEY = "output.weight"
-LLAMA_FAMILIES = ("llama3", "llama3_1")
 
-# torchtune name -> HF name, outside and inside a transformer layer.
+# torchtune name -> HF name, outside and inside a transformer layer. Qwen3's q/k projections are
+# QKNormProjection modules (a linear, then the per-head norm): their own names are in _QK_NORM_NAMES.
 _TOP_NAMES = {TUNE_EMBED_KEY: EMBED_KEY, "norm.scale": "model.norm.weight"}
+_BIASED = ("weight", "bias")
 _LAYER_NAMES = {
-    **{f"attn.{p}_proj.{k}": f"self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")},
-    "attn.output_proj.weight": "self_attn.o_proj.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
+    **{f"attn.{p}_proj.{k}": f"self_attn.{p}_proj.{k}" for p in "qkv" for k in _BIASED},
+    **{f"attn.output_proj.{k}": f"self_attn.o_proj.{k}" for k in _BIASED},
+    **{f"mlp.{w}.{k}": f"mlp.{hf}_proj.{k}" for w, hf in (("w1", "gate"), ("w3", "up"), ("w2", "down")) for k in _BIASED},
     "sa_norm.scale": "input_layernorm.weight",
     "mlp_norm.scale": "post_attention_layernorm.weight",
 }
+_QK_NORM_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith(("attn.q_proj.", "attn.k_proj."))},
+    **{f"attn.{p}_proj.linear.{k}": f"self_attn.{p}_proj.{k}" for p in "qk" for k in _BIASED},
+    **{f"attn.{p}_proj.norm.scale": f"self_attn.{p}_norm.weight" for p in "qk"},
+}
 _TOP_NAMES_HF = {v: k for k, v in _TOP_NAMES.items()}
 _LAYER_NAMES_HF = {v: k for k, v in _LAYER_NAMES.items()}
+_QK_NORM_NAMES_HF = {v: k for k, v in _QK_NORM_NAMES.items()}
 _TUNE_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROPE_ROWS_RE = re.compile(r"layers\.\d+\.attn\.[qk]_proj\.(weight|bias)")
@@ -60,14 +65,16 @@ def hf_name(tune_name: str, role: str = "policy") -> str:
     if tune_name in _TOP_NAMES:
         return _TOP_NAMES[tune_name]
     m = _TUNE_LAYER_RE.fullmatch(tune_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise ValueError(f"torchtune tensor {tune_name!r} has no HF name; only torchtune Llama/Qwen decoder tensors convert")
+    if m:
+        hf = _LAYER_NAMES.get(m.group(2)) or _QK_NORM_NAMES.get(m.group(2))
+        if hf:
+            return f"model.layers.{m.group(1)}.{hf}"
+    raise ValueError(f"torchtune tensor {tune_name!r} has no HF name; only fusedrl's decoder tensors convert")
 
 
-def tune_name(name: str, role: str = "policy") -> str | None:
-    """torchtune name of HF tensor ``name``; None for what a model of ``role`` does not hold (RoPE
-    ``inv_freq``, the other role's head)."""
+def tune_name(name: str, role: str = "policy", *, qk_norm: bool = False) -> str | None:
+    """torchtune name of HF tensor ``name`` (``qk_norm``: of a model with Qwen3's q/k norms); None for what a
+    model of ``role`` does not hold (RoPE ``inv_freq``, the other role's head)."""
     if "rotary_emb.inv_freq" in name or name == (VALUE_HEAD_KEY if role == "policy" else LM_HEAD_KEY):
         return None
     if name == (LM_HEAD_KEY if role == "policy" else VALUE_HEAD_KEY):
@@ -75,15 +82,16 @@ def tune_name(name: str, role: str = "policy") -> str | None:
     if name in _TOP_NAMES_HF:
         return _TOP_NAMES_HF[name]
     m = _HF_LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES_HF:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES_HF[m.group(2)]}"
-    raise ValueError(f"HF tensor {name!r} has no torchtune name; only Llama/Qwen2 decoder checkpoints convert")
+    names = _QK_NORM_NAMES_HF if qk_norm else _LAYER_NAMES_HF
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}"
+    raise ValueError(f"HF tensor {name!r} has no torchtune name; only Llama/Mistral/Qwen2/Qwen3 decoder checkpoints convert")
 
 
 def rope_head_dim(tune_name: str, flavor: ModelFlavor) -> int | None:
-    """Head size whose rows ``tune_name`` permutes between HF and torchtune (Llama q/k), else None."""
-    if flavor.family in LLAMA_FAMILIES and _ROPE_ROWS_RE.fullmatch(tune_name):
-        return flavor.embed_dim // flavor.num_heads
+    """Head size whose rows ``tune_name`` permutes between HF and torchtune (Llama / Mistral q/k), else None."""
+    if flavor.interleaved_rope and _ROPE_ROWS_RE.fullmatch(tune_name):
+        return flavor.head_dim
     return None
 
 
@@ -102,9 +110,11 @@ def tune_to_hf_rows(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.reshape(heads, head_dim // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def tune_to_hf_state(state: Mapping[str, torch.Tensor], flavor: str, role: str = "policy") -> dict[str, torch.Tensor]:
+def tune_to_hf_state(
+    state: Mapping[str, torch.Tensor], flavor: str | ModelFlavor, role: str = "policy"
+) -> dict[str, torch.Tensor]:
     """A full torchtune state dict in HF names and layout, in ``state`` order with the head last."""
-    f = _flavor(flavor)
+    f = resolve_flavor(flavor)
     out = {}
     for name, t in state.items():
         if name != TUNE_HEAD_KEY:
@@ -115,13 +125,13 @@ def tune_to_hf_state(state: Mapping[str, torch.Tensor], flavor: str, role: str =
     return out
 
 
-def hf_to_tune_state(hf: Mapping[str, torch.Tensor], flavor: str, role: str = "policy") -> dict[str, torch.Tensor]:
+def hf_to_tune_state(hf: Mapping[str, torch.Tensor], flavor: str | ModelFlavor, role: str = "policy") -> dict[str, torch.Tensor]:
     """A full HF state dict in torchtune names and layout (RoPE ``inv_freq``, the other role's head and a tied
     flavor's ``lm_head.weight`` are dropped)."""
-    f = _flavor(flavor)
+    f = resolve_flavor(flavor)
     out = {}
     for name, t in hf.items():
-        tune = tune_name(name, role)
+        tune = tune_name(name, role, qk_norm=f.qk_norm)
         if tune is None or (tune == TUNE_HEAD_KEY and role == "policy" and f.tie_word_embeddings):
             continue
         hd = rope_head_dim(tune, f)
@@ -282,9 +292,3 @@ def load_state_slices(module: nn.Module, state: Mapping[str, torch.Tensor]) -> N
 def _chunks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     parts = list(t.chunk(n))
     return parts + [t[:0]] * (n - len(parts))
-
-
-def _flavor(flavor: str) -> ModelFlavor:
-    if flavor not in FLAVORS:
-        raise ValueError(f"unknown model flavor {flavor!r}; valid flavors: {', '.join(sorted(FLAVORS))}")
-    return FLAVORS[flavor]

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Placement
+
+if TYPE_CHECKING:
+    from fusedrl.models import ModelFlavor
 
 # Share of a backward spent on weight gradients (W) when no measurement says otherwise. Each weight matmul of the
 # forward costs two matmuls of the same size in the backward, one for the input gradient (I) and one for the weight
@@ -131,8 +135,8 @@ class CostModel:
     def from_flavors(
         cls,
         placement: Placement,
-        actor_flavor: str,
-        critic_flavor: str,
+        actor_flavor: str | ModelFlavor,
+        critic_flavor: str | ModelFlavor,
         *,
         tokens_per_microbatch: int,
         seq_len: int | None = None,
@@ -140,29 +144,28 @@ class CostModel:
         bytes_per_activation: int = 2,
         p2p_latency: float = 0.0,
     ) -> CostModel:
-        """Estimate costs from the architectures in ``fusedrl.models.FLAVORS``.
+        """Estimate costs from the two architectures (:class:`fusedrl.models.ModelFlavor`, or names of
+        ``fusedrl.models.FLAVORS``).
 
         Forward time = forward FLOPs / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight
         gradients ``w`` are one matmul per weight matmul of the forward (attention's score and value products have
         no weights: their backward is all input gradient); memory is the stored activations per micro-batch in GiB. Layers are split evenly over stages (earlier stages get the
         remainder); the LM/value head is charged to the last stage.
         """
-        from fusedrl.models import FLAVORS
+        from fusedrl.models import resolve_flavor  # here: the planner alone imports no model code
 
-        def stages(flavor: str, n: int, vocab_out: bool) -> StageCosts:
-            if flavor not in FLAVORS:
-                raise ValueError(f"unknown model flavor {flavor!r}; valid flavors: {', '.join(sorted(FLAVORS))}")
-            cfg = FLAVORS[flavor]
+        def stages(flavor: str | ModelFlavor, n: int, vocab_out: bool) -> StageCosts:
+            cfg = resolve_flavor(flavor)
             if cfg.num_layers < n:
-                raise ValueError(f"flavor {flavor!r} has {cfg.num_layers} layers, fewer than its {n} pipeline stages")
+                raise ValueError(f"{cfg.describe()} has {cfg.num_layers} layers, fewer than its {n} pipeline stages")
             tokens = tokens_per_microbatch
             seq = seq_len or min(tokens, cfg.max_seq_len)
-            head_dim = cfg.embed_dim // cfg.num_heads
-            attn_params = cfg.embed_dim * head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            attn_params = cfg.embed_dim * (2 * q + 2 * kv)
             mlp_params = 3 * cfg.embed_dim * cfg.intermediate_dim
             # 2 FLOPs per parameter per token, plus causal attention scores and values (QK^T and PV, halved).
             layer_matmul_flops = 2 * tokens * (attn_params + mlp_params)
-            layer_flops = layer_matmul_flops + 2 * tokens * seq * cfg.embed_dim
+            layer_flops = layer_matmul_flops + 2 * tokens * seq * q
             # Stored activations per layer without recomputation: ~16 x dim + 2 x intermediate values per token.
             layer_bytes = tokens * (16 * cfg.embed_dim + 2 * cfg.intermediate_dim) * bytes_per_activation
             head_out = cfg.vocab_size if vocab_out else 1

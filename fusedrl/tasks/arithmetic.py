@@ -1,0 +1,142 @@
+"""A verifiable-reward task for small instruct models: two kinds of one-line arithmetic questions with integer answers.
+
+- ``Which number is larger, 37 or 52? Answer with the number only.`` (two different numbers from 10 to 99)
+- ``What is 7 + 5? Answer with the number only.`` (two numbers from 1 to 9)
+
+:func:`reward_fn` is the exact checker: 1.0 when the response ended with a stop token and the last integer in it
+is the answer, else 0.0 (GSM8K's convention of reading the final number). The question is read back from the
+prompt text, so the checker needs nothing but the sample; any chat template around the question is fine.
+SmolLM2-135M-Instruct answers about a quarter of these right at temperature 1, which leaves PPO room to climb
+(``train_configs/smollm2_135m_ppo.toml``). Write a prompt file of chat messages, and measure a checkpoint's greedy
+accuracy on fresh questions (e.g. the trained Actor, ``<output_dir>/actor_hf``), with::
+
+    python -m fusedrl.tasks.arithmetic write --out data/arithmetic.jsonl [--count 4096] [--seed 0]
+    python -m fusedrl.tasks.arithmetic eval --model FOLDER [--count 256] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+LARGER = "Which number is larger, {a} or {b}? Answer with the number only."
+SUM = "What is {a} + {b}? Answer with the number only."
+_LARGER = re.compile(r"Which number is larger, (\d+) or (\d+)\?")
+_SUM = re.compile(r"What is (\d+) \+ (\d+)\?")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def sample_question(rng: random.Random) -> tuple[str, int]:
+    """A random ``(question, answer)``, either kind with probability 1/2."""
+    if rng.random() < 0.5:
+        a, b = rng.sample(range(10, 100), 2)
+        return LARGER.format(a=a, b=b), max(a, b)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    return SUM.format(a=a, b=b), a + b
+
+
+def answer_of(prompt: str) -> int:
+    """The answer to the question inside ``prompt``; ValueError when it holds none of this task's questions."""
+    if m := _LARGER.search(prompt):
+        return max(int(m.group(1)), int(m.group(2)))
+    if m := _SUM.search(prompt):
+        return int(m.group(1)) + int(m.group(2))
+    raise ValueError(f"not an arithmetic-task prompt (expected {LARGER!r} or {SUM!r}): {prompt[-80:]!r}")
+
+
+def score(prompt: str, response: str, finished: bool) -> float:
+    """1.0 for a finished response whose last integer is the answer, else 0.0."""
+    answer = answer_of(prompt)  # first: a prompt of another task raises whatever the response
+    numbers = _INTEGER.findall(response)
+    return float(finished and bool(numbers) and int(numbers[-1]) == answer)
+
+
+def reward_fn(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    finished: Sequence[bool],
+) -> list[float]:
+    """:func:`score` of each sample, as the trainer's rule-based reward
+    (``--model.reward_fn=fusedrl.tasks.arithmetic:reward_fn``)."""
+    return [score(p, r, f) for p, r, f in zip(prompts, responses, finished, strict=True)]
+
+
+def write_prompts(path: str | Path, count: int, seed: int = 0) -> Path:
+    """``count`` questions as a jsonl file of ``{"messages": [user turn], "answer": int}`` records (data.format =
+    "jsonl", data.prompt_key = "messages": the tokenizer's chat template renders each)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for _ in range(count):
+            question, answer = sample_question(rng)
+            f.write(json.dumps({"messages": [{"role": "user", "content": question}], "answer": answer}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
+    """Greedy accuracy of the HF checkpoint ``folder`` (with its tokenizer) on ``count`` fresh questions (``seed``
+    other than the training prompts' 0), overall and per kind, and the mean response length in tokens."""
+    from fusedrl.components import load_tokenizer
+    from fusedrl.generation import GenerationEngine, Request, SamplingParams
+    from fusedrl.models import from_pretrained
+
+    tokenizer = load_tokenizer(folder)
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None:
+        raise ValueError(f"the tokenizer of {folder} has no chat template; the questions are chat turns")
+    model = from_pretrained(folder).model.eval()
+    rng = random.Random(seed)
+    questions = [sample_question(rng)[0] for _ in range(count)]
+    prompts = [render([{"role": "user", "content": q}]) for q in questions]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
+    requests = [Request(i, tokenizer.encode(p, add_bos=False), greedy) for i, p in enumerate(prompts)]
+    max_len = max(len(r.prompt) for r in requests) + max_new_tokens
+    results = sorted(GenerationEngine(model, max_slots=32, max_len=max_len).generate(requests), key=lambda r: r.id)
+    stops = set(tokenizer.stop_token_ids)
+    scores: dict[str, list[float]] = {"larger": [], "sum": []}
+    lengths = []
+    for prompt, question, r in zip(prompts, questions, results):
+        finished = bool(r.tokens) and r.tokens[-1] in stops
+        text = tokenizer.decode(r.tokens[:-1] if finished else r.tokens)
+        scores["larger" if _LARGER.search(question) else "sum"].append(score(prompt, text, finished))
+        lengths.append(len(r.tokens))
+    every = scores["larger"] + scores["sum"]
+    out = {"accuracy": sum(every) / len(every), "response_len_mean": sum(lengths) / len(lengths)}
+    out.update({f"accuracy_{kind}": sum(v) / len(v) for kind, v in scores.items() if v})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fusedrl.tasks.arithmetic", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    write = commands.add_parser("write", help="write the prompts as a jsonl file of chat messages")
+    write.add_argument("--out", type=Path, default=Path("data/arithmetic.jsonl"))
+    write.add_argument("--count", type=int, default=4096)
+    write.add_argument("--seed", type=int, default=0)
+    check = commands.add_parser("eval", help="greedy accuracy of an HF checkpoint folder on fresh questions")
+    check.add_argument("--model", type=Path, required=True, help="HF folder with its tokenizer (e.g. an actor_hf export)")
+    check.add_argument("--count", type=int, default=256)
+    check.add_argument("--seed", type=int, default=1, help="question seed (the training prompts use 0)")
+    args = parser.parse_args(argv)
+    if args.count < 1:
+        parser.error(f"--count {args.count}: must be at least 1")
+    if args.command == "write":
+        print(f"wrote {write_prompts(args.out, args.count, args.seed)} ({args.count} prompts)")
+        return
+    figures = evaluate(args.model, args.count, args.seed)
+    print(f"{args.model}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
