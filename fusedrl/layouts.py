@@ -49,7 +49,6 @@ from fusedrl.distributed import (
     split_decoder,
 )
 from fusedrl.models import (
-    FLAVORS,
     CheckpointError,
     ModelFlavor,
     build_model,
@@ -67,17 +66,20 @@ log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
 MODEL_ROLES: dict[str, Role] = {"actor": "policy", "critic": "value", "reward": "value"}
-DEFAULT_FLAVOR = "debug"  # an empty model name without a checkpoint path
+DEFAULT_FLAVOR = "debug"  # the Actor's, with an empty name and no checkpoint path
 
 
 def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
     """The architecture of ``model.<key>`` (actor, critic or reward): the named flavor; with an empty name the one
     ``config.json`` of ``model.<key>_path`` describes (raises :class:`CheckpointError` if it cannot be built), or
-    the ``debug`` flavor without a path. The Reference is built as the Actor."""
+    without a path the Actor's (for the Actor itself the tiny ``debug`` flavor), randomly initialised. The
+    Reference is built as the Actor."""
     name, path = getattr(cfg.model, key), getattr(cfg.model, f"{key}_path")
     if name:
         return resolve_flavor(name)
-    return read_flavor(path, MODEL_ROLES[key]) if path else FLAVORS[DEFAULT_FLAVOR]
+    if path:
+        return read_flavor(path, MODEL_ROLES[key])
+    return resolve_flavor(DEFAULT_FLAVOR) if key == "actor" else model_flavor(cfg, "actor")
 
 
 @dataclass

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -78,7 +78,7 @@ from fusedrl.layouts import (
     load_initial_weights,
     model_flavor,
 )
-from fusedrl.models import ModelFlavor
+from fusedrl.models import ModelFlavor, read_flavor, resolve_flavor
 from fusedrl.pipelining import (
     ACTOR,
     CRITIC,
@@ -158,7 +158,9 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
             f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
             "equal share of the prompts)"
         )
-    flavors = model_flavors(cfg)
+    pending = debug.missing_assets(cfg)  # the debug task's assets, built by prepare() after these checks
+    validate_paths(cfg, pending)
+    flavors = model_flavors(cfg, pending)
     for key, f in flavors.items():
         what = f"model.{key} = {getattr(cfg.model, key)!r}" if getattr(cfg.model, key) else f"model.{key}_path's {f.family} model"
         own = key == "critic" and par.pp_critic is not None
@@ -215,8 +217,6 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
             "training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
             "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false"
         )
-    pending = debug.missing_assets(cfg)  # the debug task's assets, built by prepare() after these checks
-    validate_paths(cfg, pending)
     if pending is None or cfg.model.tokenizer_path == "byte" or not Path(cfg.model.tokenizer_path).is_relative_to(pending):
         check_tokenizer(cfg)
 
@@ -274,17 +274,41 @@ def check_tokenizer(cfg: JobConfig) -> None:
         )
 
 
-def model_flavors(cfg: JobConfig) -> dict[str, ModelFlavor]:
+def model_flavors(cfg: JobConfig, pending: Path | None = None) -> dict[str, ModelFlavor]:
     """The architecture of each built model (:func:`neural_models`) by [model] key; ConfigError naming the key when
-    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build."""
+    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build. A path into ``pending``
+    (the debug task's assets, not built yet) has the flavor they are built with. A ``model.reference_path`` with a
+    config.json must describe the Actor's architecture (the Reference is built as the Actor)."""
     out = {}
     for key in neural_models(cfg):
+        path = getattr(cfg.model, f"{key}_path")
         try:
-            out[key] = model_flavor(cfg, key)
+            if pending is not None and path and not getattr(cfg.model, key) and Path(path).is_relative_to(pending):
+                out[key] = resolve_flavor(debug.ASSET_FLAVOR)
+            else:
+                out[key] = model_flavor(cfg, key)
         except InputError as e:
             raise ConfigError(f"model.{key}: {e}") from None
         except ValueError as e:  # an unknown flavor name
             raise ConfigError(f"model.{key} = {getattr(cfg.model, key)!r}: {e}") from None
+    reference = cfg.model.reference_path
+    if reference and (Path(reference) / "config.json").is_file():
+        try:
+            ref = read_flavor(reference)
+        except InputError as e:
+            raise ConfigError(f"model.reference_path: {e}") from None
+        actor = out["actor"]
+        differ = [
+            f.name
+            for f in fields(ModelFlavor)
+            if f.name not in ("name", "max_seq_len") and getattr(ref, f.name) != getattr(actor, f.name)
+        ]
+        if differ:
+            raise ConfigError(
+                f"model.reference_path = {reference!r}: its config.json describes another architecture than the Actor's "
+                f"(it differs in {', '.join(differ)}); the Reference is built as the Actor: give a checkpoint of the "
+                "Actor's architecture"
+            )
     return out
 
 
@@ -305,7 +329,7 @@ def check_reward(cfg: JobConfig) -> None:
     elif not m.uses_reward_model:
         raise ConfigError(
             'model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
-            "--model.reward_fn=package.module:function or name a Reward model flavor"
+            "--model.reward_fn=package.module:function or give a Reward model (model.reward_path)"
         )
     elif m.reward_fn_weight != 1.0:
         raise ConfigError(
@@ -315,7 +339,7 @@ def check_reward(cfg: JobConfig) -> None:
     if not m.uses_reward_model and m.reward_path is not None:
         raise ConfigError(
             f'model.reward_path = {m.reward_path!r} is set but model.reward = "none" builds no Reward model; '
-            "unset it (--model.reward_path=) or name the Reward model's flavor"
+            'unset it (--model.reward_path=) or build a Reward model (model.reward = "" reads its config.json)'
         )
 
 

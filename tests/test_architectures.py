@@ -144,23 +144,41 @@ def test_what_cannot_be_built_exactly_is_one_line_naming_the_field(tmp_path, arc
     assert expected in message and "Fix:" in message and "\n" not in message and len(message) < 300, message
 
 
-def test_several_labels_refuse_the_value_role_only():
-    config = {**TINY_ARCHITECTURES["llama"], "num_labels": 3}
-    assert flavor_from_hf_config(config, "policy").num_layers == 3
+def test_several_labels_refuse_a_reward_head_only():
+    classifier = {**TINY_ARCHITECTURES["llama"], "architectures": ["LlamaForSequenceClassification"]}
     with pytest.raises(ValueError, match="num_labels=3: a value model .* has one scalar head"):
-        flavor_from_hf_config(config, "value")
+        flavor_from_hf_config({**classifier, "num_labels": 3}, "value")
+    with pytest.raises(ValueError, match="num_labels=2"):  # transformers reads id2label first, and defaults to 2
+        flavor_from_hf_config({**classifier, "id2label": {"0": "bad", "1": "good"}, "num_labels": 1}, "value")
     with pytest.raises(ValueError, match="num_labels=2"):
-        flavor_from_hf_config({**TINY_ARCHITECTURES["llama"], "id2label": {"0": "bad", "1": "good"}}, "value")
+        flavor_from_hf_config(classifier, "value")
+    assert flavor_from_hf_config({**classifier, "num_labels": 1}, "value").num_layers == 3
+    lm = {**TINY_ARCHITECTURES["llama"], "architectures": ["LlamaForCausalLM"], "id2label": {"0": "a", "1": "b"}}
+    assert flavor_from_hf_config(lm, "value") == flavor_from_hf_config(lm, "policy")  # an LM gets a fresh head
 
 
-def test_a_sliding_window_caps_the_sequence_length_and_defaults_like_transformers():
+def test_a_sliding_window_caps_the_sequence_length_where_layers_slide():
     mistral = {k: v for k, v in TINY_ARCHITECTURES["mistral"].items() if k != "sliding_window"}
     assert flavor_from_hf_config(mistral).max_seq_len == 128  # transformers' default window (4096) never slides here
     assert flavor_from_hf_config({**mistral, "sliding_window": 64}).max_seq_len == 64
     assert flavor_from_hf_config({**mistral, "sliding_window": None, "max_position_embeddings": 8192}).max_seq_len == 8192
-    qwen = TINY_ARCHITECTURES["qwen3"]
-    assert flavor_from_hf_config({**qwen, "sliding_window": 16}).max_seq_len == 128  # use_sliding_window is off
-    assert flavor_from_hf_config({**qwen, "sliding_window": 16, "use_sliding_window": True}).max_seq_len == 16
+    qwen = {**TINY_ARCHITECTURES["qwen3"], "sliding_window": 16}
+    assert flavor_from_hf_config(qwen).max_seq_len == 128  # use_sliding_window is off
+    sliding = {**qwen, "use_sliding_window": True}
+    assert flavor_from_hf_config(sliding).max_seq_len == 128  # layers 0-2 are below max_window_layers (28)
+    assert flavor_from_hf_config({**sliding, "max_window_layers": 2}).max_seq_len == 16  # layer 2 slides
+    assert flavor_from_hf_config({**sliding, "layer_types": ["full_attention"] * 3}).max_seq_len == 128
+    mixed = ["full_attention", "sliding_attention", "full_attention"]
+    assert flavor_from_hf_config({**sliding, "layer_types": mixed}).max_seq_len == 16
+    assert flavor_from_hf_config({**sliding, "max_window_layers": 0, "sliding_window": None}).max_seq_len == 128
+
+
+def test_explicit_nulls_read_as_transformers_reads_them():
+    qwen = {**TINY_ARCHITECTURES["qwen2"], "num_key_value_heads": None}
+    assert flavor_from_hf_config(qwen).num_kv_heads == 6  # one KV head per query head, not Qwen2Config's default 32
+    absent = {k: v for k, v in TINY_ARCHITECTURES["qwen2"].items() if k != "num_key_value_heads"}
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads \(32\)"):
+        flavor_from_hf_config(absent)
 
 
 def test_head_dim_defaults_follow_each_family():

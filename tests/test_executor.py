@@ -224,12 +224,19 @@ def test_tied_embedding_gradients_match_the_reference_at_pp2():
     run_multirank(_check_gradients, 2, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug_qwen", timeout_s=240.0)
 
 
+def _tensor_parallel_cases(programs, qwen3) -> None:
+    _check_gradients(programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2)
+    _check_gradients({"fused": programs["fused"]}, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2, flavor=qwen3)
+
+
 def test_tensor_parallel_training_gradients_match_the_reference():
     """pp=2 x tp=2 (4 ranks, FSDP2 over the TP shards as in the trainer; vocabulary-parallel embedding and LM head),
     fp32: gradients equal the single-process ones to rtol 1e-4 / atol 1e-6 (the TP all-reduces sum the heads'
-    partial products in another order than one matmul does: float reassociation)."""
+    partial products in another order than one matmul does: float reassociation). Also a Qwen3 (per-head q/k norms,
+    whose weight gradient each TP rank holds only for its heads until the plan sums it) with biases."""
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
-    run_multirank(_check_gradients, 4, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2, timeout_s=240.0)
+    qwen3 = flavor_from_hf_config(TINY_ARCHITECTURES["qwen3_biased"])
+    run_multirank(_tensor_parallel_cases, 4, programs, qwen3, timeout_s=300.0)
 
 
 def test_activation_checkpointing_gives_the_reference_gradients():

@@ -107,7 +107,7 @@ CONFIG_EDITS = [
     ("debug", _as_rope_parameters(5e5), "config.json has rope_parameters.rope_theta=500000.0 but flavor 'debug' has 10000.0"),
     (
         "debug_qwen",
-        lambda c: c.update(use_sliding_window=True, sliding_window=256),
+        lambda c: c.update(use_sliding_window=True, sliding_window=256, max_window_layers=0),
         "config.json has sliding_window=256 but flavor 'debug_qwen' has max_seq_len 512, which the window would cut",
     ),
     (

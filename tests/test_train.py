@@ -378,3 +378,28 @@ def test_empty_model_names_read_each_checkpoints_config_json(tmp_path, monkeypat
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="gen_tp = 4: does not divide the KV heads of model.actor_path.s llama model"):
         prepare(["--job.config_file", "train_configs/debug_ppo.toml", *empty, "--parallelism.gen_tp=4"])
+
+
+def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypatch):
+    """An empty Critic / Reward name without a path takes the Actor's architecture; a path into the debug task's
+    assets not built yet has their flavor; a reference_path of another architecture is refused at config check."""
+    from fusedrl.config import ConfigError, load_config
+    from fusedrl.models import FLAVORS, build_model, read_flavor, save_hf_checkpoint
+    from fusedrl.train import model_flavors, prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.chdir(ROOT)
+    base = ["--job.config_file", "train_configs/debug_ppo.toml"]
+    cfg = prepare([*base, "--model.actor=", "--model.critic=", "--model.critic_path="])
+    flavors = model_flavors(cfg)
+    assert flavors["critic"] == flavors["actor"] == read_flavor(ROOT / "assets/debug/actor")
+    pending = tmp_path / "assets"
+    cfg = load_config(
+        [*base, *(f"--model.{k}=" for k in ("actor", "critic", "reward")), f"--model.actor_path={pending / 'actor'}"]
+    )
+    assert model_flavors(cfg, pending)["actor"] == FLAVORS["debug"]  # built later by the debug task
+    qwen = save_hf_checkpoint(build_model("debug_qwen"), tmp_path / "qwen", "debug_qwen")
+    with pytest.raises(
+        ConfigError, match=r"model.reference_path = .*another architecture than the Actor's \(it differs in family"
+    ):
+        prepare([*base, f"--model.reference_path={qwen}"])

@@ -96,11 +96,15 @@ class ModelSection:
         "Llama, Mistral, Qwen2 or Qwen3 checkpoint), or the tiny debug flavor without actor_path. The Reference is "
         "built as the Actor.",
     )
-    critic: str = _key("", "Critic (value model) flavor from fusedrl.models.FLAVORS; empty: as for actor, from critic_path.")
+    critic: str = _key(
+        "",
+        "Critic (value model) flavor from fusedrl.models.FLAVORS; empty: the architecture of critic_path's config.json, "
+        "or the Actor's without critic_path.",
+    )
     reward: str = _key(
         "",
-        'Reward model (value head) flavor from fusedrl.models.FLAVORS; empty: as for actor, from reward_path; "none": '
-        "no Reward model (reward_fn alone scores).",
+        "Reward model (value head) flavor from fusedrl.models.FLAVORS; empty: the architecture of reward_path's "
+        'config.json, or the Actor\'s without reward_path; "none": no Reward model (reward_fn alone scores).',
     )
     actor_path: str | None = _key(
         None, "HF-format safetensors folder with the Actor's initial weights; unset: random initialisation."

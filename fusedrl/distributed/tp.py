@@ -5,7 +5,13 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torchtune.modules import TiedLinear
 
 from fusedrl.distributed.fsdp import transformer_layers
@@ -26,7 +32,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
     whose head is a copy): the embedding's lookups are summed over the TP ranks, the head's logits
     gathered whole, so callers see plain tensors. Norms and a value head (one output) stay replicated.
     One plan serves every decoder family fusedrl builds (they share the layer structure; Qwen3's per-head q/k
-    norms stay replicated and run on each rank's heads).
+    norms keep a replicated weight, run on each rank's heads, and sum their weight gradient over the TP ranks).
     Call before ``apply_fsdp``.
     """
     if tp_mesh.ndim != 1:
@@ -42,25 +48,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
                 )
         if attn.kv_cache is not None:
             raise ValueError("apply_tp must run before KV caches are set up (caches are sized by the local head count)")
-        # Qwen3's q/k projections norm each head after the linear: the linear is sharded, the norm runs per local head
-        q, k = (
-            ("attn.q_proj.linear", "attn.k_proj.linear")
-            if isinstance(attn.q_proj, QKNormProjection)
-            else ("attn.q_proj", "attn.k_proj")
-        )
-        parallelize_module(
-            layer,
-            tp_mesh,
-            {
-                q: ColwiseParallel(),
-                k: ColwiseParallel(),
-                "attn.v_proj": ColwiseParallel(),
-                "attn.output_proj": RowwiseParallel(),
-                "mlp.w1": ColwiseParallel(),
-                "mlp.w3": ColwiseParallel(),
-                "mlp.w2": RowwiseParallel(),
-            },
-        )
+        plan: dict[str, ParallelStyle] = {
+            "attn.v_proj": ColwiseParallel(),
+            "attn.output_proj": RowwiseParallel(),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w3": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(),
+        }
+        if isinstance(attn.q_proj, QKNormProjection):
+            # Qwen3: the linear is sharded by heads; the per-head norm sees this rank's heads [b, s, heads, hd] as a
+            # head-sharded DTensor, so its replicated weight's gradient is summed over the TP ranks' heads
+            for p in ("q", "k"):
+                plan[f"attn.{p}_proj.linear"] = ColwiseParallel()
+                plan[f"attn.{p}_proj.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        else:
+            plan.update({"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel()})
+        parallelize_module(layer, tp_mesh, plan)
         # torchtune's attention reshapes q/k/v with these; after the plan each rank sees its shard only.
         attn.num_heads //= tp
         attn.num_kv_heads //= tp

@@ -410,8 +410,9 @@ def flavor_from_hf_config(config: Mapping[str, Any], role: str = "policy", *, na
     if rope_type not in ("default", "llama3") or (rope_type == "llama3" and model_type != "llama"):
         built = "default RoPE (and llama3 scaling for Llama)"
         raise refuse("rope_type", f"fusedrl builds {built}", "use a checkpoint with one of them")
-    if role == "value":
-        labels = config.get("num_labels", len(config.get("id2label") or {}) or 1)
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or ())
+    if role == "value" and classifier:  # a reward model's head; a causal LM gets a fresh one (labels do not matter)
+        labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)  # transformers' order
         if labels != 1:
             raise ValueError(
                 f"num_labels={labels!r}: a value model (Critic, Reward) has one scalar head. Fix: use a reward model "
@@ -609,7 +610,7 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
     "attention_dropout": 0.0,
 }
-_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096}
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         **_COMMON_DEFAULTS,
@@ -696,12 +697,15 @@ def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[
     given = {k: v for k, v in config.items() if v is not None}
     out = {k: (given.get(k, default), k, k not in given) for k, default in _HF_DEFAULTS[model_type].items()}
     out["model_type"] = (model_type, "model_type", False)
-    if model_type == "mistral" and "sliding_window" in config:  # an explicit null is "no window", not the default
-        out["sliding_window"] = (config["sliding_window"], "sliding_window", False)
+    if config.get("sliding_window", 0) is None:  # an explicit null is "no window", not the default one
+        out["sliding_window"] = (None, "sliding_window", False)
     hidden, heads = out["hidden_size"][0], out["num_attention_heads"][0]
     head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+    if "num_key_value_heads" in config and config["num_key_value_heads"] is None:  # null: one KV head per query head
+        out["num_key_value_heads"] = (heads, "num_key_value_heads", False)
     for key, default in (("num_key_value_heads", heads), ("head_dim", head_dim)):
         out.setdefault(key, (given.get(key, default), key, key not in given))
+    out["layer_types"] = (given.get("layer_types"), "layer_types", "layer_types" not in given)
     if out["hidden_act"][0] == "swish":  # transformers' ACT2FN maps "swish" to SiLU as well
         out["hidden_act"] = ("silu", "hidden_act", False)
     # RoPE: transformers 5 reads rope_scaling, else rope_parameters; their rope_theta / partial_rotary_factor win
@@ -722,10 +726,19 @@ def _config_math(config: Mapping[str, Any], model_type: str) -> dict[str, tuple[
 
 
 def _sliding_window(value: Mapping[str, Any], model_type: str) -> int | None:
-    """The attention window a config's layers use (None: full attention), from :func:`_config_math`'s values."""
-    if model_type in ("qwen2", "qwen3") and not value.get("use_sliding_window"):
-        return None
+    """The attention window of a config's sliding layers (None: every layer attends to the whole sequence), from
+    :func:`_config_math`'s values. Mistral slides in every layer; Qwen only with ``use_sliding_window``, in the
+    layers ``layer_types`` names ``sliding_attention``, else in layers ``max_window_layers`` and up."""
     window = value.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        types = value.get("layer_types")
+        if not value.get("use_sliding_window") or window is None:
+            return None
+        if isinstance(types, list) and "sliding_attention" not in types:
+            return None
+        layers, first = value.get("num_hidden_layers"), value.get("max_window_layers")
+        if not isinstance(types, list) and isinstance(layers, int) and isinstance(first, int) and first >= layers:
+            return None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"sliding_window={window!r}: must be a positive integer or null. Fix: correct config.json")
     return window

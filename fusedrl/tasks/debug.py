@@ -44,6 +44,7 @@ from fusedrl.rlhf import Experience
 
 log = logging.getLogger(__name__)
 
+ASSET_FLAVOR = "debug"  # the SFT Actor and the Reward model the task builds
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 MAX_REPEATS = 40
 MAX_UNIT_LEN = 2
@@ -163,7 +164,7 @@ def _bucketed(make, steps: int, batch: int, rng: random.Random, key=lambda e: le
 def train_sft(tokenizer, steps: int, batch: int, noise: float, seed: int, lr: float = 3e-3):
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = build_model("debug", "policy")
+    model = build_model(ASSET_FLAVOR, "policy")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / steps))
     losses = []
@@ -205,7 +206,7 @@ def reward_scores(model, tokens: torch.Tensor, last: torch.Tensor) -> torch.Tens
 def train_reward(tokenizer, steps: int, batch: int, seed: int, lr: float = 3e-3):
     torch.manual_seed(seed)
     rng = random.Random(seed + 1)
-    model = build_model("debug", "value")
+    model = build_model(ASSET_FLAVOR, "value")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / steps))
     losses = []
@@ -282,8 +283,8 @@ def build(
         "reward_true_corr_on_actor_samples": _pearson(rm, scores),
         "reward_true_corr_held_out": _pearson(rm_held, [true_score(*e) for e in held_out]),
     }
-    save_hf_checkpoint(actor, out / "actor", "debug", "policy")
-    save_hf_checkpoint(reward, out / "reward", "debug", "value")
+    save_hf_checkpoint(actor, out / "actor", ASSET_FLAVOR, "policy")
+    save_hf_checkpoint(reward, out / "reward", ASSET_FLAVOR, "value")
     tok.save(out / "tokenizer")
     tmp = out / "info.json.tmp"  # written last and renamed: its presence means the assets are complete
     tmp.write_text(json.dumps(info, indent=2) + "\n")
