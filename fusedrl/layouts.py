@@ -52,6 +52,7 @@ from fusedrl.models import (
     CheckpointError,
     ModelFlavor,
     build_model,
+    cast_parameters,
     init_rope_buffers,
     load_hf_weights,
     load_state_slices,
@@ -200,7 +201,7 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     t, m = cfg.training, cfg.model
 
     def model(flavor: ModelFlavor, role: Role, dtype: str) -> nn.Module:
-        module = build_model(flavor, role, device="meta").to(DTYPES[dtype])
+        module = cast_parameters(build_model(flavor, role, device="meta"), DTYPES[dtype])  # RoPE tables stay float32
         if dims.gen_tp > 1:
             apply_tp(module, mesh["gen_tp"])
         if materialize:

@@ -91,6 +91,7 @@ from fusedrl.pipelining import (
     Timeline,
     fused_schedule,
     lower,
+    pipeline_forward,
     sequential_1f1b,
     simulate,
 )
@@ -101,6 +102,8 @@ from fusedrl.rlhf import (
     Scorer,
     ScoringModels,
     ValueLoss,
+    chunked_token_logprobs,
+    explained_variance,
     gae,
     kl_shaped_rewards,
     load_reward_fn,
@@ -113,8 +116,11 @@ from fusedrl.tasks import EvalHook, debug
 log = logging.getLogger("fusedrl.train")
 
 POLICY_STATS = ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy")
-VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean", "explained_variance")
-PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "training", "step", "outside")
+FIRST_MINIBATCH_STATS = ("approx_kl", "clip_frac", "ratio_mean", "logprob_diff", "logprob_diff_max")
+"""Policy stats of each iteration's first minibatch, before any update: the gap between the old log-probs (the
+engine's, or the recomputed ones) and the training forward's (``<name>_first`` in the metrics)."""
+VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean")
+PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "recompute", "training", "step", "outside")
 """The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration;
 ``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save)."""
 STDOUT_KEYS = (
@@ -127,6 +133,7 @@ STDOUT_KEYS = (
     "value_loss",
     "clip_frac",
     "entropy",
+    "logprob_diff_mean",
     "response_len_mean",
     "samples_per_s",
     "bubble_ratio",
@@ -150,6 +157,7 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
         ckpt = CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {})
         resume_step(cfg, ckpt.latest_step(), ckpt.folder)
     check_reward(cfg)
+    check_sampling(cfg)
     par, gen = cfg.parallelism, cfg.generation
     instances = world_size // par.gen_tp
     if cfg.ppo.batch_size % instances:
@@ -317,6 +325,37 @@ def neural_models(cfg: JobConfig) -> tuple[str, ...]:
     return ("actor", "critic", "reward") if cfg.model.uses_reward_model else ("actor", "critic")
 
 
+def check_sampling(cfg: JobConfig) -> None:
+    """PPO needs the log-probs of the distribution that sampled (raises ConfigError): a temperature > 0 (greedy
+    decoding has none) and no top-k / top-p filter (the training forward's log-probs would be of the unfiltered
+    distribution, whose support differs). A quantized engine's log-probs are not the policy's: it needs
+    ``ppo.recompute_logprobs``, as truncated importance sampling does (its weight is trainer / engine)."""
+    g, ppo = cfg.generation, cfg.ppo
+    if g.quantize != "none" and not recompute_enabled(cfg):
+        raise ConfigError(
+            f"generation.quantize = {g.quantize!r} with ppo.recompute_logprobs = false: the quantized engine's "
+            "log-probs would become PPO's old log-probs; set --ppo.recompute_logprobs=true (or auto)"
+        )
+    if ppo.tis_cap > 0 and not recompute_enabled(cfg):
+        raise ConfigError(
+            f"ppo.tis_cap = {ppo.tis_cap} ({source_of(cfg, 'ppo.tis_cap')}): truncated importance sampling weighs the "
+            "trainer's old log-probs against the engine's, which needs ppo.recompute_logprobs on; set "
+            "--ppo.recompute_logprobs=true or --ppo.tis_cap=0"
+        )
+    if g.temperature <= 0:
+        raise ConfigError(
+            f"generation.temperature = {g.temperature} ({source_of(cfg, 'generation.temperature')}): PPO samples from the "
+            "policy, and greedy decoding has no sampling distribution; use a temperature > 0 (1.0: the model's own)"
+        )
+    for key, value, off in (("top_k", g.top_k, 0), ("top_p", g.top_p, 1.0)):
+        if value != off:
+            raise ConfigError(
+                f"generation.{key} = {value} ({source_of(cfg, f'generation.{key}')}): the PPO ratio and KL need the "
+                f"log-probs of the distribution that sampled, and a filtered one's support moves with the policy; set "
+                f"--generation.{key}={off} (lower generation.temperature to sharpen sampling)"
+            )
+
+
 def check_reward(cfg: JobConfig) -> None:
     """The rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable; ``model.reward =
     "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
@@ -415,7 +454,11 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)
     actor_spec = StageModule(
-        layout.actor_stage, PolicyLoss.from_config(cfg.ppo, head=head), actor.embed_dim, actor.embed_dim, compute
+        layout.actor_stage,
+        PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature),
+        actor.embed_dim,
+        actor.embed_dim,
+        compute,
     )
     critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
     if layout.pp == 1:
@@ -463,8 +506,8 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
 def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -> Scorer:
     """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
 
-    Log-probs are those of the model distribution (temperature 1), as the engine reports the sampled
-    tokens' log-probs; the policy loss uses the same convention. ``model.reward_fn`` adds its weighted value to
+    Log-probs are those of the sampling distribution, ``log_softmax(logits / generation.temperature)``, as the
+    engine reports the sampled tokens' and the policy loss computes them. ``model.reward_fn`` adds its weighted value to
     each score (or scores alone without a Reward model); it runs on each instance's first rank, texts decoded
     with ``tokenizer``, and its failures follow ``training.nan_policy``.
     """
@@ -482,7 +525,7 @@ def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -
     return Scorer(
         ScoringModels(rollout.reference, rollout.reward, rollout.critic),
         pad_id=tokenizer.pad_id,
-        temperature=1.0,
+        temperature=cfg.generation.temperature,
         max_tokens=cfg.generation.scoring_max_tokens,
         reward_fn=rule,
     )
@@ -543,26 +586,40 @@ def migration_metrics(result: RolloutResult) -> dict[str, float]:
 
 
 def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dict[str, float]]:
-    """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it)."""
+    """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it).
+
+    Responses that hit ``max_new_tokens`` follow ``ppo.truncated``: "score" treats them as finished, "penalty"
+    subtracts ``ppo.truncation_penalty`` from their score, "mask" keeps them out of every loss (their rewards and
+    advantages are computed, then their response mask is cleared; whitening is over the rest). With every
+    response masked the batch has no token left: the caller skips the update."""
     ppo = cfg.ppo
     mask = exp.response_mask
     assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, (
         "compute_advantages needs a scored batch (Scorer.score sets scores, logprobs, ref_logprobs and values)"
     )
+    finished = exp.finished if exp.finished is not None else torch.ones(exp.batch_size, dtype=torch.bool)
+    if ppo.truncated == "penalty":
+        exp.scores = exp.scores - ppo.truncation_penalty * (~finished).to(exp.scores.dtype)
     exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, ppo.kl_coef, ppo.kl_estimator)
     exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
-    if ppo.whiten_advantages:
-        exp.advantages = whiten(exp.advantages, mask)
-    ret_mean, ret_var, _ = masked_mean_var(exp.returns, mask)
     stats = {
         "kl": (kl.sum(1)).mean().item(),  # per-sample KL to the Reference
         "kl_per_token": (kl.sum() / mask.sum()).item(),
         "reward_mean": exp.scores.mean().item(),
         "reward_std": exp.scores.std(unbiased=False).item(),
-        "return_mean": ret_mean.item(),
-        "return_std": ret_var.sqrt().item(),
+        "truncated_frac": 1.0 - finished.float().mean().item(),
+        # the old values' fit to the returns, over the whole batch (token-weighted; 0 for constant returns)
+        "explained_variance": explained_variance(exp.values, exp.returns, mask).item(),
     }
-    return exp, stats
+    if ppo.truncated == "mask":
+        exp.response_mask = mask = mask * finished[:, None].to(mask.dtype)
+        exp.advantages, exp.returns = exp.advantages * mask, exp.returns * mask
+    if not mask.any():
+        return exp, stats | {"return_mean": 0.0, "return_std": 0.0}
+    if ppo.whiten_advantages:
+        exp.advantages = whiten(exp.advantages, mask)
+    ret_mean, ret_var, _ = masked_mean_var(exp.returns, mask)
+    return exp, stats | {"return_mean": ret_mean.item(), "return_std": ret_var.sqrt().item()}
 
 
 def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
@@ -594,23 +651,29 @@ def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: i
     return Optimizers(actor, critic, schedule(actor), schedule(critic))
 
 
-def train_minibatch(layout: TrainingLayout, mb: Experience, *, record: bool = False) -> dict[str, torch.Tensor]:
+def train_minibatch(
+    layout: TrainingLayout, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
+) -> dict[str, torch.Tensor]:
     """Forward/backward of one global minibatch for both models through the fused executor.
 
     Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage; the
     caller sums them over minibatches and reduces them over ranks once per iteration). The losses use
-    ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch.
+    ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch. ``tis_cap`` > 0
+    weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs ``mb.engine_logprobs``).
     """
     shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]
     tokens_total = mb.response_mask.sum()
     # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
     denom = (tokens_total / (layout.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
     actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
+    if tis_cap > 0:
+        assert shard.logprobs is not None and shard.engine_logprobs is not None, "tis_cap needs recomputed log-probs"
+        actor_targets["tis_weight"] = (shard.logprobs - shard.engine_logprobs).exp().clamp(max=tis_cap) * shard.response_mask
     critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
     assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
     result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
-    for model, keys in (("actor", POLICY_STATS), ("critic", VALUE_STATS)):
+    for model, keys in (("actor", (*POLICY_STATS, *FIRST_MINIBATCH_STATS)), ("critic", VALUE_STATS)):
         r = result[model]
         out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
     if layout.critic_replicas > 1:  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
@@ -623,6 +686,7 @@ class UpdateResult:
     """One iteration's PPO update on this rank."""
 
     stat_sums: dict[str, torch.Tensor]  # this rank's last-stage stats summed over the updates (reduce over ranks)
+    first: dict[str, torch.Tensor]  # this rank's last-stage FIRST_MINIBATCH_STATS (reduce over ranks)
     updates: int
     figures: dict[str, float]  # identical on every rank: gradient norms, skipped updates, learning rates
     timeline: Timeline | None  # the last minibatch's pipeline timeline of all ranks, on recorded iterations
@@ -646,31 +710,39 @@ def ppo_update(
     ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
     (the metrics then carry ``bubble_ratio``)."""
     sums: dict[str, torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}
     bubbles: list[float] = []
     timeline: Timeline | None = None
     skipped, updates = 0, 0
     norms: dict[str, list[torch.Tensor]] = {"actor": [], "critic": []}
+    # a tied LM head on the last stage holds the first stage's embedding gradient: counted once, on the first stage
+    tied_head = [layout.tied.param] if layout.tied.param is not None and layout.actor_stage.output is not None else []
     for epoch in range(cfg.ppo.epochs):
         g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
         for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
-            stats = train_minibatch(layout, mb, record=record)
+            if not mb.response_mask.any():  # every sample of it masked (ppo.truncated = "mask"): nothing to learn
+                continue
+            stats = train_minibatch(layout, mb, record=record, tis_cap=cfg.ppo.tis_cap)
             layout.tied.sum_gradients()
-            for k, v in stats.items():
-                sums[k] = sums[k] + v if k in sums else v
+            if not first:
+                first = {k: stats[k] for k in FIRST_MINIBATCH_STATS}
+            for k in (*POLICY_STATS, *VALUE_STATS):
+                sums[k] = sums[k] + stats[k] if k in sums else stats[k]
             if record:
                 assert layout.schedule is not None and layout.schedule.timeline is not None  # the step above recorded it
                 timeline = layout.schedule.timeline.gather(layout.pp_group)
                 bubbles.append(timeline.bubble_ratio())
             # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
-            for name, stage, group in (
-                ("actor", layout.actor_stage, layout.pp_group),
-                ("critic", layout.critic_stage, layout.critic_group),
+            for name, stage, group, uncounted in (
+                ("actor", layout.actor_stage, layout.pp_group, tied_head),
+                ("critic", layout.critic_stage, layout.critic_group, []),
             ):
                 params = list(stage.parameters())
                 if cfg.optimizer.grad_clip > 0:
-                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, group))
+                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, group, uncounted=uncounted))
                 else:
-                    norms[name].append(grad_norm(params, pp_group=group))
+                    counted = [p for p in params if all(p is not q for q in uncounted)]
+                    norms[name].append(grad_norm(counted, pp_group=group))
             if not _skip_update([norms["actor"][-1], norms["critic"][-1]], stats):
                 for optimizer in (opt.actor, opt.critic):
                     optimizer.step()
@@ -696,20 +768,30 @@ def ppo_update(
     }
     if bubbles:
         figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
-    return UpdateResult(sums, updates, figures, timeline)
+    return UpdateResult(sums, first, updates, figures, timeline)
 
 
 def reduce_iteration(
-    sums: dict[str, torch.Tensor], phase_times: dict[str, float], peak_memory: float, *, divisor: float, device: torch.device
+    sums: dict[str, torch.Tensor],
+    phase_times: dict[str, float],
+    peak_memory: float,
+    *,
+    divisor: float,
+    device: torch.device,
+    first: dict[str, torch.Tensor] | None = None,
+    first_divisor: float = 1.0,
 ) -> dict[str, float]:
     """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
-    ``divisor``; phase times and peak memory are the slowest / largest rank's. One ``all_gather`` of one
-    float64 vector per rank (a sum and a max cannot share one all-reduce)."""
-    keys = sorted(sums)
+    ``divisor``; ``first`` (the first minibatch's stats, as ``<name>_first``) likewise by ``first_divisor``, its
+    ``*_max`` entries maximised; phase times and peak memory are the slowest / largest rank's. One ``all_gather``
+    of one float64 vector per rank (a sum and a max cannot share one all-reduce)."""
+    first = first or {}
+    keys, first_keys = sorted(sums), sorted(first)
+    scalars = [sums[k] for k in keys] + [first[k] for k in first_keys]
     local = torch.cat(
         [
-            torch.stack([sums[k].to(device, torch.float64) for k in keys])
-            if keys
+            torch.stack([s.to(device, torch.float64) for s in scalars])
+            if scalars
             else torch.zeros(0, dtype=torch.float64, device=device),
             torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
         ]
@@ -717,13 +799,70 @@ def reduce_iteration(
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     gathered = torch.stack(parts)
-    total = gathered[:, : len(keys)].sum(0) / divisor
-    largest = gathered[:, len(keys) :].amax(0)
-    values = total.tolist() + largest.tolist()
-    out = dict(zip(keys, values))
-    out.update({f"time_{p}": v for p, v in zip(PHASES, values[len(keys) :])})
-    out["peak_memory_gib"] = values[-1]
+    n, f = len(keys), len(first_keys)
+    out = dict(zip(keys, (gathered[:, :n].sum(0) / divisor).tolist()))
+    for i, k in enumerate(first_keys):
+        column = gathered[:, n + i]
+        out[f"{k}_first"] = float(column.amax() if k.endswith("_max") else column.sum() / first_divisor)
+    largest = gathered[:, n + f :].amax(0).tolist()
+    out.update({f"time_{p}": v for p, v in zip(PHASES, largest)})
+    out["peak_memory_gib"] = largest[-1]
     return out
+
+
+def recompute_enabled(cfg: JobConfig) -> bool:
+    """``ppo.recompute_logprobs``; "auto": whenever the engine's weights or arithmetic may differ from the training
+    forward's (a bf16 rollout copy or bf16 compute, or a quantized engine), not for the all-float32 CPU configs,
+    where they agree to float32 rounding."""
+    setting, t = cfg.ppo.recompute_logprobs, cfg.training
+    if setting != "auto":
+        return bool(setting)
+    return t.rollout_dtype != "float32" or t.mixed_precision_param != "float32" or cfg.generation.quantize != "none"
+
+
+def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device) -> torch.Tensor:
+    """The old Actor log-probs of every sample of ``exp`` (``[B, S]`` on the CPU, 0 outside the response mask) by a
+    forward-only pass of the Actor's training stages (pipeline x FSDP2 x TP), at the sampling temperature: each
+    data-parallel shard runs its rows in micro-batches through the pipeline, the last stage applies the LM head in
+    chunks, the pipeline group receives its rows and the data-parallel shards exchange theirs (collective)."""
+    rows = exp.batch_size // layout.dp
+    shard = exp.select(slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows))
+    inputs = list(shard.tokens.split(cfg.ppo.microbatch_size))
+    head = cast("torch.nn.Linear | None", layout.actor_stage.output)  # the LM head, on the last stage
+
+    def logprobs(hidden: torch.Tensor, i: int) -> torch.Tensor:
+        assert head is not None  # called on the last stage only
+        return chunked_token_logprobs(hidden.to(head.weight.dtype), head, inputs[i].to(device), cfg.generation.temperature)
+
+    ranks = [dist.get_global_rank(layout.pp_group, r) for r in range(layout.pp)]
+    outs = pipeline_forward(
+        layout.actor_stage,
+        inputs,
+        ranks,
+        layout.pp_rank,
+        hidden_dim=model_flavor(cfg, "actor").embed_dim,
+        activation_dtype=DTYPES[cfg.training.mixed_precision_param],
+        device=device,
+        last=logprobs,
+        group=layout.pp_group,
+    )
+    local = torch.cat(outs) if outs is not None else torch.empty(rows, exp.seq_len, device=device)
+    dist.broadcast(local, src=ranks[-1], group=layout.pp_group)
+    parts = [torch.empty_like(local) for _ in range(layout.dp)]
+    dist.all_gather(parts, local, group=layout.mesh["dp_shard"].get_group())
+    return torch.cat(parts).cpu() * exp.response_mask
+
+
+def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the training forward's, over the response
+    tokens: mean and largest absolute difference, and the mean importance ratio ``pi_train / pi_engine``."""
+    diff = (trainer - engine) * mask
+    tokens = mask.sum().clamp_min(1)
+    return {
+        "logprob_diff_mean": float(diff.abs().sum() / tokens),
+        "logprob_diff_max": float(diff.abs().max()),
+        "importance_ratio_mean": float((diff.exp() * mask).sum() / tokens),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -766,6 +905,7 @@ class Trainer:
             shuffle=cfg.data.shuffle,
         )
         self.max_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        self.recompute = recompute_enabled(cfg)
         self.engine = GenerationEngine.from_config(
             self.rollout.actor,
             cfg.generation,
@@ -857,6 +997,14 @@ class Trainer:
         self.metrics.close()
         return history
 
+    def skipped_update(self, step: int) -> UpdateResult:
+        """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
+        if self.rank == 0:
+            log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
+        updates = self.cfg.ppo.epochs * (self.cfg.ppo.batch_size // self.cfg.ppo.minibatch_size)
+        lr = {"lr_actor": float(self.opt.actor_lr.get_last_lr()[0]), "lr_critic": float(self.opt.critic_lr.get_last_lr()[0])}
+        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **lr}, None)
+
     def records_timeline(self, step: int) -> bool:
         """Whether iteration ``step`` records pipeline timelines: traced steps and every
         ``metrics.timeline_interval``-th step (0: traced steps only)."""
@@ -886,8 +1034,17 @@ class Trainer:
         with timers("advantages"):
             exp, adv_stats = compute_advantages(cfg, scored)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
-        with timers("training"):
-            update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
+        gap = None
+        if self.recompute:  # PPO's old log-probs from the training forward; the KL reward keeps the engine's
+            with timers("recompute"):
+                exp.engine_logprobs, exp.logprobs = exp.logprobs, recompute_logprobs(cfg, self.layout, exp, self.device)
+            assert exp.engine_logprobs is not None  # the scored batch's
+            gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
+        if exp.response_mask.any():
+            with timers("training"):
+                update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
+        else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
+            update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
         timers.add("outside", self.outside_s)
 
@@ -896,9 +1053,18 @@ class Trainer:
             update.stat_sums,
             timers.pop(),
             peak_memory_gib(self.device),
-            divisor=self.layout.dp * self.layout.tp * update.updates,
+            divisor=self.layout.dp * self.layout.tp * max(1, update.updates),
             device=self.device,
+            first=update.first,
+            first_divisor=self.layout.dp * self.layout.tp,
         )
+        if gap is None and "logprob_diff_first" in record:  # without recompute: the first minibatch's forward
+            gap = {
+                "logprob_diff_mean": record["logprob_diff_first"],
+                "logprob_diff_max": record["logprob_diff_max_first"],
+                "importance_ratio_mean": record["ratio_mean_first"],
+            }
+        record.update(gap or {})
         lengths = scored.response_mask.sum(1)
         record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]

@@ -228,6 +228,21 @@ def _fsdp_on_pipeline_stages() -> None:
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
         assert torch.isfinite(p.grad.full_tensor()).all()
 
+    # A value model under the same policy: its head computes in float32 on the bf16 model's last hidden state.
+    torch.manual_seed(0)
+    model = build_model("debug", "value")
+    (stage,) = split_decoder(model, 1)
+    apply_fsdp(stage, dp_mesh, mp_policy=policy)
+    seen = {}
+    model.output.register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    model.norm.register_forward_hook(lambda m, args, out: seen.update(hidden=out))
+    values = stage(tokens.chunk(2)[rank])
+    assert seen["hidden"].dtype == torch.bfloat16 and seen["x"].dtype == torch.float32 and values.dtype == torch.float32
+    head = model.output.weight.full_tensor()  # the float32 master weight
+    torch.testing.assert_close(seen["out"], seen["hidden"].float() @ head.T, rtol=1e-6, atol=1e-6)
+    values.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
 
 def test_fsdp_on_pipeline_stages_and_mixed_precision(two_ranks):
     two_ranks.run(_fsdp_on_pipeline_stages)

@@ -316,3 +316,25 @@ def test_counter_based_sampling_is_per_request_and_follows_the_distribution():
         any_sampled=False,
     )
     assert greedy.tolist() == [0, 0, 0]
+
+
+def test_int8_engine_requantizes_synced_weights_in_place():
+    """A weight sync into a quantized engine writes a fresh quantization of the new weights into the same tensors
+    (a compiled decode keeps its graphs): equal to quantizing the new model from scratch, every tensor the same object."""
+    import copy
+
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    source = build_model("debug").eval()
+    engine = GenerationEngine(source, max_slots=2, max_len=32, quantize="int8_weight_only")
+    before = {name: id(p) for name, p in engine.model.named_parameters()}
+    torch.manual_seed(1)
+    target = build_model("debug").eval()
+    engine.load_weights(target.state_dict())
+    assert {name: id(p) for name, p in engine.model.named_parameters()} == before
+    fresh = copy.deepcopy(target)
+    quantize_(fresh, Int8WeightOnlyConfig())
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        assert torch.equal(engine.model(tokens), fresh(tokens))

@@ -129,7 +129,7 @@ def _ppo_step(
     if models is not None:
         models.update(actor=actor, critic=critic, before=[p.detach().clone() for m in (actor, critic) for p in m.parameters()])
 
-    def fake_minibatch(layout, mb, record=False):
+    def fake_minibatch(layout, mb, record=False, tis_cap=0.0):
         x = torch.ones(mb.batch_size, 4)
         adv = (mb.advantages * mb.response_mask).sum(1)
         ret = (mb.returns * mb.response_mask).sum(1)
@@ -139,7 +139,9 @@ def _ppo_step(
         if poison == "grad":
             actor.weight.grad[0, 1] = float("inf")
         reported = torch.tensor(float("nan")) if poison == "loss" else policy_loss.detach()
-        return {k: torch.zeros(()) for keys in (train.POLICY_STATS, train.VALUE_STATS) for k in keys} | {
+        return {
+            k: torch.zeros(()) for keys in (train.POLICY_STATS, train.FIRST_MINIBATCH_STATS, train.VALUE_STATS) for k in keys
+        } | {
             "policy_loss": reported,
             "value_loss": value_loss.detach(),
         }
@@ -151,7 +153,7 @@ def _ppo_step(
         critic_group=None,
         actor_stage=actor,
         critic_stage=critic,
-        tied=SimpleNamespace(sum_gradients=lambda: None),
+        tied=SimpleNamespace(param=None, sum_gradients=lambda: None),
     )
     opts = []
     for m in (actor, critic):

@@ -60,6 +60,21 @@ COMPARED = (
     "grad_norm_critic",
     "response_len_mean",
     "return_mean",
+    "logprob_diff_mean",
+    "importance_ratio_mean",
+    "approx_kl_first",
+    "clip_frac_first",
+    "truncated_frac",
+)
+# Every run of the equality checks also uses the PPO options whose results must not depend on the fusions either:
+# a sampling temperature other than 1, recomputed old log-probs with truncated importance sampling, the k2 KL
+# estimator and a penalty on responses that hit max_new_tokens.
+PPO_OPTIONS = (
+    "--generation.temperature=0.8",
+    "--ppo.recompute_logprobs=true",
+    "--ppo.tis_cap=2.0",
+    "--ppo.kl_estimator=k2",
+    "--ppo.truncated=penalty",
 )
 
 
@@ -79,7 +94,7 @@ def _runs(out: str) -> dict[str, list[dict]]:
     from fusedrl.train import run
 
     def cfg(name: str, *extra: str):
-        return load_config(["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}/{name}", *extra])
+        return load_config(["--job.config_file", CONFIG, *TINY, *PPO_OPTIONS, f"--job.output_dir={out}/{name}", *extra])
 
     histories = {
         "on": run(cfg("on", *FUSED, "--checkpoint.interval=1")),
@@ -131,6 +146,10 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
         _assert_close(a, b, COMPARED, 1e-4, f"step {step} on vs off")
     # the runs trained: the second iteration sampled from updated weights
     assert on[1]["lr_actor"] > 0 and on[0]["grad_norm_actor"] > 0
+    # the recomputed old log-probs are the training forward's: the first minibatch starts at ratio 1; some responses
+    # were truncated (and penalised)
+    assert all(h["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6) and h["clip_frac_first"] == 0 for h in on + off)
+    assert all(h["time_recompute"] > 0 for h in on + off) and any(h["truncated_frac"] > 0 for h in on)
     # inter-stage fusion migrated the tail in the fused run, and only there
     assert any(h["migration_moved"] > 0 for h in on) and all(h["migration_moved"] == 0 for h in off)
     # every phase was timed in both modes; pipeline timelines only on the recorded step (timeline_interval=2)

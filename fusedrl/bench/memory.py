@@ -28,8 +28,8 @@ Persistent (every phase; steady state after the first iteration):
   embedding and the LM head sharded over g; norms, value heads and tied embeddings whole) x its dtype; no Reward
   bytes with ``model.reward = "none"`` (a rule-based reward alone).
 - ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
-- ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes unless the
-  copy was cast (67 MB for Llama 3.1's 131072 positions).
+- ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes (float32 in
+  every copy: a bf16 rollout copy casts its parameters only; 67 MB for Llama 3.1's 131072 positions).
 - ``pipeline_buffers``: the executor keeps one ``PipelineStage`` pair per trained micro-batch shape, and a stage
   preallocates ``M`` activation receive buffers (non-first stage) and ``M`` gradient receive buffers (non-last stage),
   each ``c T D``; counted for ``--pipeline-shapes`` sequence buckets (default 1, the longest).
@@ -106,7 +106,8 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
 Not estimated: the CUDA context, NCCL buffers, allocator caching and fragmentation, CUDA-graph pools of the compiled
 decode; the int8 engine copy (``generation.quantize``); the KV states of migrated requests queued on a kept instance;
 the example tensors the executor allocates when it builds a stage for a new shape; the tensors Qwen3's per-head q/k
-norms save for their backward (about ``8 T (q + k) / tp`` bytes per layer, not in the per-layer figure); host memory (the CPU engine's
+norms save for their backward (about ``8 T (q + k) / tp`` bytes per layer, not in the per-layer figure); the
+forward-only pass of ``ppo.recompute_logprobs`` (no saved tensors: below the training step's peak); host memory (the CPU engine's
 prepacked weights, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
 
 ``--measure`` runs a config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation, a small

@@ -52,8 +52,10 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: 
     """Total gradient norm of ``params`` over the whole model.
 
     DTensor (FSDP2/TP) gradients are reduced over their meshes; with ``pp_group`` the per-stage
-    norms are combined over the pipeline ranks, so every rank gets the same full-model norm.
+    norms are combined over the pipeline ranks, so every rank gets the same full-model norm. A rank whose
+    parameters have no gradient adds a zero on its parameters' device (the one its peers' collectives use).
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if grads:
@@ -67,7 +69,10 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: 
             norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=False)
             norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
         total = torch.nn.utils.get_total_norm(norms, norm_type, foreach=False)
-    else:  # e.g. a pipeline rank whose stages are all frozen; NCCL needs the tensor on the GPU
+    elif params:  # e.g. a stage that took no part in this minibatch: a zero where its peers' norms are
+        local = params[0].to_local() if isinstance(params[0], DTensor) else params[0]
+        total = torch.zeros((), dtype=torch.float32, device=local.device)
+    else:  # no parameters at all; NCCL needs the tensor on the GPU
         on_gpu = pp_group is not None and "cpu" not in group_devices(pp_group)
         total = torch.zeros((), dtype=torch.float32, device="cuda" if on_gpu else "cpu")
     if pp_group is not None:
@@ -86,15 +91,21 @@ def clip_grad_norm(
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
     norm_type: float = 2.0,
+    *,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping.
 
-    A non-finite norm leaves the gradients untouched so the caller can skip the update.
+    ``uncounted``: parameters of ``params`` scaled but left out of the norm, because another rank counts the same
+    gradient (a tied LM head on the last pipeline stage is the first stage's embedding). A non-finite norm leaves
+    the gradients untouched so the caller can skip the update.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}; set [optimizer] grad_clip")
+    params = list(params)
+    skip = {id(p) for p in uncounted}
+    total = grad_norm([p for p in params if id(p) not in skip], norm_type, pp_group)
     params = [p for p in params if p.grad is not None]
-    total = grad_norm(params, norm_type, pp_group)
     if params and torch.isfinite(total):
         grad = params[0].grad
         assert grad is not None  # params were filtered to those with a gradient

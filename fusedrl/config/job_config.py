@@ -272,11 +272,33 @@ class PPOSection:
     clip_eps: float = _key(0.2, "Policy ratio clip range: ratios are clipped to [1 - clip_eps, 1 + clip_eps].", positive)
     value_clip_eps: float = _key(0.2, "Value clip range around the old values; 0 disables value clipping.", at_least(0.0))
     kl_coef: float = _key(0.05, "Weight of the per-token KL penalty against the Reference in the reward.", at_least(0.0))
-    kl_estimator: Literal["k1", "k3"] = _key("k1", "Per-token KL estimator: k1 (log-ratio) or k3 (unbiased, non-negative).")
+    kl_estimator: Literal["k1", "k2", "k3"] = _key(
+        "k1", "Per-token KL estimator: k1 (log-ratio), k2 (half its square) or k3 (unbiased, non-negative)."
+    )
     gamma: float = _key(1.0, "Discount factor of GAE, in [0, 1].", unit_interval)
     lam: float = _key(0.95, "GAE lambda, in [0, 1].", unit_interval)
     whiten_advantages: bool = _key(True, "Normalise advantages to zero mean and unit variance over the whole batch.")
     entropy_coef: float = _key(0.0, "Weight of the entropy bonus in the policy loss.", at_least(0.0))
+    recompute_logprobs: bool | Literal["auto"] = _key(
+        "auto",
+        "Recompute the old Actor log-probs with a forward-only pass through the training layout before the first "
+        "epoch (the engine's stay in the KL reward); \"auto\": when the engine's weights or dtype differ from the "
+        "training forward's (a bf16 rollout or compute dtype, or generation.quantize).",
+    )
+    tis_cap: float = _key(
+        0.0,
+        "Truncated importance sampling: weight each token's policy loss by min(pi_train_old / pi_engine, tis_cap); "
+        "needs recompute_logprobs; 0 disables it.",
+        at_least(0.0),
+    )
+    truncated: Literal["score", "mask", "penalty"] = _key(
+        "score",
+        "Responses that hit max_new_tokens: score (as if finished), mask (no loss on them) or penalty (their score "
+        "minus truncation_penalty).",
+    )
+    truncation_penalty: float = _key(
+        1.0, 'Subtracted from a truncated response\'s score with truncated = "penalty".', at_least(0.0)
+    )
 
 
 @dataclass

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from fusedrl.distributed.compat import recompute_in_backward
+from fusedrl.models import ValueHead
 
 
 def transformer_layers(module: nn.Module) -> list[TransformerSelfAttentionLayer]:
@@ -32,7 +34,8 @@ def apply_fsdp(
     ``param_dtype`` and reduce-scatters gradients in ``reduce_dtype`` while the sharded parameters
     and the optimizer state stay float32. With pipeline parallelism, ``reshard_after_forward=False``
     avoids one all-gather per micro-batch at the cost of keeping the stage unsharded between
-    forward and backward. Gradients are averaged over all of ``dp_mesh``.
+    forward and backward. Gradients are averaged over all of ``dp_mesh``. A value head (:class:`ValueHead`) is a
+    unit of its own that computes in float32 under any ``mp_policy`` (its input cast up), so values leave in float32.
     """
     if dp_mesh.ndim not in (1, 2):
         raise ValueError(
@@ -44,6 +47,10 @@ def apply_fsdp(
         kwargs["mp_policy"] = mp_policy
     for layer in transformer_layers(module):
         fully_shard(layer, **kwargs)
+    if mp_policy is not None:
+        head_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for head in (m for m in module.modules() if isinstance(m, ValueHead)):
+            fully_shard(head, **(kwargs | {"mp_policy": head_policy}))
     return fully_shard(module, **kwargs)  # the same module, now an FSDPModule
 
 

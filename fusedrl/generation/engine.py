@@ -68,6 +68,17 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s data into ``dst`` in place, through the inner tensors of tensor subclasses of the same layout
+    (torchao's quantized weights: their ``__tensor_flatten__`` names)."""
+    flatten = getattr(dst, "__tensor_flatten__", None)
+    if flatten is None:
+        dst.copy_(src)
+        return
+    for name in flatten()[0]:
+        _copy_tensor_data(getattr(dst, name), getattr(src, name))
+
+
 def _can_prepack(model: TransformerDecoder) -> bool:
     """Plain fp32 CPU weights only (not tensor-parallel DTensors, whose linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
@@ -205,8 +216,8 @@ class _SlotForward(nn.Module):
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._qkv(layer.attn, layer.sa_norm(h), pos[None, :].expand(n, p))
             kc, vc = self.cache(i)
-            kc[slots[:, None], pos[None, :]] = k
-            vc[slots[:, None], pos[None, :]] = v
+            kc[slots[:, None], pos[None, :]] = k.to(kc.dtype)  # the cache's dtype may differ from the weights'
+            vc[slots[:, None], pos[None, :]] = v.to(vc.dtype)
             h = self._block(layer, h, self._attend(layer.attn, q, k, v, is_causal=True))
         last = h[torch.arange(n, device=tokens.device), lengths - 1]
         return self._linear(self.model.output, self.model.norm(last)).float()
@@ -369,7 +380,7 @@ class GenerationEngine:
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy full (unsharded) weights into the model; a quantized engine re-quantizes (and recompiles)."""
+        """Copy full (unsharded) weights into the model; a quantized engine re-quantizes them in place."""
         if self._active:
             raise RuntimeError("load_weights with requests in flight; finish or export them first")
         self.source_model.load_state_dict(state_dict, strict=True)
@@ -377,11 +388,28 @@ class GenerationEngine:
 
     def weights_updated(self) -> None:
         """Call after the source model's weights were written in place (a weight sync): a quantized engine
-        re-quantizes (and recompiles); otherwise the live weights are used as they are."""
+        quantizes them into its copy's existing tensors (a compiled decode keeps its graphs); otherwise the live
+        weights are used as they are."""
         if self._active:
             raise RuntimeError("weights changed with requests in flight; finish or export them first")
         if self.quantize is not None:
-            self._build()
+            self._requantize()
+
+    @torch.no_grad()
+    def _requantize(self) -> None:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        copies = dict(self.model.named_parameters())
+        linears = {f"{name}.weight": m for name, m in self.source_model.named_modules() if type(m) is nn.Linear}
+        for name, p in self.source_model.named_parameters():
+            target = copies[name]
+            if name not in linears:
+                target.copy_(p)
+                continue
+            fresh = nn.Linear(p.shape[1], p.shape[0], bias=False, device=p.device, dtype=p.dtype)
+            fresh.weight.copy_(p)
+            quantize_(fresh, Int8WeightOnlyConfig())
+            _copy_tensor_data(target, fresh.weight)
 
     # ---------------------------------------------------------------- requests in
     def add_request(self, request: Request) -> None:

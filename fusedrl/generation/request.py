@@ -63,9 +63,10 @@ class Request:
 class RequestResult:
     """A finished request: its generated ``tokens`` (stop token included when it stopped) and their log-probs.
 
-    ``logprobs[i]`` is log pi(tokens[i] | prefix) under the *unmodified* model distribution
-    (log-softmax of the logits at temperature 1, before top-k/top-p), i.e. what the Actor's training
-    forward computes for the same token. ``error`` is set (and ``finish_reason == "error"``) when the
+    ``logprobs[i]`` is log pi(tokens[i] | prefix) under the distribution the token was sampled from: the
+    log-softmax of ``logits / temperature`` after the top-k / top-p filters (at temperature 0, greedy, of the
+    unscaled logits), i.e. what the Actor's training forward computes for the same token at the same
+    temperature (the trainer refuses filters, which the training forward does not apply). ``error`` is set (and ``finish_reason == "error"``) when the
     request was rejected; the other requests of the batch are unaffected.
     """
 

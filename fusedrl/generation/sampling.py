@@ -55,21 +55,21 @@ def sample_tokens(
     """Sample one token per row of ``logits`` [B, V] (float32).
 
     Rows with temperature 0 are greedy. Sampled rows take the Gumbel-max form of the categorical draw:
-    ``argmax(p / E)`` with ``E`` the row's exponentials (:func:`exponential_noise`). ``any_sampled`` /
-    ``any_filtered`` are what the caller knows on the host (some row has temperature > 0 / top-k or top-p set);
-    False skips that work. Returns (tokens [B] int64, log-probs [B] of those tokens under log_softmax(logits)).
+    ``argmax(p / E)`` with ``E`` the row's exponentials (:func:`exponential_noise`), ``p = softmax(filter(logits
+    / T))``. ``any_sampled`` / ``any_filtered`` are what the caller knows on the host (some row has temperature > 0
+    / top-k or top-p set); False skips that work. Returns (tokens [B] int64, log-probs [B] of those tokens under
+    the distribution that drew them: ``log p``; a greedy row's of its unscaled logits after its own filters).
     """
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if any_sampled:
-        sampled = temperature > 0
-        scaled = logits / torch.where(sampled, temperature, 1.0)[:, None]
-        if any_filtered:
-            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
-        probs = torch.softmax(scaled, dim=-1)
-        draws = (probs / exponential_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
-        tokens = torch.where(sampled, draws, tokens)
-    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+    if not any_sampled:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    sampled = temperature > 0
+    scaled = logits / torch.where(sampled, temperature, 1.0)[:, None]  # a greedy row keeps its logits
+    if any_filtered:
+        scaled = _filter_top_k_top_p(scaled, top_k, top_p)  # filters nothing on a row without top-k / top-p
+    draws = (torch.softmax(scaled, dim=-1) / exponential_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
+    tokens = torch.where(sampled, draws, logits.argmax(dim=-1))
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,18 @@ from fusedrl.models.registry import (
     Llama3RoPE,
     ModelFlavor,
     QKNormProjection,
+    ValueHead,
     build_model,
     resolve_flavor,
 )
-from fusedrl.models.weights import hf_to_tune_state, init_rope_buffers, load_state_slices, local_indices, tune_to_hf_state
+from fusedrl.models.weights import (
+    cast_parameters,
+    hf_to_tune_state,
+    init_rope_buffers,
+    load_state_slices,
+    local_indices,
+    tune_to_hf_state,
+)
 
 __all__ = [
     "FAMILIES",
@@ -32,7 +40,9 @@ __all__ = [
     "ModelFlavor",
     "PretrainedModel",
     "QKNormProjection",
+    "ValueHead",
     "build_model",
+    "cast_parameters",
     "flavor_from_hf_config",
     "from_pretrained",
     "hf_config",

@@ -42,6 +42,7 @@ from fusedrl.models.weights import (
     LM_HEAD_KEY,
     TUNE_HEAD_KEY,
     VALUE_HEAD_KEY,
+    cast_parameters,
     fill_slices,
     hf_name,
     hf_to_tune_rows,
@@ -334,12 +335,13 @@ def from_pretrained(
     """Build and load an HF Llama / Mistral / Qwen2 / Qwen3 checkpoint folder, its architecture read from its
     ``config.json`` (:func:`read_flavor`).
 
-    The model is built on the meta device in ``dtype``, materialised on ``device`` and filled by
-    :func:`load_hf_weights` (same checks, same ``init_value_head_from_lm``). ``model, flavor = from_pretrained(folder)``.
+    The model is built on the meta device with its parameters in ``dtype`` (RoPE tables stay float32), materialised
+    on ``device`` and filled by :func:`load_hf_weights` (same checks, same ``init_value_head_from_lm``).
+    ``model, flavor = from_pretrained(folder)``.
     """
     check_role(role)
     flavor = read_flavor(folder, role)
-    model = build_model(flavor, cast(Role, role), device="meta").to(dtype)  # a valid Role: check_role passed above
+    model = cast_parameters(build_model(flavor, cast(Role, role), device="meta"), dtype)  # a valid Role: check_role passed
     model.to_empty(device=device)
     load_hf_weights(model, folder, flavor, role, init_value_head_from_lm=init_value_head_from_lm)
     return PretrainedModel(model, flavor)

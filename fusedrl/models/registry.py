@@ -198,6 +198,19 @@ class QKNormProjection(nn.Module):
         return self.normalize(self.linear(x))
 
 
+class ValueHead(nn.Linear):
+    """The value role's scalar head (``[1, hidden]``, no bias), computed in its weight's dtype whatever the rest
+    of the model computes in: rollout copies (:func:`cast_parameters`) and FSDP2's mixed precision
+    (:func:`fusedrl.distributed.apply_fsdp`) keep it float32, so a bf16 model's values are the float32 projection
+    of its last hidden state (one ``hidden``-long row: no cost)."""
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__(embed_dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 def build_model(
     flavor: str | ModelFlavor, role: Role = "policy", *, device: torch.device | str | None = None
 ) -> TransformerDecoder:
@@ -211,7 +224,7 @@ def build_model(
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = _build_decoder(f)
         if role == "value":
-            model.output = nn.Linear(f.embed_dim, 1, bias=False)
+            model.output = ValueHead(f.embed_dim)
     return model
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fusedrl.models.registry import ModelFlavor, resolve_flavor
+from fusedrl.models.registry import ModelFlavor, ValueHead, resolve_flavor
 
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
@@ -225,6 +225,25 @@ def module_targets(module: nn.Module) -> dict[str, torch.Tensor]:
             f"module has tensors on the meta device ({shown}); call module.to_empty(device=...) before loading weights"
         )
     return targets
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with its floating-point parameters in ``dtype`` and its buffers as they are: a bf16 copy of a model
+    keeps its float32 RoPE tables, as FSDP2's mixed precision (which casts parameters only) does in training. A
+    :class:`ValueHead` keeps its dtype (values leave in float32). A parameter shared by two modules stays shared.
+    Returns ``module``."""
+    cast: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, ValueHead):
+                continue
+            for name, p in list(m.named_parameters(recurse=False)):
+                if not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+                m.register_parameter(name, cast[id(p)])
+    return module
 
 
 def init_rope_buffers(module: nn.Module) -> None:

@@ -5,12 +5,14 @@ Read it top to bottom: :mod:`.ir` (actions, placement: Actor stages in rank orde
 schedule), :mod:`.bounds` (a lower bound on any schedule's makespan), :mod:`.search` (sequential 1F1B, the
 greedy fused scheduler and the local search), :mod:`.lowering` (SEND/RECV insertion and the static
 verifier), :mod:`.executor` (runs a lowered program with torch ``PipelineStage`` objects of both models),
+:mod:`.forward` (one model's forward-only pass through its stages: PPO's log-prob recomputation),
 :mod:`.timeline` (a recorded step's measured timeline).
 """
 
 from fusedrl.pipelining.bounds import lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
 from fusedrl.pipelining.executor import FusedPipelineSchedule, LocalSchedule, ModelStepResult, StageModule, run_emulated
+from fusedrl.pipelining.forward import pipeline_forward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, ProgramError, lower, verify_program
 from fusedrl.pipelining.search import PlanResult, fused_schedule, greedy_order, sequential_1f1b
@@ -46,6 +48,7 @@ __all__ = [
     "TimedAction",
     "Timeline",
     "lower",
+    "pipeline_forward",
     "run_emulated",
     "verify_program",
 ]

@@ -9,17 +9,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
 
-    ``k1 = log p - log q`` (unbiased, can be negative); ``k3 = (r - 1) - log r`` with
-    ``r = q / p`` (unbiased, always >= 0, lower variance; J. Schulman, "Approximating KL divergence").
+    ``k1 = log p - log q`` (unbiased, can be negative); ``k2 = (log p - log q)^2 / 2`` (biased, always >= 0,
+    low variance; its gradient is that of the reverse KL's); ``k3 = (r - 1) - log r`` with ``r = q / p``
+    (unbiased, always >= 0, lower variance; J. Schulman, "Approximating KL divergence").
     """
     if estimator == "k1":
         return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
     if estimator == "k3":
         log_ratio = ref_logprobs - logprobs
         return torch.expm1(log_ratio) - log_ratio

@@ -5,7 +5,8 @@ Layout convention (used by :mod:`fusedrl.rlhf.advantages` and :mod:`fusedrl.rlhf
 per-token tensor is ``[B, S]`` and aligned with ``tokens``: entry ``t`` belongs to token ``t``
 (e.g. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, computed from the model output at
 position ``t - 1``). ``response_mask`` is 1 on response tokens and 0 on prompt and padding, so
-column 0 is never a response token. Per-sample tensors (``scores``, ``sample_ids``, ``reward_fn_scores``) are ``[B]``.
+column 0 is never a response token. Per-sample tensors (``scores``, ``sample_ids``, ``reward_fn_scores``, ``finished``)
+are ``[B]``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-PER_TOKEN_FIELDS = ("response_mask", "logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns")
-PER_SAMPLE_FIELDS = ("scores", "sample_ids", "reward_fn_scores")
+PER_TOKEN_FIELDS = (
+    "response_mask",
+    "logprobs",
+    "engine_logprobs",
+    "ref_logprobs",
+    "values",
+    "token_rewards",
+    "advantages",
+    "returns",
+)
+PER_SAMPLE_FIELDS = ("scores", "sample_ids", "reward_fn_scores", "finished")
 
 
 @dataclass
@@ -28,7 +38,8 @@ class Experience:
 
     tokens: torch.Tensor  # [B, S] long, prompt + response, right-padded
     response_mask: torch.Tensor  # [B, S] float, 1 on response tokens
-    logprobs: torch.Tensor | None = None  # [B, S] old Actor log-probs
+    logprobs: torch.Tensor | None = None  # [B, S] old Actor log-probs (PPO's ratio is taken against them)
+    engine_logprobs: torch.Tensor | None = None  # [B, S] the engine's, when logprobs were recomputed by the trainer
     ref_logprobs: torch.Tensor | None = None  # [B, S] Reference log-probs
     values: torch.Tensor | None = None  # [B, S] old Critic values
     scores: torch.Tensor | None = None  # [B] score per sample: Reward model + weighted reward function
@@ -37,6 +48,7 @@ class Experience:
     returns: torch.Tensor | None = None  # [B, S]
     sample_ids: torch.Tensor | None = None  # [B] long, global sample ids
     reward_fn_scores: torch.Tensor | None = None  # [B] the reward function's own values; NaN where it failed (skipped)
+    finished: torch.Tensor | None = None  # [B] bool: the response ended with a stop token (False: it hit the limit)
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:

@@ -8,8 +8,9 @@ token ``t`` both come from output position ``t - 1``; :func:`shift_to_tokens` do
 
 Losses are token means over ``response_mask``. By default the mean is per micro-batch; pass a
 ``loss_denom`` target (``[B]``, each entry the number of response tokens of the whole minibatch)
-to get one global token mean when gradients of several micro-batches are accumulated.
-The ``stats`` dicts hold detached scalar tensors (no host sync).
+to get one global token mean when gradients of several micro-batches are accumulated. The ``stats`` dicts
+hold detached scalar tensors (no host sync); their means use the same denominator, so averaging them over the
+micro-batches gives token-weighted means of the minibatch (``*_max`` stats are maxima).
 
 Chunked head: :func:`chunked_token_logprobs`, :func:`chunked_token_logprobs_entropy` and
 :func:`chunked_policy_loss` take the decoder's final hidden states ``[B, S, D]`` and its LM head
@@ -193,7 +194,8 @@ def policy_loss(
     """Clipped PPO surrogate (plus ``-entropy_coef * entropy``) from Actor ``logits`` ``[B, S, V]``.
 
     ``targets``: ``tokens``, ``response_mask``, ``logprobs`` (old), ``advantages`` (all ``[B, S]``),
-    optional ``loss_denom``. ``temperature`` must be the sampling temperature the old log-probs used.
+    optional ``loss_denom`` and ``tis_weight`` (a per-token factor on the surrogate: truncated importance
+    sampling). ``temperature`` must be the sampling temperature the old log-probs used.
     See :func:`chunked_policy_loss` for the same loss from hidden states without full logits.
     """
     _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "policy_loss")
@@ -248,20 +250,25 @@ def _surrogate(
     adv = targets["advantages"].float()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    pg_loss = masked_mean(torch.maximum(unclipped, clipped), mask, denom)
+    per_token = torch.maximum(unclipped, clipped)
+    if "tis_weight" in targets:
+        per_token = per_token * targets["tis_weight"].float()
+    pg_loss = masked_mean(per_token, mask, denom)
     loss = pg_loss
-    entropy_mean = None
+    entropy_mean = masked_mean(entropy, mask, denom)
     if entropy_coef != 0.0:
-        entropy_mean = masked_mean(entropy, mask, denom)
         loss = loss - entropy_coef * entropy_mean
     with torch.no_grad():
         stats = {
             "policy_loss": pg_loss.detach(),
-            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask, denom),
             # k3 estimate of KL(old || new) on the sampled tokens
-            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "entropy": (entropy_mean if entropy_mean is not None else masked_mean(entropy, mask)).detach(),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, denom),
+            "ratio_mean": masked_mean(ratio, mask, denom),
+            "entropy": entropy_mean.detach(),
+            # how far the new log-probs are from the old ones (before the first update: trainer vs engine)
+            "logprob_diff": masked_mean(log_ratio.abs(), mask, denom),
+            "logprob_diff_max": log_ratio.abs().amax(),
         }
     return loss, stats
 
@@ -289,27 +296,30 @@ def value_loss(
         v_clipped = old + (v - old).clamp(-value_clip_eps, value_clip_eps)
         err_clipped = (v_clipped - ret) ** 2
         per_token = torch.maximum(err, err_clipped)
-        clip_frac = masked_mean((err_clipped > err).float(), mask).detach()
+        clip_frac = masked_mean((err_clipped > err).float(), mask, targets.get("loss_denom")).detach()
     loss = 0.5 * masked_mean(per_token, mask, targets.get("loss_denom"))
     with torch.no_grad():
         stats = {
             "value_loss": loss.detach(),
             "value_clip_frac": clip_frac,
-            "value_mean": masked_mean(v, mask),
+            "value_mean": masked_mean(v, mask, targets.get("loss_denom")),
             "explained_variance": explained_variance(v, ret, mask),
         }
     return loss, stats
 
 
 def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 - Var[target - pred] / Var[target]`` over masked entries (NaN when the target is constant)."""
+    """``1 - Var[target - pred] / Var[target]`` over masked entries; 0 when the target is constant (nothing to
+    explain: e.g. every return 0 in a batch of failed samples), never NaN."""
     mask = mask.float()
 
     def var(x: torch.Tensor) -> torch.Tensor:
         mean = masked_mean(x, mask)
         return masked_mean((x - mean) ** 2, mask)
 
-    return 1.0 - var(target - pred) / var(target)
+    target_var = var(target)
+    explained = 1.0 - var(target - pred) / target_var.clamp_min(torch.finfo(target_var.dtype).tiny)
+    return torch.where(target_var > 0, explained, torch.zeros_like(explained))  # no host sync
 
 
 class PolicyLoss:
@@ -339,9 +349,10 @@ class PolicyLoss:
         self.chunk_positions = chunk_positions  # None: sized by DEFAULT_LOGITS_BUDGET_BYTES
 
     @classmethod
-    def from_config(cls, section: PPOSection, head: nn.Linear | None = None) -> PolicyLoss:
-        """``clip_eps`` and ``entropy_coef`` of ``[ppo]``, at temperature 1 (the engine's log-probs are taken there)."""
-        return cls(section.clip_eps, section.entropy_coef, temperature=1.0, head=head)
+    def from_config(cls, section: PPOSection, head: nn.Linear | None = None, *, temperature: float = 1.0) -> PolicyLoss:
+        """``clip_eps`` and ``entropy_coef`` of ``[ppo]`` at the sampling ``temperature`` (``generation.temperature``:
+        the engine's old log-probs and the Reference's are of that distribution)."""
+        return cls(section.clip_eps, section.entropy_coef, temperature=temperature, head=head)
 
     def __call__(self, output: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.head is None:

@@ -138,8 +138,8 @@ class Scorer:
     @torch.no_grad()
     def score(self, samples: Sequence[RequestResult]) -> Experience:
         """An :class:`Experience` with ``tokens``, ``response_mask``, ``logprobs`` (the samples' own),
-        ``ref_logprobs``, ``values``, ``scores`` and ``sample_ids`` (and ``reward_fn_scores`` with a reward
-        function), rows in the order of ``samples``."""
+        ``ref_logprobs``, ``values``, ``scores``, ``sample_ids`` and ``finished`` (ended with a stop token; and
+        ``reward_fn_scores`` with a reward function), rows in the order of ``samples``."""
         if not samples:
             raise ValueError("Scorer.score got no samples; skip the call for an empty set")
         for s in samples:
@@ -199,5 +199,6 @@ class Scorer:
             values=values.cpu(),
             scores=scores.cpu(),
             sample_ids=torch.tensor([s.id for s in samples], dtype=torch.long),
+            finished=torch.tensor([s.finish_reason == "stop" for s in samples]),
         )
         return exp
