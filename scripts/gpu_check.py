@@ -1,21 +1,23 @@
 """The GPU regression check behind ``bash scripts/gpu_check.sh`` (see docs/gpu.md).
 
-Steps, each a fresh process so that one failure cannot hide another:
+Steps, each a fresh process (its process group killed at its limit) so that one failure cannot hide another; the
+limits sum to 8 minutes, within one command of a lent GPU machine:
 
-1. ``pytest -m gpu tests``: the GPU-marked tests (those needing 2+ GPUs skip with that reason);
-2. the trainer on one device: pp = 1, bf16 compute / frozen / rollout / KV cache, compiled decode with CUDA
-   graphs, a few PPO iterations of the debug task on a ~0.5B flavor (random weights built locally);
-3. ``python -m fusedrl.bench.generation`` on a ~1B bf16 flavor: decode tokens/s at batch 1, 8, 32, 128 next to
-   torchtune's ``generate``, and each as a fraction of the memory-bandwidth roofline;
-4. the SmolLM2-135M recipe (``train_configs/smollm2_135m_ppo.toml``) on one device: the architecture and tokenizer
-   of ``--real-model`` (default ``models/SmolLM2-135M-Instruct``, from ``scripts/smollm2_from_gguf.py``) at full
-   size, with its weights when the folder has them, else random weights drawn here from its config.json (only the
-   config and tokenizer files need to travel to a GPU machine; the dry run shrinks it to 2 layers of width 64);
-   skipped, with the reason, without that folder.
+1. ``pytest_gpu`` (2 min): ``pytest -m gpu tests``, the GPU-marked tests (those needing 2+ GPUs skip with that
+   reason);
+2. ``smollm2_recipe`` (3.5 min): one PPO iteration of ``train_configs/smollm2_135m_ppo.toml`` on one device (pp = 1,
+   bf16, compiled decode with CUDA graphs) with the architecture and tokenizer of ``--real-model`` (default
+   ``models/SmolLM2-135M-Instruct``, from ``scripts/smollm2_from_gguf.py``) at full size: its weights when the folder
+   has them, else random weights drawn here from its config.json (only the config and tokenizer files need to travel
+   to a GPU machine; the dry run shrinks it to 2 layers of width 64); skipped, with the reason, without that folder;
+3. ``generation_bench`` (2.5 min): ``python -m fusedrl.bench.generation`` on a ~1B bf16 flavor, decode tokens/s at
+   batch 1 and 32 next to torchtune's ``generate``, and each as a fraction of the memory-bandwidth roofline.
 
-``--dry-run`` runs the same steps on the CPU with tiny shapes (CI runs it). The last stdout line is one JSON
-object: per step its exit status, seconds and figures, and ``ok``; the exit status is non-zero when any step
-failed.
+Each step's result is written to ``--out`` (default ``$OUT``, the folder whose files come back from a lent GPU
+machine, else a new temporary folder) as ``<step>.json`` when it ends, so a run killed from outside still returns the
+finished steps. ``--only STEP`` (repeatable) runs some steps. ``--dry-run`` runs the same steps on the CPU with tiny
+shapes (CI runs it). The last stdout line is one JSON object, printed also when a step timed out: per step its exit
+status, limit, seconds and figures, and ``ok``; the exit status is non-zero when any step failed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,14 +38,37 @@ REAL_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+STEP_LIMITS_S = {"pytest_gpu": 120, "smollm2_recipe": 210, "generation_bench": 150}
+"""Each step's wall-clock limit: 480 s together, 8 of the 10 minutes one command may run on a lent GPU machine."""
+METRIC_KEYS = (
+    "samples_per_s",
+    "time_step",
+    "time_weight_sync",
+    "time_generation",
+    "time_scoring",
+    "time_recompute",
+    "time_training",
+    "peak_memory_gib",
+    "reward_mean",
+    "response_len_mean",
+    "logprob_diff_mean",
+)
+
+
 def _run(name: str, cmd: list[str], timeout_s: float, env: dict[str, str]) -> dict:
-    print(f"gpu_check: {name}: {' '.join(cmd)}", flush=True)
+    """``cmd`` in its own process group, killed whole (pytest's and the trainer's workers too) at ``timeout_s``."""
+    print(f"gpu_check: {name}: {' '.join(cmd)} (limit {timeout_s:.0f}s)", flush=True)
     start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        code, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        code, out = 124, f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout_s:.0f}s"
+        out, _ = proc.communicate(timeout=max(1.0, timeout_s))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code, out = 124, f"{out}\ntimed out after {timeout_s:.0f}s"
     seconds = time.perf_counter() - start
     tail = "\n".join(out.strip().splitlines()[-15:])
     print(f"gpu_check: {name}: exit {code} in {seconds:.0f}s\n{tail}", flush=True)
@@ -91,150 +117,112 @@ def prepare_real_model(src: Path, dst: Path, tiny: bool) -> None:
     arithmetic.write_prompts(dst / "arithmetic.jsonl", 1024)
 
 
+def _iterations(folder: Path) -> list[dict]:
+    metrics = folder / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return [{k: r[k] for k in METRIC_KEYS if k in r} for r in records]
+
+
+def _pytest_step(py: str, env: dict[str, str], limit: float) -> dict:
+    result = _run("pytest -m gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rs"], limit, env)
+    entry = {"exit": result["exit"], "tests": _pytest_counts(result["output"])}
+    if result["exit"] == 5:  # pytest: no tests collected (a CPU run deselects every GPU test)
+        entry["exit"] = 0
+    return entry | {"output_tail": result["output"][-3000:]}
+
+
+def _recipe_step(py: str, env: dict[str, str], limit: float, args: argparse.Namespace, out: Path, device: list[str]) -> dict:
+    if not (args.real_model / "config.json").is_file():
+        skipped = f"no {args.real_model / 'config.json'}: build it with scripts/smollm2_from_gguf.py"
+        print(f"gpu_check: smollm2_recipe: skipped ({skipped})", flush=True)
+        return {"exit": 0, "skipped": skipped}
+    start = time.perf_counter()
+    real = out / "smollm2"
+    prepare = [py, __file__, "--prepare-real-model", str(args.real_model), str(real), *(["--dry-run"] if args.dry_run else [])]
+    prepared = _run("SmolLM2 folder", prepare, limit, env)
+    if prepared["exit"]:
+        return {"exit": prepared["exit"], "output_tail": prepared["output"][-3000:]}
+    bf16 = [f"--training.{k}=bfloat16" for k in ("mixed_precision_param", "frozen_dtype", "rollout_dtype", "kv_cache_dtype")]
+    small = ["--ppo.batch_size=2", "--ppo.minibatch_size=2", "--ppo.microbatch_size=1", "--generation.max_new_tokens=4"]
+    cmd = [
+        py,
+        "-m",
+        "fusedrl.train",
+        "--job.config_file",
+        "train_configs/smollm2_135m_ppo.toml",
+        *(f"--model.{k}_path={real}" for k in ("actor", "critic", "tokenizer")),
+        f"--data.path={real / 'arithmetic.jsonl'}",
+        "--parallelism.pp=1",
+        *device,
+        *(small if args.dry_run else bf16),
+        "--training.steps=1",
+        "--checkpoint.interval=0",
+        "--checkpoint.export_hf=false",
+        f"--job.output_dir={out / 'smollm2_run'}",
+    ]
+    result = _run("SmolLM2 recipe, one device", cmd, limit - (time.perf_counter() - start), env)
+    iterations = _iterations(out / "smollm2_run")
+    code = result["exit"] or (0 if len(iterations) == 1 else 1)
+    return {"exit": code, "iterations": iterations, "output_tail": result["output"][-3000:]}
+
+
+def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) -> dict:
+    if dry_run:
+        bench = ["--flavor", "debug", "--batch-sizes", "1,2", "--new-tokens", "8", "--no-compile", "--repeats", "1"]
+    else:
+        bench = ["--device", "cuda", "--flavor", "llama3_2_1b", "--dtype", "bfloat16", "--compile-mode", "reduce-overhead"]
+        bench += ["--batch-sizes", "1,32", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "1"]
+    result = _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], limit, env)
+    figures = _last_json(result["output"]) or {}
+    entry = {"exit": result["exit"], **{k: figures.get(k) for k in ("speedup_vs_torchtune", "modes", "roofline_fraction")}}
+    return entry | {"output_tail": result["output"][-3000:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bash scripts/gpu_check.sh", description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="every step on the CPU with tiny shapes")
     parser.add_argument("--real-model", type=Path, default=REAL_MODEL, help="SmolLM2 folder (weights optional)")
+    parser.add_argument("--out", type=Path, default=None, help="where each step's JSON goes (default: $OUT, else a temp folder)")
+    parser.add_argument("--only", action="append", choices=sorted(STEP_LIMITS_S), help="run this step only (repeatable)")
     parser.add_argument("--prepare-real-model", nargs=2, type=Path, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.prepare_real_model:
         prepare_real_model(*args.prepare_real_model, tiny=args.dry_run)
         return 0
     py = sys.executable
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = Path(tempfile.mkdtemp(prefix="gpu_check."))
-    if args.dry_run:
-        trainer_model, bench = (
-            "debug",
-            ["--flavor", "debug", "--batch-sizes", "1,2", "--new-tokens", "8", "--no-compile", "--repeats", "1"],
-        )
-        device = ["--training.device=cpu", "--generation.compile=false"]
-    else:
-        trainer_model = "qwen2_5_0_5b"
-        bench = [
-            "--device",
-            "cuda",
-            "--flavor",
-            "llama3_2_1b",
-            "--dtype",
-            "bfloat16",
-            "--compile-mode",
-            "reduce-overhead",
-            "--batch-sizes",
-            "1,8,32,128",
-            "--new-tokens",
-            "128",
-            "--prompt-len",
-            "128",
-            "--repeats",
-            "2",
+    # inductor compiles with a worker per core (its default is fewer), the GPU machine's 16 included
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": str(os.cpu_count() or 1), **os.environ, "PYTHONUNBUFFERED": "1"}
+    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="gpu_check.")))
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_work."))  # checkpoints and folders stay off the folder that returns
+    device = (
+        ["--training.device=cpu", "--generation.compile=false"]
+        if args.dry_run
+        else [
+            "--training.device=cuda",
+            "--generation.compile=true",
+            "--generation.compile_mode=reduce-overhead",
         ]
-        device = ["--training.device=cuda", "--generation.compile=true", "--generation.compile_mode=reduce-overhead"]
-    bf16 = [f"--training.{k}=bfloat16" for k in ("mixed_precision_param", "frozen_dtype", "rollout_dtype", "kv_cache_dtype")]
+    )
     steps = {
-        "pytest_gpu": _run(
-            "pytest -m gpu", [py, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider", "-rs"], 300, env
-        ),
-        "trainer": _run(
-            "trainer, pp = 1, bf16",
-            [
-                py,
-                "-m",
-                "fusedrl.train",
-                "--job.config_file",
-                "train_configs/debug_ppo_single.toml",
-                *(f"--model.{k}={trainer_model}" for k in ("actor", "critic", "reward")),
-                *(f"--model.{k}_path=" for k in ("actor", "critic", "reward", "reference")),
-                *device,
-                *bf16,
-                "--training.steps=3",
-                "--checkpoint.interval=0",
-                "--checkpoint.export_hf=false",
-                "--metrics.trace=[]",
-                "--ppo.batch_size=32",
-                "--ppo.minibatch_size=16",
-                f"--job.output_dir={out / 'trainer'}",
-            ],
-            300,
-            env,
-        ),
-        "generation_bench": _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], 300, env),
+        "pytest_gpu": lambda limit: _pytest_step(py, env, limit),
+        "smollm2_recipe": lambda limit: _recipe_step(py, env, limit, args, work, device),
+        "generation_bench": lambda limit: _generation_step(py, env, limit, args.dry_run),
     }
-    real = out / "smollm2"
-    if not (args.real_model / "config.json").is_file():
-        skipped = f"no {args.real_model / 'config.json'}: build it with scripts/smollm2_from_gguf.py"
-        steps["smollm2_recipe"] = {"exit": 0, "seconds": 0.0, "output": "", "skipped": skipped}
-        print(f"gpu_check: smollm2_recipe: skipped ({skipped})", flush=True)
-    else:
-        prepare = [
-            py,
-            __file__,
-            "--prepare-real-model",
-            str(args.real_model),
-            str(real),
-            *(["--dry-run"] if args.dry_run else []),
-        ]
-        prepared = _run("SmolLM2 folder", prepare, 300, env)
-        small = ["--ppo.batch_size=2", "--ppo.minibatch_size=2", "--ppo.microbatch_size=1", "--generation.max_new_tokens=4"]
-        steps["smollm2_recipe"] = (
-            prepared
-            if prepared["exit"]
-            else _run(
-                "SmolLM2 recipe, one device",
-                [
-                    py,
-                    "-m",
-                    "fusedrl.train",
-                    "--job.config_file",
-                    "train_configs/smollm2_135m_ppo.toml",
-                    *(f"--model.{k}_path={real}" for k in ("actor", "critic", "tokenizer")),
-                    f"--data.path={real / 'arithmetic.jsonl'}",
-                    "--parallelism.pp=1",
-                    *device,
-                    *([] if args.dry_run else bf16),
-                    *(small if args.dry_run else []),
-                    "--training.steps=3",
-                    "--checkpoint.export_hf=false",
-                    f"--job.output_dir={out / 'smollm2_run'}",
-                ],
-                600,
-                env,
-            )
-        )
-    summary: dict = {"dry_run": args.dry_run}
-    for name, result in steps.items():
-        entry = {"exit": result["exit"], "seconds": result["seconds"]}
-        if name == "pytest_gpu":
-            entry["tests"] = _pytest_counts(result["output"])
-            if result["exit"] == 5:  # pytest: no tests collected (a CPU run deselects every GPU test)
-                entry["exit"] = 0
-        elif name in ("trainer", "smollm2_recipe"):
-            if "skipped" in result:
-                entry["skipped"] = result["skipped"]
-                summary[name] = entry
+    summary: dict = {"dry_run": args.dry_run, "out": str(out)}
+    try:
+        for name, step in steps.items():
+            if args.only and name not in args.only:
                 continue
-            metrics = out / ("trainer" if name == "trainer" else "smollm2_run") / "metrics.jsonl"
-            records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-            keys = (
-                "samples_per_s",
-                "time_step",
-                "time_weight_sync",
-                "time_generation",
-                "time_scoring",
-                "time_training",
-                "peak_memory_gib",
-                "reward_mean",
-                "response_len_mean",
-            )
-            entry["iterations"] = [{k: r[k] for k in keys if k in r} for r in records]
-            if result["exit"] == 0 and len(records) != 3:
-                entry["exit"] = 1
-        else:
-            figures = _last_json(result["output"]) or {}
-            entry.update({k: figures.get(k) for k in ("speedup_vs_torchtune", "modes", "roofline_fraction")})
-        summary[name] = entry
-    summary["ok"] = all(summary[name]["exit"] == 0 for name in steps)
-    print(json.dumps(summary))
+            limit, start = STEP_LIMITS_S[name], time.perf_counter()
+            result = step(limit)
+            entry = {"limit_s": limit, "seconds": round(time.perf_counter() - start, 1), **result}
+            (out / f"{name}.json").write_text(json.dumps(entry, indent=1))
+            summary[name] = {k: v for k, v in entry.items() if k != "output_tail"}
+    finally:  # also when interrupted: what finished is reported
+        ran = [name for name in steps if name in summary]
+        summary["ok"] = bool(ran) and all(summary[name]["exit"] == 0 for name in ran)
+        print(json.dumps(summary), flush=True)
     return 0 if summary["ok"] else 1
 
 

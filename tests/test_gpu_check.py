@@ -1,4 +1,6 @@
-"""scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU with tiny shapes, and its summary."""
+"""scripts/gpu_check.sh --dry-run: every step of the GPU check on the CPU with tiny shapes, its per-step files and
+its summary; and the library and the check import on the GPU image with only the wheels scripts/gpu_wheels.txt
+lists."""
 
 import json
 import os
@@ -6,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fusedrl.testing.image import read_names, run_check
+
 ROOT = Path(__file__).resolve().parents[1]
+STEPS = {"pytest_gpu", "smollm2_recipe", "generation_bench"}
 
 
-def test_gpu_check_dry_run_passes_and_summarizes_every_step():
+def _check(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
     proc = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        ["bash", "scripts/gpu_check.sh", "--dry-run", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -19,14 +24,38 @@ def test_gpu_check_dry_run_passes_and_summarizes_every_step():
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["ok"] and summary["dry_run"]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc
+
+
+def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(tmp_path):
+    summary, _ = _check("--out", str(tmp_path))
+    assert summary["ok"] and summary["dry_run"] and STEPS <= set(summary)
+    assert sum(summary[name]["limit_s"] for name in STEPS) <= 8 * 60
+    for name in STEPS:  # each step's file, written as it ended, holds the summary's entry and the output's tail
+        written = json.loads((tmp_path / f"{name}.json").read_text())
+        assert {k: v for k, v in written.items() if k != "output_tail"} == summary[name]
     assert summary["pytest_gpu"]["tests"].get("failed", 0) == 0
-    assert len(summary["trainer"]["iterations"]) == 3 and all(r["samples_per_s"] > 0 for r in summary["trainer"]["iterations"])
     assert set(summary["generation_bench"]["modes"]) == {"torchtune", "eager"}
     assert set(summary["generation_bench"]["speedup_vs_torchtune"]) == {"1", "2"}
     recipe = summary["smollm2_recipe"]  # skipped without the SmolLM2 folder (.ci/run builds it)
     if (ROOT / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
-        assert len(recipe["iterations"]) == 3 and all(r["samples_per_s"] > 0 for r in recipe["iterations"])
+        assert len(recipe["iterations"]) == 1 and recipe["iterations"][0]["samples_per_s"] > 0
     else:
         assert "scripts/smollm2_from_gguf.py" in recipe["skipped"]
+
+
+def test_gpu_check_only_runs_the_named_step(tmp_path):
+    summary, _ = _check("--out", str(tmp_path), "--only", "generation_bench")
+    assert summary["ok"] and set(summary) & STEPS == {"generation_bench"}
+    assert [p.name for p in tmp_path.iterdir()] == ["generation_bench.json"]
+
+
+def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels():
+    """Every fusedrl module, test module and the check itself import when only the GPU image's distributions (and,
+    for the image packages' newer versions here, their dependencies) and scripts/gpu_wheels.txt's are importable."""
+    wheels = sorted(read_names(ROOT / "scripts" / "gpu_wheels.txt"))
+    report = run_check(ROOT / "scripts" / "gpu_image_packages.txt", wheels)
+    assert report["failed"] == {} and report["missing"] == [], report
+    assert "torchtune" in wheels and "torch" not in wheels  # what the image lacks, and not what it has
+    without = run_check(ROOT / "scripts" / "gpu_image_packages.txt", [w for w in wheels if w != "torchtune"])
+    assert without["missing"] == ["torchtune"] and "fusedrl.train" in without["failed"]  # the check can fail
