@@ -1,6 +1,7 @@
 """Fused and sequential programs through FusedPipelineSchedule give the gradients of a single-process reference."""
 
 import copy
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ from fusedrl.distributed import (
 from fusedrl.models import build_model, flavor_from_hf_config, resolve_flavor
 from fusedrl.pipelining import FusedPipelineSchedule, LoweredProgram, ProgramError, StageModule, lower
 from fusedrl.pipelining.cost import CostModel
+from fusedrl.pipelining.executor import STAGE_CACHE_SIZE
 from fusedrl.pipelining.ir import ACTOR, CRITIC, Placement
 from fusedrl.pipelining.search import fused_schedule, sequential_1f1b
 from fusedrl.testing import run_multirank
@@ -144,6 +146,7 @@ def _check_gradients(
         for mod in list(stages.values()) + list(refs.values()):
             mod.zero_grad(set_to_none=True)
         ex = FusedPipelineSchedule(programs[kind], specs[ACTOR], specs[CRITIC], group=pp_group)
+        built: dict[tuple, weakref.ref] = {}
         for step, seq in enumerate(seq_lens):
             tokens, actor_t, critic_t = make_batch(per_dp_batch * dp, seq, seed=step + 1, device=device, vocab=f.vocab_size)
             mine = slice(dp_rank * per_dp_batch, (dp_rank + 1) * per_dp_batch)
@@ -152,6 +155,11 @@ def _check_gradients(
             )
             if tied is not None:
                 tied.sum_gradients()
+            for m in (ACTOR, CRITIC):  # one stage per micro-batch shape, at most STAGE_CACHE_SIZE kept per model
+                kept = [k for k in ex._stages if k[0] == m]
+                assert len(kept) == min(len({*seq_lens[: step + 1]}), STAGE_CACHE_SIZE) and kept[-1][2][1] == seq, kept
+            built.update({k: weakref.ref(st) for k, st in ex._stages.items() if k not in built or built[k]() is None})
+            assert all((ref() is not None) == (k in ex._stages) for k, ref in built.items())  # evicted ones are freed
             # reference: every dp shard's micro-batch losses, averaged over micro-batches and dp ranks; the loss
             # a last stage reports is the mean over its own micro-batches (a Critic replica's: its share)
             for m, targets, fn, n_mb in ((ACTOR, actor_t, actor_loss, ma), (CRITIC, critic_t, critic_loss, replicas * mc)):
@@ -200,8 +208,9 @@ def test_gradients_match_single_process_reference(pp, dp, ma, mc, boundaries):
         compute = [a for a in programs["planned_split"].programs[1] if a.kind in ("F", "I", "W")]
         deferred = {a.model for a, nxt in zip(compute, compute[1:]) if a.kind == "I" and nxt != replace(a, kind="W")}
         assert deferred == {ACTOR, CRITIC}
-    # pp2-dp1 also runs two minibatches of different padded lengths (two stage builds, accumulated gradients)
-    seq_lens = (SEQ, SEQ + 2) if pp == 2 and dp == 1 else (SEQ,)
+    # pp2-dp1 also runs minibatches of several padded lengths (accumulated gradients): three shapes, then the first
+    # again, which the stage cache (two per model) evicted and rebuilds
+    seq_lens = (SEQ, SEQ + 2, SEQ + 4, SEQ) if pp == 2 and dp == 1 else (SEQ,)
     run_multirank(_check_gradients, pp * dp, programs, pp, dp, ma, mc, 4, seq_lens, boundaries, timeout_s=240.0)
 
 

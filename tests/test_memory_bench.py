@@ -64,10 +64,11 @@ def test_debug_persistent_categories_match_hand_computed_values(debug):
     assert r0.persistent["rollout_critic"] == r0.persistent["rollout_reward"] == value * 4
     # KV cache: layers x (K, V) x max_slots x (64 + 96) positions x KV heads x head dim x 4 bytes
     assert r0.persistent["kv_cache"] == f.num_layers * 2 * 16 * 160 * f.num_kv_heads * (d // f.num_heads) * 4
-    # pipeline buffers: M = 32 / 2 / 4 = 4 micro-batches of [4, 160, D] float32; rank 0 has the Actor's first
-    # stage (gradient receive buffers) and the Critic's last stage (activation receive buffers)
+    # pipeline buffers: M = 32 / 2 / 4 = 4 micro-batches of [4, T, D] float32 for the two longest sequence buckets
+    # (T = 140 and 160: buckets of 20; the executor keeps two stage pairs); rank 0 has the Actor's first stage
+    # (gradient receive buffers) and the Critic's last stage (activation receive buffers)
     assert r0.details["microbatches"] == 4
-    assert r0.persistent["pipeline_buffers"] == 2 * 4 * 4 * 160 * d * 4
+    assert r0.persistent["pipeline_buffers"] == 2 * 4 * 4 * (140 + 160) * d * 4
     # the training phase holds the sharded gradients or the unsharded stages, never less than the persistent state
     for r in debug.ranks:
         assert r.phase_peak("training") > r.persistent_total

@@ -30,9 +30,10 @@ Persistent (every phase; steady state after the first iteration):
 - ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
 - ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes (float32 in
   every copy: a bf16 rollout copy casts its parameters only; 67 MB for Llama 3.1's 131072 positions).
-- ``pipeline_buffers``: the executor keeps one ``PipelineStage`` pair per trained micro-batch shape, and a stage
-  preallocates ``M`` activation receive buffers (non-first stage) and ``M`` gradient receive buffers (non-last stage),
-  each ``c T D``; counted for ``--pipeline-shapes`` sequence buckets (default 1, the longest).
+- ``pipeline_buffers``: the executor keeps a ``PipelineStage`` pair per trained micro-batch shape, at most
+  ``STAGE_CACHE_SIZE`` (2) of them, the least recently used evicted, and a stage preallocates ``M`` activation receive
+  buffers (non-first stage) and ``M`` gradient receive buffers (non-last stage), each ``c T D``; counted for the
+  longest two of the sequence buckets a run visits (``--pipeline-shapes K``: the K longest; default every bucket).
 
 Training phase:
 
@@ -144,7 +145,7 @@ from fusedrl.distributed.reshard import Box, ReshardPlan
 from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout, model_flavor
 from fusedrl.models import ModelFlavor
 from fusedrl.models.weights import shard_indices
-from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, LoweredProgram
+from fusedrl.pipelining import ACTOR, CRITIC, STAGE_CACHE_SIZE, FusedPipelineSchedule, LoweredProgram
 from fusedrl.rlhf import Scorer
 from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positions
 
@@ -881,7 +882,7 @@ def estimate(
     ranks: Sequence[int] | None = None,
     program: LoweredProgram | None = None,
     pipeline_seqs: Sequence[int] | None = None,
-    pipeline_shapes: int = 1,
+    pipeline_shapes: int | None = None,
     seq_len: int | None = None,
     progress: Callable[[str], None] | None = _progress,
 ) -> Estimate:
@@ -889,7 +890,8 @@ def estimate(
 
     ``program``: the lowered training program (default: :func:`fusedrl.train.plan_program`, the schedule search with
     the config's budget); ``pipeline_seqs``: the sequence buckets whose pipeline stages are cached (default: the
-    ``pipeline_shapes`` longest buckets); ``seq_len``: the training micro-batch length (default: the longest
+    longest ``STAGE_CACHE_SIZE`` of the ``pipeline_shapes`` longest buckets a run visits, every bucket by default);
+    ``seq_len``: the training micro-batch length (default: the longest
     bucket)."""
     from fusedrl.train import plan_program
 
@@ -932,7 +934,8 @@ def estimate(
         program, _ = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
     if pipeline_seqs is None:
         longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-        pipeline_seqs = list(evenly_spaced(longest))[-max(1, pipeline_shapes) :]  # the last one is training_seq_len
+        visited = list(evenly_spaced(longest))[-max(1, pipeline_shapes or len(evenly_spaced(longest))) :]
+        pipeline_seqs = visited[-STAGE_CACHE_SIZE:]  # what the executor keeps; the last one is training_seq_len
     results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs, seq_len) for r in wanted]
     say(f"[memory] done in {time.perf_counter() - start:.1f}s")
     notes = (
@@ -947,7 +950,8 @@ def estimate(
         ]
     )
     notes.append(
-        f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (one stage pair is cached per trained bucket)"
+        f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (the executor keeps a stage pair per "
+        f"trained bucket, at most {STAGE_CACHE_SIZE}, the least recently used evicted)"
     )
     return Estimate(config_name, world, results, notes)
 
@@ -1511,8 +1515,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline-shapes",
         type=int,
-        default=1,
-        help="sequence buckets whose pipeline stages (and buffers) are assumed cached (default 1)",
+        default=None,
+        help="sequence buckets a run visits, the longest first (default: every bucket); the executor keeps the stages "
+        f"(and buffers) of {STAGE_CACHE_SIZE} of them",
     )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=")[0]]

@@ -11,7 +11,14 @@ verifier), :mod:`.executor` (runs a lowered program with torch ``PipelineStage``
 
 from fusedrl.pipelining.bounds import lower_bound
 from fusedrl.pipelining.cost import CostModel, StageCosts
-from fusedrl.pipelining.executor import FusedPipelineSchedule, LocalSchedule, ModelStepResult, StageModule, run_emulated
+from fusedrl.pipelining.executor import (
+    STAGE_CACHE_SIZE,
+    FusedPipelineSchedule,
+    LocalSchedule,
+    ModelStepResult,
+    StageModule,
+    run_emulated,
+)
 from fusedrl.pipelining.forward import pipeline_forward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, ProgramError, lower, verify_program
@@ -39,6 +46,7 @@ __all__ = [
     "sequential_1f1b",
     "simulate",
     # executor (lowering, fused runtime, measured timeline)
+    "STAGE_CACHE_SIZE",
     "FusedPipelineSchedule",
     "LocalSchedule",
     "LoweredProgram",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,11 @@ from fusedrl.pipelining.lowering import (
     peer_of,
 )
 from fusedrl.pipelining.timeline import TimedAction, Timeline
+
+STAGE_CACHE_SIZE = 2
+"""Pipeline stages the fused executor keeps per model, one per micro-batch shape, least recently used evicted. Each
+preallocates its receive buffers (M activation and M gradient buffers of ``c x T x D``: 6 GiB per rank at
+Llama-3.1-70B's longest bucket), and long-tailed lengths visit many sequence buckets over a run."""
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
@@ -145,13 +151,19 @@ class FusedPipelineSchedule:
         self.device = torch.device(device)
         self.timeline: Timeline | None = None  # of the last step, when it was recorded
         self._steps = compile_rank_program(program, self.rank)
-        self._stages: dict[tuple, PipelineStage] = {}
+        self._stages: OrderedDict[tuple, PipelineStage] = OrderedDict()  # least recently used first
 
     def _stage(self, model: str, mb_input: torch.Tensor) -> PipelineStage:
+        """``model``'s stage for micro-batches shaped like ``mb_input``: cached per shape, at most
+        :data:`STAGE_CACHE_SIZE` per model (every rank sees the same shapes, so every rank evicts the same)."""
         n_mb = self.program.microbatches[model]
         key = (model, n_mb, tuple(mb_input.shape), mb_input.dtype)
         if key in self._stages:
+            self._stages.move_to_end(key)
             return self._stages[key]
+        cached = [k for k in self._stages if k[0] == model]
+        if len(cached) >= STAGE_CACHE_SIZE:  # before building the next one: the peak holds at most the cap
+            del self._stages[cached[0]]  # freed at once (no reference cycle holds a stage: tests/test_executor.py)
         spec, s, n = self.models[model], self.stage_index[model], self.program.placement.num_stages(model)
         b, seq = mb_input.shape[:2]
 
