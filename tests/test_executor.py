@@ -316,6 +316,18 @@ def test_gradients_match_reference_over_nccl():
     run_multirank(_nccl_gradients, 2, programs, timeout_s=180.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_minibatch_moves_to_the_gpu_once():
+    from fusedrl.pipelining.executor import _minibatch_to_device
+
+    tokens, mask = torch.randint(0, 9, (4, 6)), torch.ones(4, 6)
+    (actor, critic), (targets,) = _minibatch_to_device(torch.device("cuda"), (tokens, tokens), ({"mask": mask},))
+    torch.cuda.synchronize()
+    assert actor is critic and actor.is_cuda and torch.equal(actor.cpu(), tokens)
+    assert targets["mask"].is_cuda and torch.equal(targets["mask"].cpu(), mask)
+
+
 def _chunked_head_gradients(program) -> None:
     """pp=2: the Actor's last stage returns hidden states and PolicyLoss applies the LM head in chunks of 3
     positions; gradients must equal a single process's with the full-logits PolicyLoss."""

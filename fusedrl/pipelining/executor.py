@@ -68,6 +68,25 @@ STAGE_CACHE_SIZE = 2
 preallocates its receive buffers (M activation and M gradient buffers of ``c x T x D``: 6 GiB per rank at
 Llama-3.1-70B's longest bucket), and long-tailed lengths visit many sequence buckets over a run."""
 
+
+def _minibatch_to_device(
+    device: torch.device, inputs: tuple[torch.Tensor, ...], targets: tuple[dict[str, torch.Tensor], ...]
+) -> tuple[tuple[torch.Tensor, ...], tuple[dict[str, torch.Tensor], ...]]:
+    """A minibatch shard's tensors on ``device``, each moved once, before it is split into micro-batches: on CUDA
+    through pinned host memory without blocking the host (a copy queued before the first forward, instead of one
+    blocking copy per micro-batch, and targets after the forward's launch). A tensor passed twice (the Actor's and
+    the Critic's tokens) moves once."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            pinned = device.type == "cuda" and t.device.type == "cpu"
+            moved[id(t)] = t.pin_memory().to(device, non_blocking=True) if pinned else t.to(device)
+        return moved[id(t)]
+
+    return tuple(move(t) for t in inputs), tuple({k: move(v) for k, v in d.items()} for d in targets)
+
+
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
 
@@ -214,6 +233,9 @@ class FusedPipelineSchedule:
         that replica's micro-batches). ``record``: time every compute action into :attr:`timeline` (else it is
         None after the step).
         """
+        (actor_inputs, critic_inputs), (actor_targets, critic_targets) = _minibatch_to_device(
+            self.device, (actor_inputs, critic_inputs), (actor_targets, critic_targets)
+        )
         split = {
             ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
             CRITIC: self._split(CRITIC, critic_inputs, critic_targets),
@@ -230,11 +252,10 @@ class FusedPipelineSchedule:
             st, m = stages[a.model], a.model
             n_mb = self.program.microbatches[m]
             if a.kind == "F":
-                args = (split[m][0][a.microbatch].to(self.device),) if st.is_first else ()
+                args = (split[m][0][a.microbatch],) if st.is_first else ()
                 out = st.forward_one_chunk(a.microbatch, args, {}, save_forward_output=False)
                 if st.is_last:
-                    targets = {k: v.to(self.device) for k, v in split[m][1][a.microbatch].items()}
-                    loss, mb_stats = self.models[m].loss_fn(out, targets)
+                    loss, mb_stats = self.models[m].loss_fn(out, split[m][1][a.microbatch])
                     pending_loss[(m, a.microbatch)] = loss / n_mb
                     losses[m].append(loss.detach())
                     stats[m].append(mb_stats)
@@ -309,6 +330,9 @@ class LocalSchedule:
             _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
         )
         results = {}
+        (actor_inputs, critic_inputs), (actor_targets, critic_targets) = _minibatch_to_device(
+            self.device, (actor_inputs, critic_inputs), (actor_targets, critic_targets)
+        )
         for m, inputs, targets in ((ACTOR, actor_inputs, actor_targets), (CRITIC, critic_inputs, critic_targets)):
             spec, n_mb = self.models[m], self.microbatches[m]
             if inputs.shape[0] % n_mb:
@@ -323,8 +347,8 @@ class LocalSchedule:
                 rows = slice(i * size, (i + 1) * size)
                 if clock:
                     clock.start()
-                out = spec.module(inputs[rows].to(self.device))
-                loss, mb_stats = spec.loss_fn(out, {k: v[rows].to(self.device) for k, v in targets.items()})
+                out = spec.module(inputs[rows])
+                loss, mb_stats = spec.loss_fn(out, {k: v[rows] for k, v in targets.items()})
                 if clock:
                     clock.stop(Action(m, 0, i, "F"))
                     clock.start()
