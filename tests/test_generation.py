@@ -338,3 +338,59 @@ def test_int8_engine_requantizes_synced_weights_in_place():
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
     with torch.no_grad():
         assert torch.equal(engine.model(tokens), fresh(tokens))
+
+
+def _steady_decode_steps(model, steps: int, count) -> None:
+    """Four sampled requests decoding (no admission, no finish) for ``steps`` engine steps inside ``count``."""
+    engine = GenerationEngine(model, max_slots=4, max_len=64, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps + 4)
+    for i in range(4):
+        engine.add_request(Request(i, _prompt(5 + i, i), params))
+    engine.step()  # admission: prefill and the first decode
+    with count():
+        for _ in range(steps):
+            assert engine.step() == []
+
+
+def test_a_decode_step_sends_nothing_to_the_device_and_reads_back_once(model, monkeypatch):
+    """Each slot's token, position, seed, counter and sampling parameters stay on the device between steps: a
+    steady decode step builds no tensor from host values and reads the sampled tokens back once."""
+    import contextlib
+
+    created, reads = [], []
+    real_tensor, real_tolist = torch.tensor, torch.Tensor.tolist
+
+    @contextlib.contextmanager
+    def count():
+        monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(1) or real_tensor(*a, **k))
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+        yield
+        monkeypatch.undo()
+
+    _steady_decode_steps(model, 5, count)
+    assert created == [] and len(reads) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_decode_step_synchronizes_once():
+    import contextlib
+    import warnings
+
+    torch.manual_seed(0)
+    cuda_model = build_model("debug").eval().cuda()
+
+    @contextlib.contextmanager
+    def count():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 5, [str(w.message) for w in syncs]
+
+    _steady_decode_steps(cuda_model, 5, count)

@@ -223,6 +223,39 @@ class _SlotForward(nn.Module):
         return self._linear(self.model.output, self.model.norm(last)).float()
 
 
+class _SlotState:
+    """Each slot's decode inputs on the device, written when a request takes or leaves a slot and advanced there by
+    every step: a decode step sends nothing host-to-device (its one host read is the sampled tokens and log-probs).
+
+    ``ints`` columns: the pending token, its position (the slot's cache length), the request's seed, the tokens it
+    has sampled (its random stream's counter) and top-k; ``floats``: temperature and top-p."""
+
+    TOKEN, POSITION, SEED, COUNT, TOP_K = range(5)
+    TEMPERATURE, TOP_P = range(2)
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        self.ints = torch.zeros(slots, 5, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=device)
+
+    def write(self, i: int, slot: _Slot) -> None:
+        p = slot.request.sampling
+        pending = slot.generated[-1] if slot.generated else 0  # a fresh slot's first token comes from its prefill
+        self.ints[i] = torch.tensor([pending, slot.cache_len, slot.seed, len(slot.generated), p.top_k])
+        self.floats[i] = torch.tensor([p.temperature, p.top_p])
+
+    def move(self, src: int, dst: int) -> None:
+        self.ints[dst] = self.ints[src]
+        self.floats[dst] = self.floats[src]
+
+    def advance(self, rows: slice | torch.Tensor, tokens: torch.Tensor) -> None:
+        """Rows ``rows`` sampled ``tokens``: each is its row's pending token, one position on."""
+        ints = self.ints[rows]
+        ints[:, self.TOKEN] = tokens
+        ints[:, self.POSITION] += 1
+        ints[:, self.COUNT] += 1
+        self.ints[rows] = ints
+
+
 @dataclass(eq=False)
 class _Slot:
     request: Request
@@ -328,6 +361,7 @@ class GenerationEngine:
         self.vocab_size = model.tok_embeddings.num_embeddings
         self.device = model.tok_embeddings.weight.device
         self._build()
+        self._state = _SlotState(max_slots, self.device)
         self._active: list[_Slot] = []
         self._waiting: deque[RequestState] = deque()
         self._ready: list[RequestResult] = []
@@ -560,6 +594,7 @@ class GenerationEngine:
             slot = _Slot(state.request, request_seed(seed, state.id), list(state.generated), list(state.logprobs))
             i = len(self._active)
             self._active.append(slot)
+            self._state.write(i, slot)
             if state.k is not None:
                 assert state.v is not None  # a state's K and V are set together
                 self._forward.write_slot(i, state.k.to(self.device), state.v.to(self.device))
@@ -589,34 +624,36 @@ class GenerationEngine:
         # Requests resumed from tokens already have their pending token; only fresh ones sample here.
         fresh = [row for row, s in enumerate(slots) if not s.generated]
         if fresh:
-            self._sample_and_advance([slots[r] for r in fresh], logits[fresh])
+            rows = torch.tensor([index[r] for r in fresh], device=self.device)
+            self._sample_and_advance([slots[r] for r in fresh], logits[fresh], rows)
 
     def _decode_step(self) -> None:
         n = len(self._active)
         b = round_up(n, self.batch_buckets)
-        positions = [s.cache_len for s in self._active] + [0] * (b - n)
-        length = round_up(max(positions), self.len_buckets, strictly_above=True)
-        tokens = torch.tensor([s.generated[-1] for s in self._active] + [0] * (b - n), device=self.device)
-        pos = torch.tensor(positions, device=self.device)
+        # the host knows every cache length: the length bucket needs no device read
+        length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
+        state = self._state.ints[:b]  # rows past n: free slots at position 0 (cleared when their request left)
+        tokens, pos = state[:, _SlotState.TOKEN], state[:, _SlotState.POSITION]
         mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
-        logits = self._decode(tokens, pos, mask)[:n]
-        self._sample_and_advance(list(self._active), logits)
+        logits = self._decode(tokens.contiguous(), pos.contiguous(), mask)[:n]  # columns of the state: contiguous copies
+        self._sample_and_advance(list(self._active), logits, slice(0, n))
 
-    def _sample_and_advance(self, slots: list[_Slot], logits: torch.Tensor) -> None:
-        """Sample every slot's next token on the device; one device-to-host copy per step brings the tokens and
-        log-probs back for the stop checks."""
+    def _sample_and_advance(self, slots: list[_Slot], logits: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """Sample the next token of ``slots`` (in slot rows ``rows``) on the device from their device state, advance
+        it there; one device-to-host copy brings the tokens and log-probs back for the stop checks."""
         params = [s.request.sampling for s in slots]
-        device = logits.device
+        ints, floats = self._state.ints[rows], self._state.floats[rows]
         tokens, logprobs = sample_tokens(
             logits,
-            torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([s.seed for s in slots], dtype=torch.int64, device=device),
-            torch.tensor([len(s.generated) for s in slots], dtype=torch.int64, device=device),
+            floats[:, _SlotState.TEMPERATURE],
+            ints[:, _SlotState.TOP_K],
+            floats[:, _SlotState.TOP_P],
+            ints[:, _SlotState.SEED],
+            ints[:, _SlotState.COUNT],
             any_sampled=any(p.temperature > 0 for p in params),
             any_filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
+        self._state.advance(rows, tokens)
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
         finished = []
         for slot, tok, lp in zip(slots, map(int, host[0]), host[1]):
@@ -649,5 +686,7 @@ class GenerationEngine:
         last = len(self._active) - 1
         if i != last:
             self._forward.move_slot(last, i, self._active[last].cache_len)
+            self._state.move(last, i)
             self._active[i] = self._active[last]
+        self._state.ints[last] = 0  # a free row decodes at position 0 (padding rows of a batch bucket)
         self._active.pop()
