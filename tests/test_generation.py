@@ -394,3 +394,34 @@ def test_a_cuda_decode_step_synchronizes_once():
         assert len(syncs) == 5, [str(w.message) for w in syncs]
 
     _steady_decode_steps(cuda_model, 5, count)
+
+
+def _reference_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The counter-based exponentials as first written, in int64 with 16-bit halves for the products."""
+    m = 0xFFFFFFFF
+
+    def mul(x, c):
+        return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & m
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = mul(x, 0x85EBCA6B)
+        x = x ^ (x >> 13)
+        x = mul(x, 0xC2B2AE35)
+        return x ^ (x >> 16)
+
+    key = mix(mix(seeds & m) ^ ((seeds >> 32) & m))
+    key = mix(key ^ mul(counters & m, 0x9E3779B1))
+    bits = mix(key[:, None] ^ mul(torch.arange(vocab, dtype=torch.int64), 0x632BE5AB)[None, :])
+    return -torch.log(((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24)))
+
+
+def test_32_bit_hash_draws_the_same_exponentials_as_the_64_bit_one():
+    """The sampling noise in int32 arithmetic (wrapping products, logical shifts) is bit for bit the int64 original's,
+    extreme seeds and counters included: every request samples the tokens it always did."""
+    from fusedrl.generation.sampling import exponential_noise
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.tensor([0, 1, 2**31, 2**32 - 1, 2**63 - 1]), torch.randint(0, 2**63 - 1, (27,), generator=g)])
+    counters = torch.cat([torch.tensor([0, 1, 2**31, 2**32 - 1, 2**32]), torch.randint(0, 2**40, (27,), generator=g)])
+    assert torch.equal(exponential_noise(seeds, counters, 1000), _reference_noise(seeds, counters, 1000))

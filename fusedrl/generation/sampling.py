@@ -14,30 +14,43 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) without int64 overflow (16-bit halves)."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 ``x`` as an int32 tensor (the same bit pattern)."""
+    low = x & _MASK32
+    return (low - ((low >> 31) << 32)).to(torch.int32)
+
+
+def _const32(c: int) -> int:
+    """A 32-bit constant as the int32 with its bit pattern (int32 products wrap modulo 2**32)."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _shr32(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int32 bit patterns (``>>`` on int32 shifts the sign in)."""
+    return (x >> n) & ((1 << (32 - n)) - 1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer: an avalanching bijection of [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    """MurmurHash3's 32-bit finalizer on int32 bit patterns: an avalanching bijection of 32-bit words."""
+    x = x ^ _shr32(x, 16)
+    x = x * _const32(0x85EBCA6B)
+    x = x ^ _shr32(x, 13)
+    x = x * _const32(0xC2B2AE35)
+    return x ^ _shr32(x, 16)
 
 
 def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard exponential draws ``[B, vocab_size]`` (float32), row ``b`` a function of ``(seeds[b], counters[b])``."""
+    """Standard exponential draws ``[B, vocab_size]`` (float32), row ``b`` a function of ``(seeds[b], counters[b])``.
+
+    32-bit integer arithmetic throughout (int32 tensors holding the words' bit patterns: products wrap modulo
+    2**32, shifts are made logical), so the ``[B, V]`` hash costs a few int32 ops per element."""
     device = seeds.device
     seeds, counters = seeds.to(torch.int64), counters.to(torch.int64)
-    key = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
-    key = _mix32(key ^ _mul32(counters & _MASK32, 0x9E3779B1))
-    index = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    bits = _mix32(key[:, None] ^ _mul32(index, 0x632BE5AB)[None, :])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits in (0, 1)
+    key = _mix32(_mix32(_int32(seeds)) ^ _int32(seeds >> 32))
+    key = _mix32(key ^ (_int32(counters) * _const32(0x9E3779B1)))
+    index = torch.arange(vocab_size, device=device, dtype=torch.int32)
+    bits = _mix32(key[:, None] ^ (index * _const32(0x632BE5AB))[None, :])
+    uniform = (_shr32(bits, 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits in (0, 1)
     return -torch.log(uniform)
 
 
@@ -69,6 +82,8 @@ def sample_tokens(
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)  # filters nothing on a row without top-k / top-p
     draws = (torch.softmax(scaled, dim=-1) / exponential_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
     tokens = torch.where(sampled, draws, logits.argmax(dim=-1))
+    # log_softmax as the training forward computes it (a logsumexp differs by up to 3e-5 at a 128k vocabulary in
+    # float32, which would read as an engine-vs-trainer gap)
     return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
