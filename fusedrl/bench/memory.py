@@ -94,9 +94,9 @@ Other phases (a rank runs one of weight sync, decoding or scoring at a time, so 
   output, product, and the layer's q, k, v), unless the attention phase ``r T_p (2 D + 6 q / g)`` is larger; plus
   ``max_slots x V x (r + 4)`` last-position logits; or, when larger (SmolLM2's 49152-entry vocabulary), the first
   token's sampling from them, as ``decode_logits`` below over the prefilled rows.
-- ``decode_logits`` (generation): ``max_slots x V x 65``: float32 logits, log-softmax, scaled logits and
-  probabilities, and the counter-based exponential noise, whose hash runs in int64 ``[slots, V]`` temporaries
-  (measured 64.5 bytes per entry, with or without top-k / top-p filtering).
+- ``decode_logits`` (generation): ``max_slots x V x 28``: float32 logits, scaled logits and probabilities, and the
+  counter-based exponential noise, whose hash runs in int32 ``[slots, V]`` temporaries (measured 26.8-30.1 bytes
+  per entry without top-k / top-p, which training refuses; about 34 with them).
 - ``scoring_activations`` / ``scoring_logits`` (scoring): a micro-batch has at most ``max_slots`` samples and at most
   ``scoring_max_tokens`` padded tokens ``T_s`` (a longer sample alone; the worst shape is searched); its no-grad
   forward peaks at ``r T_s (4 D + 3 F / g)`` (or the attention phase), the Reference's chunked head at ``r T_s D``
@@ -166,10 +166,11 @@ CHUNKED_HEAD_MULTIPLE = 4
 product; its checkpointed backward stays below)."""
 LOSS_BYTES_PER_TOKEN = 36
 """Small per-token tensors a PPO loss saves (masks, ratios, clipped values)."""
-SAMPLING_BYTES = 65
-"""Peak bytes per ``[slots, V]`` entry of one decode step: the float32 logits, log-softmax, scaled logits and
-probabilities, and the counter-based exponential noise, whose 32-bit hash runs in int64 temporaries (measured 64.5,
-with or without top-k / top-p filtering, whose own temporaries are gone before the noise is drawn)."""
+SAMPLING_BYTES = 28
+"""Peak bytes per ``[slots, V]`` entry of one decode step: the float32 logits, scaled logits and probabilities, and
+the counter-based exponential noise, whose 32-bit hash runs in int32 temporaries (measured 26.8-28.2 per entry for
+SmolLM2's 49152-entry vocabulary, 30.1 for the debug models' 512, where small tensors count). Without top-k / top-p,
+which training refuses; a filtered draw peaks at about 34 (its sort's values and int64 indices)."""
 EXPERIENCE_BYTES_PER_TOKEN = 40
 """int64 tokens + eight float32 per-token tensors of the scored batch."""
 TOLERANCE = 0.10
