@@ -1,8 +1,10 @@
+import os
 import pickle
 
 import pytest
 import torch
 
+from fusedrl.config import GenerationSection
 from fusedrl.generation import (
     GenerationEngine,
     Request,
@@ -225,9 +227,11 @@ def test_int8_weight_only_engine_matches_its_quantized_model(model):
         torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
-def test_compiled_decode_and_prefill_equal_eager(model):
-    """Both compiled: the prefill of 3 prompts of 2-12 tokens runs as one [4, 32] graph (a repeated row and padding
-    columns), decode at batch bucket 4."""
+def test_compiled_decode_and_prefill_equal_eager(model, tmp_path, monkeypatch):
+    """Both compiled: the prefill of 3 prompts of 2-12 tokens is one graph (symbolic rows and length), the decode
+    step with its sampling another (batch bucket 4, length bucket 32): two graphs in all, no graph break. Inductor
+    writes them to the cache directory set before the engine compiles (what generation.compile_cache_dir sets)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     requests = [Request(i, _prompt(2 + 5 * i, 30 + i), SAMPLED) for i in range(3)]
     eager = GenerationEngine(model, max_slots=4, max_len=32).generate(requests)
     compiled_engine = GenerationEngine(model, max_slots=4, max_len=32, compile=True, batch_buckets=[4], len_buckets=[32])
@@ -235,6 +239,12 @@ def test_compiled_decode_and_prefill_equal_eager(model):
     for e, c in zip(eager, compiled):
         assert c.tokens == e.tokens
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+    assert compiled_engine.compile_stats.graphs == 2
+    # prompts of other lengths reuse the prefill graph
+    more = [Request(10 + i, _prompt(7 + 3 * i, 40 + i), SAMPLED) for i in range(2)]
+    compiled_engine.generate(more)
+    assert compiled_engine.compile_stats.graphs == 2 and compiled_engine.compile_stats.seconds > 0
+    assert any(p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
 
 @pytest.mark.parametrize("quantize", [None, "int8_weight_only"])
@@ -254,7 +264,7 @@ def test_load_weights_replaces_the_generation_weights(model, quantize):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_weights_changed_in_place_after_decoding_are_used(compile):
-    # The engine may cache derived copies of the weights (prepacked CPU linears); an in-place update
+    # The engine may cache derived copies of the weights (the CPU linears' transposed and packed layouts); an in-place update
     # (an optimizer step, load_state_dict, weight sync) after a first decode must reach the next decode.
     torch.manual_seed(5)
     model = build_model("debug").eval()
@@ -425,3 +435,12 @@ def test_32_bit_hash_draws_the_same_exponentials_as_the_64_bit_one():
     seeds = torch.cat([torch.tensor([0, 1, 2**31, 2**32 - 1, 2**63 - 1]), torch.randint(0, 2**63 - 1, (27,), generator=g)])
     counters = torch.cat([torch.tensor([0, 1, 2**31, 2**32 - 1, 2**32]), torch.randint(0, 2**40, (27,), generator=g)])
     assert torch.equal(exponential_noise(seeds, counters, 1000), _reference_noise(seeds, counters, 1000))
+
+
+def test_compile_cache_dir_points_inductor_at_it(model, tmp_path, monkeypatch):
+    """``generation.compile_cache_dir`` sets inductor's cache directory before the engine compiles anything (that
+    inductor then writes there: test_compiled_decode_and_prefill_equal_eager)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
+    section = GenerationSection(max_slots=1, compile=True, compile_cache_dir=str(tmp_path / "cache"))
+    GenerationEngine.from_config(model, section, max_len=16, seed=0)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")

@@ -62,8 +62,8 @@ def test_debug_persistent_categories_match_hand_computed_values(debug):
     value = v * d + f.num_layers * _layer_numel(f) + d + d
     assert r0.persistent["rollout_actor"] == r0.persistent["rollout_reference"] == policy * 4
     assert r0.persistent["rollout_critic"] == r0.persistent["rollout_reward"] == value * 4
-    # KV cache: layers x (K, V) x max_slots x (64 + 96) positions x KV heads x head dim x 4 bytes
-    assert r0.persistent["kv_cache"] == f.num_layers * 2 * 16 * 160 * f.num_kv_heads * (d // f.num_heads) * 4
+    # KV cache: layers x (K, V) x max_slots x (64 + 96 + 1) positions x KV heads x head dim x 4 bytes
+    assert r0.persistent["kv_cache"] == f.num_layers * 2 * 16 * 161 * f.num_kv_heads * (d // f.num_heads) * 4
     # pipeline buffers: M = 32 / 2 / 4 = 4 micro-batches of [4, T, D] float32 for the two longest sequence buckets
     # (T = 140 and 160: buckets of 20; the executor keeps two stage pairs); rank 0 has the Actor's first stage
     # (gradient receive buffers) and the Critic's last stage (activation receive buffers)

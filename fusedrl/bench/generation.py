@@ -14,6 +14,12 @@ float rounding can flip a near tie). Tokens/s counts generated tokens over wall 
 is excluded (a warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
 ``--repeats`` times each, and the best time per mode counts.
 
+Compilation: each compiled engine's graphs and the time of the calls that compiled them (``engine.compile_stats``);
+then a compiled engine with the default batch and length buckets of ``--graphs-slots`` slots and a
+``--graphs-max-len`` cache (the debug configs' 16 and 160 by default) generates a mix of prompt and response lengths
+that visits every batch bucket and several length buckets, and its graph count and compile time are printed: what
+a training job's engine compiles.
+
 On a GPU each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode
 step must read every weight and the batch's KV cache once, so ``roofline tok/s = batch / ((weight bytes +
 batch x mean context x KV bytes per token) / --hbm-bytes-per-s)`` (default 4.8e12 B/s, an H200's HBM3e).
@@ -83,6 +89,30 @@ def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: 
     return run
 
 
+def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int, device: str) -> dict[str, float]:
+    """Graphs and compile seconds of a compiled engine with default buckets over a mixed-length generation: 3x
+    ``slots`` requests, prompts of 4 to max_len / 3 tokens, responses of 1 to the rest (a long tail: the batch
+    shrinks through every batch bucket at the end)."""
+    engine = GenerationEngine(model, max_slots=slots, max_len=max_len, compile=True)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.tok_embeddings.num_embeddings
+    requests = []
+    for i in range(3 * slots):
+        prompt_len = int(torch.randint(4, max_len // 3 + 1, (), generator=g))
+        target = 1 + int((max_len - prompt_len - 1) * (i / (3 * slots - 1)) ** 3)
+        prompt = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
+        requests.append(Request(i, prompt, SamplingParams(target_len=target), seed=i))
+    start = time.perf_counter()
+    engine.generate(requests, progress=False)
+    return {
+        "graphs": engine.compile_stats.graphs,
+        "compile_s": engine.compile_stats.seconds,
+        "wall_s": time.perf_counter() - start,
+        "batch_buckets": len(engine.batch_buckets),
+        "len_buckets": len(engine.len_buckets),
+    }
+
+
 def _seconds(run) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -122,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
         choices=("default", "reduce-overhead", "max-autotune"),
         help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)",
     )
+    p.add_argument("--graphs-slots", type=int, default=16, help="slots of the bucketed compile run (0: skip it)")
+    p.add_argument("--graphs-max-len", type=int, default=160, help="cache length of the bucketed compile run")
     p.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12, help="memory bandwidth of the roofline (GPU only)")
     args = p.parse_args(argv)
     if args.device == "cpu":
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quantize:
         modes["int8_eager"] = {}
     compile_s: dict[str, float] = {}
+    graphs: dict[str, dict[str, float]] = {}
     sampling = "greedy" if greedy else "temperature 1"
     print(f"{label}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {sampling}, {args.threads} thread(s)")
     print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in modes) + f" {'best/' + baseline:>18}")
@@ -169,10 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
         engine = GenerationEngine(model, max_slots=b, max_len=max_len)
         runners["eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy, ours)
         if "compiled" in modes:
-            # One length bucket: one compiled graph per batch size.
+            # One length bucket (as the figures before the symbolic attended length were measured).
             mode = None if args.compile_mode == "default" else args.compile_mode
-            engine = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, mode=mode, len_buckets=[max_len])
-            runners["compiled"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
+            compiled = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, mode=mode, len_buckets=[max_len])
+            runners["compiled"] = _engine_runner(compiled, prompts, args.new_tokens, greedy)
         if "int8_eager" in modes:
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, quantize="int8_weight_only")
             runners["int8_eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
@@ -187,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
             modes[name][str(b)] = tokens / best[name]
         if "compiled" in runners:
             compile_s[str(b)] = warmup["compiled"] - best["compiled"]
+            graphs[str(b)] = {"graphs": compiled.compile_stats.graphs, "compile_s": compiled.compile_stats.seconds}
         fused = [modes[m][str(b)] for m in ("eager", "compiled") if m in modes]
         speedup[str(b)] = max(fused) / modes[baseline][str(b)]
         line = f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>17.2f}x"
@@ -200,11 +234,26 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
+        print(
+            "compiled graphs (calls that compiled them, s): "
+            + ", ".join(f"batch {b}: {g['graphs']} ({g['compile_s']:.1f})" for b, g in graphs.items())
+        )
+    bucketed = {}
+    if not args.no_compile and args.graphs_slots:
+        bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len, args.device)
+        print(
+            f"bucketed engine ({args.graphs_slots} slots, max_len {args.graphs_max_len}: {bucketed['batch_buckets']} batch x "
+            f"{bucketed['len_buckets']} length buckets), {3 * args.graphs_slots} mixed-length requests: "
+            f"{bucketed['graphs']} graphs, {bucketed['compile_s']:.1f} s in the calls that compiled them "
+            f"({bucketed['wall_s']:.1f} s wall)"
+        )
     out = {
         f"speedup_vs_{baseline}": speedup,
         "modes": modes,
         "greedy_rows_differing": differing_rows,
         "compile_overhead_s": compile_s,
+        "compiled_graphs": graphs,
+        "bucketed_compile": bucketed,
         "roofline_fraction": roofline,
         "model": label,
         "device": args.device,

@@ -27,7 +27,8 @@ Persistent (every phase; steady state after the first iteration):
 - ``rollout_{actor,critic,reference,reward}``: each rollout copy's local numel (attention / MLP weights, the
   embedding and the LM head sharded over g; norms, value heads and tied embeddings whole) x its dtype; no Reward
   bytes with ``model.reward = "none"`` (a rule-based reward alone).
-- ``kv_cache``: ``L x 2 x max_slots x (P + N) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers).
+- ``kv_cache``: ``L x 2 x max_slots x (P + N + 1) x (KV / g) x hd x kv`` (the engine's ``k_i`` / ``v_i`` buffers, one
+  spare position each).
 - ``rope_buffers``: each of the six model copies' RoPE tables, ``4 x (max_seq_len x hd + hd / 2)`` bytes (float32 in
   every copy: a bf16 rollout copy casts its parameters only; 67 MB for Llama 3.1's 131072 positions).
 - ``pipeline_buffers``: the executor keeps a ``PipelineStage`` pair per trained micro-batch shape, at most
@@ -109,7 +110,7 @@ decode; the int8 engine copy (``generation.quantize``); the KV states of migrate
 the example tensors the executor allocates when it builds a stage for a new shape; the tensors Qwen3's per-head q/k
 norms save for their backward (about ``8 T (q + k) / tp`` bytes per layer, not in the per-layer figure); the
 forward-only pass of ``ppo.recompute_logprobs`` (no saved tensors: below the training step's peak); host memory (the CPU engine's
-prepacked weights, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
+weight layout copies for its linears, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
 
 ``--measure`` runs a config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation, a small
 batch, 4 CPU ranks) through the real :class:`fusedrl.train.Trainer` for two iterations; each rank sums the bytes of
@@ -754,7 +755,8 @@ def estimate_rank(
     for name in ROLLOUT_MODELS:
         persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))  # 0: no Reward model
     longest = cfg.data.max_prompt_len + gen.max_new_tokens
-    persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * longest * build.kv_heads * actor.head_dim * kv
+    positions = longest + 1  # the engine's cache keeps one spare position
+    persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * positions * build.kv_heads * actor.head_dim * kv
     persistent["rope_buffers"] = sum(st.rope for st in build.stages.values()) + sum(build.rollout_rope.values())
     pipe = 0
     for m, st in build.stages.items():
@@ -1210,7 +1212,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     cfg = load_config([*argv, f"--job.output_dir={out}"])
     trainer = Trainer(cfg)
     layout, rollout, engine = trainer.layout, trainer.rollout, trainer.engine
-    engine._forward.prepack = False  # the CPU-only prepacked weight copies would count as prefill transients
+    engine._forward.cpu_layouts = False  # the CPU-only weight layout copies would count as prefill transients
     stage_modules = {ACTOR: layout.actor_stage, CRITIC: layout.critic_stage}
     got: dict[str, Any] = {"unsharded": {}, "sync": {}, "profiled": {}, "activations": {}}
     names = {id(layout.actor_stage): ACTOR, id(layout.critic_stage): CRITIC}

@@ -184,13 +184,19 @@ class GenerationSection:
         "Most padded tokens (rows x longest sample) per scoring forward; longer scoring micro-batches are cut.",
         at_least(1),
     )
-    compile: bool = _key(False, "Compile the decode step with torch.compile (static shapes).")
+    compile: bool = _key(False, "Compile the decode step and the prefill with torch.compile (bucketed batch shapes).")
     backend: Literal["inductor", "eager", "aot_eager", "tensorrt"] = _key(
         "inductor",
         "torch.compile backend when compile = true: inductor, eager / aot_eager (debugging), or tensorrt (GPU, needs fusedrl[tensorrt]).",
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = _key(
         "default", "torch.compile mode when compile = true; reduce-overhead uses CUDA graphs on GPU."
+    )
+    compile_cache_dir: str = _key(
+        "",
+        "Inductor's on-disk cache of compiled graphs when compile = true (sets TORCHINDUCTOR_CACHE_DIR); a path on a "
+        "shared filesystem lets every node and restart reuse them. Empty: TORCHINDUCTOR_CACHE_DIR if set, else "
+        "torch's default (/tmp/torchinductor_<user>).",
     )
     quantize: Literal["none", "int8_weight_only"] = _key(
         "none", "Decode with a quantized copy of the Actor: none or int8_weight_only (torchao)."

@@ -80,3 +80,35 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def onednn_pack_linear_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """``weight`` [out, in] (fp32, CPU) reordered into oneDNN's blocked layout for products with about
+    ``rows_hint`` rows. ``torch.ops.mkldnn`` has no public linear that takes a prepacked weight; these two ops
+    are what inductor's CPU freezing pass emits for the same purpose."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def onednn_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``onednn_pack_linear_weight(weight, ...)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's ``unique_graphs`` counter; no public
+    API counts them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def mark_dim_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Let torch.compile take ``tensor``'s size along ``dim`` as symbolic (one graph for every size) where it can;
+    torch.compiler has no public form of ``torch._dynamo.maybe_mark_dynamic``."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def allow_recompiles(graphs: int) -> None:
+    """Let one compiled function hold at least ``graphs`` graphs (dynamo's ``recompile_limit``, 8 by default) before
+    it falls back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)

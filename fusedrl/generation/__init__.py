@@ -1,12 +1,13 @@
 """fusedrl.generation: the engine only: slot KV cache, continuous batching, sampling, compiled decode,
 request-state export/import and its wire format, and loading training weights into the engine."""
 
-from fusedrl.generation.engine import EngineStats, GenerationEngine, RequestProgress
+from fusedrl.generation.engine import CompileStats, EngineStats, GenerationEngine, RequestProgress
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
 from fusedrl.generation.weight_sync import WeightSync, WeightSyncStats
 
 __all__ = [
+    "CompileStats",
     "EngineStats",
     "GenerationEngine",
     "PendingSend",

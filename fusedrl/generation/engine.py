@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,50 +22,58 @@ from tqdm.auto import tqdm
 
 from fusedrl.buckets import doubling, round_up
 from fusedrl.config import GenerationSection
+from fusedrl.distributed import compat
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.state import RequestState
 from fusedrl.models import QKNormProjection
 
+_T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
 QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
 BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
 
 
-# ---------------------------------------------------------------- prepacked CPU linears
-# aten's fp32 linear goes through MKL, which is slow at decode batch sizes on AMD CPUs; oneDNN with a
-# weight prepacked into its blocked layout runs the same fp32 product 1.3-2.5x faster at M = 1..32 rows.
-# The packed copy is cached per weight tensor and rebuilt when the weight changes in place (its version
-# counter moves, e.g. an optimizer step or load_state_dict), so the engine keeps using the live weights.
-# oneDNN's row-count hint for choosing the packed layout: 64 ran 1-32-row decode 5-10% faster than 8 or 32
-# on the benchmark CPU (debug_large, 1 thread).
+# ---------------------------------------------------------------- CPU linears on cached weight layouts
+# Decode streams every weight from memory once per step. On the benchmark CPU (Intel Xeon, one thread,
+# debug_large's 100 MB of fp32 weights; docs/generation.md) aten's ``F.linear`` is not the fastest way to do
+# that: a one-row product runs ~1.1x faster than it on a contiguous [in, out] copy of the weight (~1.35x faster
+# than oneDNN's), and products of 4-32 rows (decode batches, prefills) 1.1-1.3x faster through oneDNN with the
+# weight prepacked into its blocked layout (an earlier AMD machine measured 1.3-2.5x for the latter). Each layout is cached per weight tensor and
+# rebuilt when the weight changes in place (its version counter moves: an optimizer step, load_state_dict), so
+# the engine keeps using the live weights; a model used at both row counts holds both copies.
+# oneDNN's row-count hint for choosing the packed layout: 64 ran 1-32-row decode 5-10% faster than 8 or 32.
 _PACK_ROWS_HINT = 64
-_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    entry = _PACKED.get(key)
+def _weight_layout(weight: torch.Tensor, kind: Literal["transposed", "packed"]) -> torch.Tensor:
+    key = (id(weight), kind)
+    entry = _LAYOUTS.get(key)
     if entry is None or entry[0]() is not weight or entry[1] != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
-        _PACKED[key] = (weakref.ref(weight, lambda _: _PACKED.pop(key, None)), weight._version, packed)
-        return packed
+        w = weight.detach()
+        copy_ = w.t().contiguous() if kind == "transposed" else compat.onednn_pack_linear_weight(w, _PACK_ROWS_HINT)
+        _LAYOUTS[key] = (weakref.ref(weight, lambda _: _LAYOUTS.pop(key, None)), weight._version, copy_)
+        return copy_
     return entry[2]
 
 
-def _packed_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(weight), bias, "none", [], "")
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.numel() == x.shape[-1]:  # one row
+        out = x @ _weight_layout(weight, "transposed")
+        return out if bias is None else out + bias
+    return compat.onednn_packed_linear(x, _weight_layout(weight, "packed"), bias)
 
 
-# ``fusedrl::packed_linear(x, weight, bias)`` is ``F.linear`` through the cached packed weight. An operator
+# ``fusedrl::cpu_linear(x, weight, bias)`` is ``F.linear`` through a cached layout of the weight. An operator
 # (not a Python call) so that torch.compile keeps it as one opaque node with the live weight as its input;
 # a plain torch.library op costs ~20 us less per call than a ``custom_op``.
 _LIB = torch.library.Library("fusedrl", "FRAGMENT")
-_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.impl("packed_linear", _packed_linear_cpu, "CPU")
+_LIB.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.impl("cpu_linear", _linear_cpu, "CPU")
 
 
-@torch.library.register_fake("fusedrl::packed_linear", lib=_LIB)
+@torch.library.register_fake("fusedrl::cpu_linear", lib=_LIB)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -79,7 +89,7 @@ def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
         _copy_tensor_data(getattr(dst, name), getattr(src, name))
 
 
-def _can_prepack(model: TransformerDecoder) -> bool:
+def _can_use_cpu_layouts(model: TransformerDecoder) -> bool:
     """Plain fp32 CPU weights only (not tensor-parallel DTensors, whose linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
     plain = not any(isinstance(p, DTensor) for p in model.parameters())
@@ -89,29 +99,34 @@ def _can_prepack(model: TransformerDecoder) -> bool:
 class _SlotForward(nn.Module):
     """Prefill and decode over the slot KV cache, calling the decoder's own submodules.
 
-    Layer i's slot cache is the buffer pair ``k_i``/``v_i``, each [slots, max_len, kv_heads, head_dim] in
+    Layer i's slot cache is the buffer pair ``k_i``/``v_i``, each [slots, max_len + 1, kv_heads, head_dim] in
     ``kv_dtype``; buffers, so that torch.compile / CUDA graphs treat them as static addresses. Attention runs in
     the cache's dtype; its output is cast back to the weights' dtype. With tensor-parallel linears (DTensor
     weights over a generation instance) ``kv_heads`` is this rank's share of the heads: the cache holds this
     rank's KV heads only.
     """
 
+    columns: torch.Tensor  # 0..max_len-1 (a buffer): a decode step's attended columns are a slice of it
+
     def __init__(
-        self, model: TransformerDecoder, slots: int, max_len: int, prepack: bool, kv_dtype: torch.dtype | None = None
+        self, model: TransformerDecoder, slots: int, max_len: int, cpu_layouts: bool, kv_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         self.model = model
-        self.prepack = prepack
+        self.cpu_layouts = cpu_layouts  # CPU fp32 linears through cached weight layouts (see _linear_cpu)
         attn = model.layers[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weight = model.tok_embeddings.weight
-        shape = (slots, max_len, self.num_kv_heads, self.head_dim)
+        # One spare position past max_len, never written or attended: with it, the attended slice kc[:b, :L] is
+        # never contiguous, so a compiled decode step's symbolic L needs no separate graph for L == max_len.
+        shape = (slots, max_len + 1, self.num_kv_heads, self.head_dim)
         # One buffer per layer and tensor: in-place index_put_ on a view of a shared buffer makes inductor
         # write the whole buffer back every step, on a buffer of its own it stays an in-place scatter.
         for i in range(len(model.layers)):
             for kind in "kv":
                 buf = torch.zeros(shape, dtype=kv_dtype or weight.dtype, device=weight.device)
                 self.register_buffer(f"{kind}_{i}", buf, persistent=False)
+        self.register_buffer("columns", torch.arange(max_len, device=weight.device), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,16 +153,16 @@ class _SlotForward(nn.Module):
                 c[dst, :length] = c[src, :length]
 
     def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.prepack and type(module) is nn.Linear:
+        if self.cpu_layouts and type(module) is nn.Linear:
             if torch.compiler.is_compiling():
-                return torch.ops.fusedrl.packed_linear(x, module.weight, module.bias)
-            return _packed_linear_cpu(x, module.weight, module.bias)
-        if type(module) is QKNormProjection:  # Qwen3: its linear prepacked too, then the per-head norm
+                return torch.ops.fusedrl.cpu_linear(x, module.weight, module.bias)
+            return _linear_cpu(x, module.weight, module.bias)
+        if type(module) is QKNormProjection:  # Qwen3: its linear through the cached layouts too, then the per-head norm
             return module.normalize(self._linear(module.linear, x))
         return module(x)
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if not (self.prepack and type(mlp) is FeedForward):
+        if not (self.cpu_layouts and type(mlp) is FeedForward):
             return mlp(x)
         ff: FeedForward = mlp  # checked above
         # torchtune's FeedForward.forward, with each projection through _linear.
@@ -222,38 +237,68 @@ class _SlotForward(nn.Module):
         last = h[torch.arange(n, device=tokens.device), lengths - 1]
         return self._linear(self.model.output, self.model.norm(last)).float()
 
+    def sample_step(
+        self, ints: torch.Tensor, floats: torch.Tensor, columns: torch.Tensor, any_sampled: bool, any_filtered: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode and sample one token for cache rows 0..b-1 from their device state (``ints`` [b, 6] / ``floats``
+        [b, 2], the :class:`_SlotState` columns), attending to the cache columns ``columns`` (0..L-1: a slice of
+        ``self.columns``, whose length the compiled step takes as symbolic). Returns the sampled tokens [b], their
+        log-probs [b] and the rows' next ``ints`` (inactive rows unchanged): one graph when compiled, sampling
+        included."""
+        tokens, pos = ints[:, _SlotState.TOKEN].contiguous(), ints[:, _SlotState.POSITION].contiguous()
+        mask = (columns[None, :] <= pos[:, None])[:, None, None, :]
+        sampled, logprobs = _sample_rows(self(tokens, pos, mask), ints, floats, any_sampled, any_filtered)
+        return sampled, logprobs, _SlotState.advanced(ints, sampled)
+
+
+def _sample_rows(
+    logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, any_sampled: bool, any_filtered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens`` of rows whose sampling parameters and random-stream position are the state ``ints``/``floats``."""
+    return sample_tokens(
+        logits,
+        floats[:, _SlotState.TEMPERATURE],
+        ints[:, _SlotState.TOP_K],
+        floats[:, _SlotState.TOP_P],
+        ints[:, _SlotState.SEED],
+        ints[:, _SlotState.COUNT],
+        any_sampled=any_sampled,
+        any_filtered=any_filtered,
+    )
+
 
 class _SlotState:
     """Each slot's decode inputs on the device, written when a request takes or leaves a slot and advanced there by
     every step: a decode step sends nothing host-to-device (its one host read is the sampled tokens and log-probs).
 
     ``ints`` columns: the pending token, its position (the slot's cache length), the request's seed, the tokens it
-    has sampled (its random stream's counter) and top-k; ``floats``: temperature and top-p."""
+    has sampled (its random stream's counter), top-k and 1 for a slot holding a request (0: free; a free row of a
+    batch bucket decodes token 0 at position 0 and does not advance); ``floats``: temperature and top-p."""
 
-    TOKEN, POSITION, SEED, COUNT, TOP_K = range(5)
+    TOKEN, POSITION, SEED, COUNT, TOP_K, ACTIVE = range(6)
     TEMPERATURE, TOP_P = range(2)
 
     def __init__(self, slots: int, device: torch.device) -> None:
-        self.ints = torch.zeros(slots, 5, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(slots, 6, dtype=torch.int64, device=device)
         self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=device)
 
     def write(self, i: int, slot: _Slot) -> None:
         p = slot.request.sampling
         pending = slot.generated[-1] if slot.generated else 0  # a fresh slot's first token comes from its prefill
-        self.ints[i] = torch.tensor([pending, slot.cache_len, slot.seed, len(slot.generated), p.top_k])
+        self.ints[i] = torch.tensor([pending, slot.cache_len, slot.seed, len(slot.generated), p.top_k, 1])
         self.floats[i] = torch.tensor([p.temperature, p.top_p])
 
     def move(self, src: int, dst: int) -> None:
         self.ints[dst] = self.ints[src]
         self.floats[dst] = self.floats[src]
 
-    def advance(self, rows: slice | torch.Tensor, tokens: torch.Tensor) -> None:
-        """Rows ``rows`` sampled ``tokens``: each is its row's pending token, one position on."""
-        ints = self.ints[rows]
-        ints[:, self.TOKEN] = tokens
-        ints[:, self.POSITION] += 1
-        ints[:, self.COUNT] += 1
-        self.ints[rows] = ints
+    @classmethod
+    def advanced(cls, ints: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``ints`` after its rows sampled ``tokens``: each active row's pending token, one position on."""
+        column = torch.arange(ints.shape[1], device=ints.device)
+        moved = ints + ((column == cls.POSITION) | (column == cls.COUNT)).to(ints.dtype)
+        nxt = torch.where(column == cls.TOKEN, tokens[:, None], moved)
+        return torch.where(ints[:, cls.ACTIVE, None] == 1, nxt, ints)
 
 
 @dataclass(eq=False)
@@ -266,6 +311,15 @@ class _Slot:
     @property
     def cache_len(self) -> int:
         return len(self.request.prompt) + len(self.generated) - 1
+
+
+@dataclass
+class CompileStats:
+    """What torch.compile cost an engine so far: graphs compiled and the wall time of the calls that compiled one
+    (compilation plus that call's own run)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -306,9 +360,10 @@ class GenerationEngine:
             for an 8B model with 64 slots).
         seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
             number of tokens it has sampled (see :mod:`.sampling`).
-        compile: compile the decode step and the prefill (static shapes: batch padded to ``batch_buckets``,
-            attended / prompt length padded to ``len_buckets``; one graph per pair that occurs; CUDA graphs
-            for decode only).
+        compile: compile the decode step with its sampling (batch padded to ``batch_buckets``, attended length
+            to ``len_buckets`` but symbolic: one graph per batch bucket; with ``mode="reduce-overhead"`` a CUDA
+            graph per (batch, length) bucket pair that occurs) and the prefill (one graph with symbolic rows and
+            prompt length, another for a single row).
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
@@ -379,6 +434,8 @@ class GenerationEngine:
     ) -> GenerationEngine:
         """An engine as the ``[generation]`` section says (``compile_mode = "default"`` and ``quantize = "none"``
         are torch.compile's default mode and no quantization)."""
+        if section.compile and section.compile_cache_dir:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = section.compile_cache_dir  # read by inductor at each cache access
         return cls(
             model,
             max_slots=section.max_slots,
@@ -400,17 +457,18 @@ class GenerationEngine:
             model = copy.deepcopy(model)
             quantize_(model, Int8WeightOnlyConfig())
         self.model = model.eval()
-        prepack = self.quantize is None and _can_prepack(self.model)
-        self._forward = _SlotForward(self.model, self.max_slots, self.max_len, prepack, self.kv_dtype)
-        self._decode: Callable[..., torch.Tensor]
-        self._decode, self._prefill_fn = self._forward, self._forward.prefill
+        cpu_layouts = self.quantize is None and _can_use_cpu_layouts(self.model)
+        self._forward = _SlotForward(self.model, self.max_slots, self.max_len, cpu_layouts, self.kv_dtype)
+        self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward.sample_step
+        self._prefill_fn: Callable[..., torch.Tensor] = self._forward.prefill
+        self.compile_stats = CompileStats()
         if self.compile:
-            needed = len(self.batch_buckets) * len(self.len_buckets)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
-            self._decode = torch.compile(self._forward, backend=self.backend, mode=self.mode, dynamic=False)
-            # prefill shapes are bucketed like decode's (see _prefill); no CUDA graphs: one prefill runs long
-            # enough that launch overhead does not matter, and graph pools would hold its large activations
-            self._prefill_fn = torch.compile(self._forward.prefill, backend=self.backend, dynamic=False)
+            compat.allow_recompiles(4 * len(self.batch_buckets))  # a graph per batch bucket and sampling flags
+            self._decode = torch.compile(self._forward.sample_step, backend=self.backend, mode=self.mode, dynamic=False)
+            # prefill: one graph over symbolic rows and prompt length (padding a prompt to a length bucket would
+            # cost up to twice its compute); no CUDA graphs: one prefill runs long enough that launch overhead
+            # does not matter, and graph pools would hold its large activations
+            self._prefill_fn = torch.compile(self._forward.prefill, backend=self.backend, dynamic=True)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -607,16 +665,12 @@ class GenerationEngine:
         seqs = [s.request.prompt + s.generated[:-1] for s in slots]
         index = [self._active.index(s) for s in slots]
         width = max(len(x) for x in seqs)
-        if self.compile:  # bucketed shapes: rows repeat the last one (the same values written to the same cache
-            # positions again), columns are padding beyond every row's length (overwritten before attended to)
-            seqs += [seqs[-1]] * (round_up(len(seqs), self.batch_buckets) - len(seqs))
-            index += [index[-1]] * (len(seqs) - len(index))
-            width = round_up(width, self.len_buckets)
         lengths = [len(x) for x in seqs]
         tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
         for row, seq in enumerate(seqs):
             tokens[row, : len(seq)] = torch.tensor(seq)
-        logits = self._prefill_fn(
+        logits = self._call(
+            self._prefill_fn,
             tokens.to(self.device),
             torch.tensor(index, device=self.device),
             torch.tensor(lengths, device=self.device),
@@ -625,35 +679,47 @@ class GenerationEngine:
         fresh = [row for row, s in enumerate(slots) if not s.generated]
         if fresh:
             rows = torch.tensor([index[r] for r in fresh], device=self.device)
-            self._sample_and_advance([slots[r] for r in fresh], logits[fresh], rows)
+            sampled_slots = [slots[r] for r in fresh]
+            ints, floats = self._state.ints[rows], self._state.floats[rows]
+            tokens, logprobs = _sample_rows(logits[fresh], ints, floats, *self._sampling_flags(sampled_slots))
+            self._state.ints[rows] = _SlotState.advanced(ints, tokens)
+            self._record(sampled_slots, tokens, logprobs)
 
     def _decode_step(self) -> None:
         n = len(self._active)
         b = round_up(n, self.batch_buckets)
         # the host knows every cache length: the length bucket needs no device read
         length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
-        state = self._state.ints[:b]  # rows past n: free slots at position 0 (cleared when their request left)
-        tokens, pos = state[:, _SlotState.TOKEN], state[:, _SlotState.POSITION]
-        mask = (torch.arange(length, device=self.device)[None, :] <= pos[:, None]).view(b, 1, 1, length)
-        logits = self._decode(tokens.contiguous(), pos.contiguous(), mask)[:n]  # columns of the state: contiguous copies
-        self._sample_and_advance(list(self._active), logits, slice(0, n))
-
-    def _sample_and_advance(self, slots: list[_Slot], logits: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """Sample the next token of ``slots`` (in slot rows ``rows``) on the device from their device state, advance
-        it there; one device-to-host copy brings the tokens and log-probs back for the stop checks."""
-        params = [s.request.sampling for s in slots]
-        ints, floats = self._state.ints[rows], self._state.floats[rows]
-        tokens, logprobs = sample_tokens(
-            logits,
-            floats[:, _SlotState.TEMPERATURE],
-            ints[:, _SlotState.TOP_K],
-            floats[:, _SlotState.TOP_P],
-            ints[:, _SlotState.SEED],
-            ints[:, _SlotState.COUNT],
-            any_sampled=any(p.temperature > 0 for p in params),
-            any_filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        columns = self._forward.columns[:length]
+        if self.compile:  # one graph per batch bucket: the attended length is symbolic (its buckets bound the CUDA
+            compat.mark_dim_dynamic(columns, 0)  # graphs recorded, one per length)
+        # rows past n: free slots (token 0 at position 0, cleared when their request left)
+        tokens, logprobs, ints = self._call(
+            self._decode, self._state.ints[:b], self._state.floats[:b], columns, *self._sampling_flags(self._active)
         )
-        self._state.advance(rows, tokens)
+        self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
+        self._record(list(self._active), tokens[:n], logprobs[:n])
+
+    def _call(self, fn: Callable[..., _T], *args) -> _T:
+        """``fn(*args)``, counting the graphs it compiled into ``compile_stats``."""
+        if not self.compile:
+            return fn(*args)
+        graphs, start = compat.compiled_graph_count(), time.perf_counter()
+        out = fn(*args)
+        new = compat.compiled_graph_count() - graphs
+        if new:
+            self.compile_stats.graphs += new
+            self.compile_stats.seconds += time.perf_counter() - start
+        return out
+
+    @staticmethod
+    def _sampling_flags(slots: list[_Slot]) -> tuple[bool, bool]:
+        """(some slot samples at temperature > 0, some slot sets top-k or top-p): False skips that work."""
+        params = [s.request.sampling for s in slots]
+        return any(p.temperature > 0 for p in params), any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+
+    def _record(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots."""
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
         finished = []
         for slot, tok, lp in zip(slots, map(int, host[0]), host[1]):
