@@ -29,7 +29,7 @@ def test_a_tensor_on_a_device_the_backend_does_not_serve_is_refused():
 
 def _checked_trainer_run(out: str) -> int:
     from fusedrl.config import load_config
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     tiny = [
         "--model.actor_path=",

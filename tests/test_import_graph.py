@@ -20,10 +20,11 @@ LAYERS = [
     {"distributed"},
     {"components"},
     {"pipelining", "generation"},
+    {"layouts"},
     {"fusion"},
     {"rlhf"},
     {"tasks"},
-    {"layouts"},
+    {"trainer"},
     {"train"},
     {"bench", "testing", "__main__"},
 ]

@@ -112,7 +112,7 @@ def test_truncated_responses_follow_ppo_truncated(mode):
     """kl_coef 0.1, k1 = -0.5 - -0.7 = 0.2 per token, so each token's reward is -0.02, plus the score at the last one;
     gamma = lam = 1 and zero values: the advantage of token t is the sum of the rewards from t on."""
     from fusedrl.config import load_config
-    from fusedrl.train import compute_advantages
+    from fusedrl.rlhf import compute_advantages
 
     cfg = load_config(
         [f"--ppo.truncated={mode}", "--ppo.truncation_penalty=3.0", "--ppo.kl_coef=0.1", "--ppo.gamma=1.0", "--ppo.lam=1.0"]

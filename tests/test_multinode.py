@@ -199,7 +199,7 @@ def _lines(world: int, pp: int, dp_shard: int, tp: int, gen_tp: int) -> dict[str
 def test_node_check_refuses_exactly_the_layouts_with_a_group_across_nodes(pp, dp_shard, tp, gen_tp):
     """For 8 ranks on nodes of 1, 2, 4 or 8 ranks (torchrun: node n holds ranks n * L ...), check_nodes refuses a
     layout exactly when one of its TP groups or generation instances holds ranks of two nodes."""
-    from fusedrl.train import check_nodes
+    from fusedrl.trainer import check_nodes
 
     world = 8
     lines = _lines(world, pp, dp_shard, tp, gen_tp)

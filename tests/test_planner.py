@@ -648,34 +648,35 @@ def test_memory_cap_holds_every_rank_within_it(monkeypatch):
 def test_schedule_memory_cap_from_the_config(monkeypatch):
     from pathlib import Path
 
-    from fusedrl import train
     from fusedrl.config import ConfigError, load_config
+    from fusedrl.rlhf import pipeline_costs, plan_program, program, schedule_memory_limit
+    from fusedrl.trainer import check_config
 
     root = Path(__file__).resolve().parents[1]
     config = str(root / "train_configs" / "debug_ppo.toml")
     base = ["--job.config_file", config, "--parallelism.pp=2", "--fusion.schedule_search_budget_s=0.2"]
     cfg = load_config(base)
     seq_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
-    placement, costs, counts = train.pipeline_costs(cfg, seq_len)
+    placement, costs, counts = pipeline_costs(cfg, seq_len)
     n_mb = counts["actor"]
     need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory
-    assert train.schedule_memory_limit(cfg, seq_len) is None  # unset: the search's default
+    assert schedule_memory_limit(cfg, seq_len) is None  # unset: the search's default
     limits = []
-    real_search = train.fused_schedule
+    real_search = program.fused_schedule
 
     def spy(*args, **kwargs):
         limits.append(kwargs["memory_limit"])
         return real_search(*args, **kwargs)
 
-    monkeypatch.setattr(train, "fused_schedule", spy)
-    train.plan_program(load_config([*base, f"--fusion.schedule_memory_gib={need}"]), seq_len)
+    monkeypatch.setattr(program, "fused_schedule", spy)  # what plan_program calls
+    plan_program(load_config([*base, f"--fusion.schedule_memory_gib={need}"]), seq_len)
     assert limits == [need]
     low = load_config([*base, f"--fusion.schedule_memory_gib={need / 2}"])
     with pytest.raises(ConfigError, match=r"schedule_memory_gib = .*: below the .* GiB .* sequential 1F1B .*raise it") as err:
-        train.schedule_memory_limit(low, seq_len)
+        schedule_memory_limit(low, seq_len)
     assert "\n" not in str(err.value)
     monkeypatch.chdir(root)
     with pytest.raises(ConfigError, match="fusion.schedule_memory_gib"):
-        train.check_config(low, 4)  # the trainer's startup checks refuse it before any process group exists
+        check_config(low, 4)  # the trainer's startup checks refuse it before any process group exists
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config([*base, "--fusion.schedule_memory_gib=0"])

@@ -46,7 +46,7 @@ BF16 = [
 
 def _train(out: str, extra: list[str]) -> list[dict]:
     from fusedrl.config import load_config
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     return Trainer(load_config(["--job.config_file", CONFIG, *SMALL, f"--job.output_dir={out}", *extra])).train()
 

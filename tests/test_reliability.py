@@ -118,7 +118,7 @@ def _ppo_step(
     NaN/inf reward reaches the loss and the gradients as it does in the trainer. ``poison`` injects a
     non-finite value directly: "grad" into one actor gradient, "loss" into the reported policy loss only.
     """
-    import fusedrl.train as train
+    import fusedrl.rlhf as rlhf
     from fusedrl.components.lr_schedule import build_lr_scheduler
     from fusedrl.components.optimizer import build_optimizer
     from fusedrl.config import load_config
@@ -140,13 +140,13 @@ def _ppo_step(
             actor.weight.grad[0, 1] = float("inf")
         reported = torch.tensor(float("nan")) if poison == "loss" else policy_loss.detach()
         return {
-            k: torch.zeros(()) for keys in (train.POLICY_STATS, train.FIRST_MINIBATCH_STATS, train.VALUE_STATS) for k in keys
+            k: torch.zeros(()) for keys in (rlhf.POLICY_STATS, rlhf.FIRST_MINIBATCH_STATS, rlhf.VALUE_STATS) for k in keys
         } | {
             "policy_loss": reported,
             "value_loss": value_loss.detach(),
         }
 
-    monkeypatch.setattr(train, "train_minibatch", fake_minibatch)
+    monkeypatch.setattr(rlhf.update, "train_minibatch", fake_minibatch)  # what ppo_update calls
     layout = SimpleNamespace(
         dp=1,
         pp_group=None,
@@ -159,10 +159,10 @@ def _ppo_step(
     for m in (actor, critic):
         o = build_optimizer(m, 1e-2, 0.0)
         opts += [o, build_lr_scheduler(o, 0, 10, "linear", 1.0)]
-    opt = train.Optimizers(opts[0], opts[2], opts[1], opts[3])
-    exp, stats = train.compute_advantages(cfg, _experience(cfg.ppo.minibatch_size * 2, bad_score))
+    opt = rlhf.Optimizers(opts[0], opts[2], opts[1], opts[3])
+    exp, stats = rlhf.compute_advantages(cfg, _experience(cfg.ppo.minibatch_size * 2, bad_score))
     before = [p.detach().clone() for p in (*actor.parameters(), *critic.parameters())]
-    out = train.ppo_update(cfg, layout, opt, exp, step=1).figures
+    out = rlhf.ppo_update(cfg, layout, opt, exp, step=1).figures
     after = [p.detach() for p in (*actor.parameters(), *critic.parameters())]
     changed = any(not torch.equal(a, b) for a, b in zip(before, after))
     return out, stats, changed, opt
@@ -271,7 +271,7 @@ def _local_checksum(module: nn.Module) -> float:
 def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
     from fusedrl.config import load_config
     from fusedrl.testing.stress import SMALL
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     cfg = load_config(
         [

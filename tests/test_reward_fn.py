@@ -275,7 +275,7 @@ def test_bad_reward_configs_are_refused_before_any_process_group(overrides, mess
 def test_a_function_alone_passes_the_config_checks(monkeypatch):
     """reward = "none" names no flavor: the Reward flavor's checks (vocabulary, heads, length) are skipped."""
     from fusedrl.config import load_config
-    from fusedrl.train import check_config
+    from fusedrl.trainer import check_config
 
     cfg = load_config(
         [
@@ -345,7 +345,8 @@ ALONE = ["--model.reward=none", f"--model.reward_fn={DEBUG_FN}"]
 
 def _trainer_runs(out: str) -> dict:
     from fusedrl.config import load_config
-    from fusedrl.train import Trainer, run
+    from fusedrl.train import run
+    from fusedrl.trainer import Trainer
 
     def cfg(name: str, steps: int, *extra: str):
         return load_config(

@@ -404,7 +404,8 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
     assets not built yet has their flavor; a reference_path of another architecture is refused at config check."""
     from fusedrl.config import ConfigError, load_config
     from fusedrl.models import FLAVORS, build_model, read_flavor, save_hf_checkpoint
-    from fusedrl.train import model_flavors, prepare
+    from fusedrl.train import prepare
+    from fusedrl.trainer import model_flavors
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.chdir(ROOT)

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.config import ConfigError, load_config
 from fusedrl.testing import run_multirank
-from fusedrl.train import PHASES, Trainer, prepare
+from fusedrl.train import prepare
+from fusedrl.trainer import PHASES, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {"off": ("false", "false"), "on": ("true", "true")}

@@ -118,7 +118,7 @@ def measure_gap(model: nn.Module, samples: int, new_tokens: int, temperature: fl
 
 
 def _recompute_run(argv: list[str], steps: int, out_dir: str) -> list[dict]:
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     cfg = load_config([*argv, f"--training.steps={steps}", f"--job.output_dir={out_dir}", *NO_OUTPUT_OVERRIDES])
     trainer = Trainer(cfg)

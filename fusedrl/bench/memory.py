@@ -65,7 +65,7 @@ Training phase:
   (``b x positions x V x 4 <= DEFAULT_LOGITS_BUDGET_BYTES``) for the chunked LM head (logits, log-softmax, exp,
   product; measured 4.0 in forward, 3.5 in backward), or ``3 x 4 b (s-1) V`` with full logits (the entropy's
   log-softmax, exp and product; measured 3.0).
-- The program: :func:`training_walk` follows the rank's lowered program (:func:`fusedrl.train.plan_program`): a
+- The program: :func:`training_walk` follows the rank's lowered program (:func:`fusedrl.rlhf.plan_program`): a
   micro-batch is held from its F to its B (W when split), a model's unsharded parameters exist from its first F and
   its unsharded gradients from its first backward (charged at the backward's start or end, whichever is larger). The
   in-flight counts are exact for the schedule in use; the largest moment is kept.
@@ -113,7 +113,7 @@ forward-only pass of ``ppo.recompute_logprobs`` (no saved tensors: below the tra
 weight layout copies for its linears, the optimizer's ``step`` tensors). ``docs/memory.md`` tells how to read the figures.
 
 ``--measure`` runs a config (default: ``debug_ppo.toml`` with ``debug_large`` models, random initialisation, a small
-batch, 4 CPU ranks) through the real :class:`fusedrl.train.Trainer` for two iterations; each rank sums the bytes of
+batch, 4 CPU ranks) through the real :class:`fusedrl.trainer.Trainer` for two iterations; each rank sums the bytes of
 the live tensors of every category (distinct storages), records the training step's saved tensors per micro-batch,
 the unsharded parameters and gradients before the gradient reduction and the weight sync's P2P buffers, and
 profiles (``torch.profiler`` CPU memory events: the net bytes allocated) a training step, a weight sync, the
@@ -211,7 +211,7 @@ def _itemsize(name: str) -> int:
 
 def training_seq_len(cfg: JobConfig) -> int:
     """The longest training bucket: what the trainer pads a minibatch of full-length samples to."""
-    longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+    longest = cfg.sequence_budget
     return round_up(longest, evenly_spaced(longest))
 
 
@@ -304,7 +304,7 @@ def worst_scoring_bytes(
     """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width)).
     ``f``: the Reference (policy head); ``others``: the Critic's and Reward's flavors (their bodies run too)."""
     gen = cfg.generation
-    longest = cfg.data.max_prompt_len + gen.max_new_tokens
+    longest = cfg.sequence_budget
     best = (0, 0, (1, longest))
     for rows in range(1, gen.max_slots + 1):
         width = longest if rows == 1 else min(longest, gen.scoring_max_tokens // rows)
@@ -754,7 +754,7 @@ def estimate_rank(
         persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors)
     for name in ROLLOUT_MODELS:
         persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))  # 0: no Reward model
-    longest = cfg.data.max_prompt_len + gen.max_new_tokens
+    longest = cfg.sequence_budget
     positions = longest + 1  # the engine's cache keeps one spare position
     persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * positions * build.kv_heads * actor.head_dim * kv
     persistent["rope_buffers"] = sum(st.rope for st in build.stages.values()) + sum(build.rollout_rope.values())
@@ -891,12 +891,12 @@ def estimate(
 ) -> Estimate:
     """Build the distinct ranks (or ``ranks``) of a ``world``-rank job on meta and estimate their memory.
 
-    ``program``: the lowered training program (default: :func:`fusedrl.train.plan_program`, the schedule search with
+    ``program``: the lowered training program (default: :func:`fusedrl.rlhf.plan_program`, the schedule search with
     the config's budget); ``pipeline_seqs``: the sequence buckets whose pipeline stages are cached (default: the
     longest ``STAGE_CACHE_SIZE`` of the ``pipeline_shapes`` longest buckets a run visits, every bucket by default);
     ``seq_len``: the training micro-batch length (default: the longest
     bucket)."""
-    from fusedrl.train import plan_program
+    from fusedrl.rlhf import plan_program
 
     par = cfg.parallelism
     world = par.pp * par.dp_shard * par.tp if world is None else world
@@ -934,9 +934,9 @@ def estimate(
         dist.destroy_process_group()
     if program is None:
         say(f"[memory] planning the training program (schedule search budget {cfg.fusion.schedule_search_budget_s} s)")
-        program, _ = plan_program(cfg, cfg.data.max_prompt_len + cfg.generation.max_new_tokens)
+        program, _ = plan_program(cfg, cfg.sequence_budget)
     if pipeline_seqs is None:
-        longest = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+        longest = cfg.sequence_budget
         visited = list(evenly_spaced(longest))[-max(1, pipeline_shapes or len(evenly_spaced(longest))) :]
         pipeline_seqs = visited[-STAGE_CACHE_SIZE:]  # what the executor keeps; the last one is training_seq_len
     results = [estimate_rank(cfg, builds[r], program, syncs[r], pipeline_seqs, seq_len) for r in wanted]
@@ -1207,7 +1207,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     """On every rank: run the trainer for two iterations and sum the live bytes of each category."""
     from torch.distributed.pipelining import PipelineStage
 
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     cfg = load_config([*argv, f"--job.output_dir={out}"])
     trainer = Trainer(cfg)

@@ -81,7 +81,7 @@ def _instrument(counters: dict[str, float]) -> None:
 
 def _rank(argv: list[str], warmup: int, steps: int) -> dict[str, Any]:
     from fusedrl.config import load_config
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     counters = dict.fromkeys(("executor_s", "compute_s", "wait_s", "actions"), 0.0)
     _instrument(counters)

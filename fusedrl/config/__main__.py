@@ -2,7 +2,7 @@
 
 Without ``--print`` it only validates. ``--help`` lists every key; ``--markdown`` prints the key table
 of docs/config.md. Errors print ``error: <one line>`` to stderr and exit with status 2. With ``--world_size N``
-it runs the trainer's own startup checks (``fusedrl.train.check_config``), so this entry point, unlike the
+it runs the trainer's own startup checks (``fusedrl.trainer.check_config``), so this entry point, unlike the
 package, imports the trainer.
 """
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--local_world_size (command line): the node checks need the job's size too; add --world_size N")
         cfg = load_config(args)
         if world_size is not None:
-            from fusedrl.train import check_config
+            from fusedrl.trainer import check_config
 
             check_config(cfg, world_size, local_world_size)
     except ConfigError as e:

@@ -420,3 +420,9 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     # "section.key" -> where its value came from (a file path or "command line"); absent: default.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def sequence_budget(self) -> int:
+        """The longest sample: ``data.max_prompt_len + generation.max_new_tokens`` (the engine's KV cache length and
+        the base of the training buckets)."""
+        return self.data.max_prompt_len + self.generation.max_new_tokens

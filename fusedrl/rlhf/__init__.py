@@ -1,7 +1,8 @@
 """PPO pieces: the experience batch, scoring (neural and rule-based rewards), KL-shaped rewards, GAE, whitening and
-PPO losses."""
+PPO losses, and the steps of an iteration a custom loop can call: the rollout (requests, scorer, migration
+controller, generation + scoring), the advantages, the training program and executor, and the PPO update."""
 
-from fusedrl.rlhf.advantages import gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
+from fusedrl.rlhf.advantages import compute_advantages, gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import (
     DEFAULT_LOGITS_BUDGET_BYTES,
@@ -19,37 +20,75 @@ from fusedrl.rlhf.losses import (
     token_logprobs,
     value_loss,
 )
+from fusedrl.rlhf.program import build_executor, pipeline_costs, plan_program, schedule_memory_limit
 from fusedrl.rlhf.reward_fn import RewardFn, RewardFunctionError, RuleReward, load_reward_fn, reward_fn_metrics
+from fusedrl.rlhf.rollout import build_controller, build_requests, build_scorer, generate_and_score, migration_metrics
 from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
+from fusedrl.rlhf.update import (
+    FIRST_MINIBATCH_STATS,
+    POLICY_STATS,
+    VALUE_STATS,
+    Optimizers,
+    UpdateResult,
+    build_optimizers,
+    logprob_gap,
+    pad_to_bucket,
+    ppo_update,
+    recompute_enabled,
+    recompute_logprobs,
+    train_minibatch,
+)
 
 __all__ = [
     "DEFAULT_LOGITS_BUDGET_BYTES",
+    "Experience",
+    "FIRST_MINIBATCH_STATS",
+    "Optimizers",
+    "POLICY_STATS",
+    "PolicyLoss",
     "RewardFn",
     "RewardFunctionError",
     "RuleReward",
     "Scorer",
     "ScoringModels",
+    "UpdateResult",
+    "VALUE_STATS",
+    "ValueLoss",
+    "build_controller",
+    "build_executor",
+    "build_optimizers",
+    "build_requests",
+    "build_scorer",
     "chunked_policy_loss",
     "chunked_token_logprobs",
     "chunked_token_logprobs_entropy",
+    "compute_advantages",
     "decoder_hidden_states",
-    "head_vocab_size",
-    "logits_chunk_positions",
-    "scoring_micro_batches",
-    "Experience",
-    "PolicyLoss",
-    "ValueLoss",
     "explained_variance",
     "gae",
+    "generate_and_score",
+    "head_vocab_size",
     "kl_estimate",
     "kl_shaped_rewards",
     "load_reward_fn",
+    "logits_chunk_positions",
+    "logprob_gap",
     "masked_mean_var",
+    "migration_metrics",
+    "pad_to_bucket",
+    "pipeline_costs",
+    "plan_program",
     "policy_loss",
+    "ppo_update",
+    "recompute_enabled",
+    "recompute_logprobs",
     "reward_fn_metrics",
+    "schedule_memory_limit",
+    "scoring_micro_batches",
     "shift_to_tokens",
     "token_entropy",
     "token_logprobs",
+    "train_minibatch",
     "value_loss",
     "whiten",
 ]

@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fusedrl.config import JobConfig
+from fusedrl.rlhf.experience import Experience
+from fusedrl.rlhf.losses import explained_variance
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -114,3 +118,40 @@ def whiten(
     if not shift_mean:
         out = out + mean
     return out * mask.to(x.dtype)
+
+
+def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dict[str, float]]:
+    """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it).
+
+    Responses that hit ``max_new_tokens`` follow ``ppo.truncated``: "score" treats them as finished, "penalty"
+    subtracts ``ppo.truncation_penalty`` from their score, "mask" keeps them out of every loss (their rewards and
+    advantages are computed, then their response mask is cleared; whitening is over the rest). With every
+    response masked the batch has no token left: the caller skips the update."""
+    ppo = cfg.ppo
+    mask = exp.response_mask
+    assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, (
+        "compute_advantages needs a scored batch (Scorer.score sets scores, logprobs, ref_logprobs and values)"
+    )
+    finished = exp.finished if exp.finished is not None else torch.ones(exp.batch_size, dtype=torch.bool)
+    if ppo.truncated == "penalty":
+        exp.scores = exp.scores - ppo.truncation_penalty * (~finished).to(exp.scores.dtype)
+    exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, ppo.kl_coef, ppo.kl_estimator)
+    exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
+    stats = {
+        "kl": (kl.sum(1)).mean().item(),  # per-sample KL to the Reference
+        "kl_per_token": (kl.sum() / mask.sum()).item(),
+        "reward_mean": exp.scores.mean().item(),
+        "reward_std": exp.scores.std(unbiased=False).item(),
+        "truncated_frac": 1.0 - finished.float().mean().item(),
+        # the old values' fit to the returns, over the whole batch (token-weighted; 0 for constant returns)
+        "explained_variance": explained_variance(exp.values, exp.returns, mask).item(),
+    }
+    if ppo.truncated == "mask":
+        exp.response_mask = mask = mask * finished[:, None].to(mask.dtype)
+        exp.advantages, exp.returns = exp.advantages * mask, exp.returns * mask
+    if not mask.any():
+        return exp, stats | {"return_mean": 0.0, "return_std": 0.0}
+    if ppo.whiten_advantages:
+        exp.advantages = whiten(exp.advantages, mask)
+    ret_mean, ret_var, _ = masked_mean_var(exp.returns, mask)
+    return exp, stats | {"return_mean": ret_mean.item(), "return_std": ret_var.sqrt().item()}

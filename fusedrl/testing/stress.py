@@ -70,7 +70,7 @@ def write_prompt_file(
 
 def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str]) -> dict[str, Any]:
     from fusedrl.config import load_config
-    from fusedrl.train import Trainer
+    from fusedrl.trainer import Trainer
 
     cfg = load_config(argv)
     trainer = Trainer(cfg)

@@ -1,0 +1,132 @@
+"""The training program of one PPO minibatch: the planner's costs for the job's layout, the fused schedule search
+or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from fusedrl.config import ConfigError, JobConfig
+from fusedrl.config.loader import source_of
+from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
+from fusedrl.pipelining import (
+    ACTOR,
+    CRITIC,
+    CostModel,
+    FusedPipelineSchedule,
+    LocalSchedule,
+    LoweredProgram,
+    Placement,
+    StageModule,
+    fused_schedule,
+    lower,
+    sequential_1f1b,
+    simulate,
+)
+from fusedrl.rlhf.losses import PolicyLoss, ValueLoss
+
+log = logging.getLogger("fusedrl.rlhf.program")
+
+
+def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, dict[str, int]]:
+    """The planner's placement, cost model (times in seconds, activation memory in GiB) and micro-batches per model
+    for one minibatch of sequences of ``seq_len`` tokens on each data-parallel shard (the Critic's: per replica, an
+    equal share of the Actor's count)."""
+    par = cfg.parallelism
+    placement = Placement(par.pp, par.critic_stages)
+    costs = CostModel.from_flavors(
+        placement,
+        model_flavor(cfg, "actor"),
+        model_flavor(cfg, "critic"),
+        tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
+        seq_len=seq_len,
+    )
+    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
+    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
+
+
+def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
+    """``fusion.schedule_memory_gib``, refused (ConfigError) below the peak stored activations of sequential 1F1B: the
+    search falls back to that schedule whatever its peak, so no smaller cap can be kept. None when unset."""
+    cap = cfg.fusion.schedule_memory_gib
+    if cap is None or cfg.parallelism.pp < 2:
+        return cap
+    placement, costs, counts = pipeline_costs(cfg, seq_len)
+    ma, mc = counts[ACTOR], counts[CRITIC]
+    need = simulate(sequential_1f1b(placement, ma, mc), placement, costs, ma, mc).max_peak_memory
+    if cap < need:
+        raise ConfigError(
+            f"fusion.schedule_memory_gib = {cap} ({source_of(cfg, 'fusion.schedule_memory_gib')}): below the {need:.3g} "
+            f"GiB of activations per pipeline rank that sequential 1F1B stores ({ma} micro-batches of "
+            f"{cfg.ppo.microbatch_size} x {seq_len} tokens, pp = {cfg.parallelism.pp}); raise it, lower "
+            "ppo.microbatch_size, or unset it"
+        )
+    return cap
+
+
+def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
+    """The lowered program of one minibatch: the fused schedule search (intra_stage) or sequential 1F1B.
+
+    Planned on the caller's rank only; broadcast it so that every pipeline rank runs the same program.
+    """
+    placement, costs, counts = pipeline_costs(cfg, seq_len)
+    if cfg.fusion.intra_stage:
+        plan = fused_schedule(
+            placement,
+            costs,
+            counts[ACTOR],
+            counts[CRITIC],
+            budget_s=cfg.fusion.schedule_search_budget_s,
+            seed=cfg.job.seed,
+            memory_limit=schedule_memory_limit(cfg, seq_len),
+            split_backward=cfg.fusion.split_backward,
+        )
+        schedule, method = plan.schedule, plan.method
+    else:
+        schedule, method = sequential_1f1b(placement, counts[ACTOR], counts[CRITIC]), "sequential_1f1b"
+    return lower(schedule, placement, counts), method
+
+
+def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> None:
+    """Give ``layout`` its executor (collective). pp >= 2: plan one program for every minibatch (the cost model
+    uses the longest sequence) on rank 0, broadcast it, and run it with the fused executor over the pipeline
+    group. pp = 1: the models train one after the other (``fusion.intra_stage`` has nothing to fuse)."""
+    actor, critic = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
+    compute = DTYPES[cfg.training.mixed_precision_param]
+    # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
+    # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
+    head = cast("torch.nn.Linear | None", layout.actor_stage.output)
+    actor_spec = StageModule(
+        layout.actor_stage,
+        PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature),
+        actor.embed_dim,
+        actor.embed_dim,
+        compute,
+    )
+    critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
+    if layout.pp == 1:
+        layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+        layout.schedule = LocalSchedule(
+            actor_spec,
+            critic_spec,
+            {ACTOR: layout.microbatches, CRITIC: layout.microbatches},
+            group=layout.pp_group,
+            device=device,
+        )
+        layout.plan_method = "none: pp = 1, Actor then Critic"
+        if cfg.fusion.intra_stage and dist.get_rank() == 0:
+            log.info(
+                "fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
+                "the Actor and the Critic train one after the other"
+            )
+        return
+    holder: list[Any] = [None]
+    if dist.get_rank() == 0:
+        holder[0] = plan_program(cfg, cfg.sequence_budget)
+    dist.broadcast_object_list(holder, src=0)
+    program, layout.plan_method = holder[0]
+    layout.schedule = FusedPipelineSchedule(program, actor_spec, critic_spec, group=layout.pp_group, device=device)
+    layout.microbatches = program.microbatches["actor"]

@@ -1,0 +1,106 @@
+"""The rollout of one PPO iteration: requests from a prompt batch, the scorer and migration controller of this
+rank's generation instance, generation + scoring of the batch, and its inter-stage fusion figures."""
+
+from __future__ import annotations
+
+from fusedrl.components import PromptBatch, Tokenizer
+from fusedrl.config import JobConfig
+from fusedrl.fusion import MigrationController, RolloutResult
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.layouts import RolloutLayout
+from fusedrl.rlhf.experience import Experience
+from fusedrl.rlhf.reward_fn import RuleReward, load_reward_fn
+from fusedrl.rlhf.scoring import Scorer, ScoringModels
+
+
+def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:
+    """One request per prompt; ids are global sample ids, sampling seeded by (job.seed, step, id)."""
+    g = cfg.generation
+    params = SamplingParams(
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        max_new_tokens=g.max_new_tokens,
+        stop_token_ids=tuple(dict.fromkeys((*stop_ids, *g.stop_token_ids))),
+    )
+    seed = cfg.job.seed * 1_000_003 + step
+    return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
+
+
+def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -> Scorer:
+    """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
+
+    Log-probs are those of the sampling distribution, ``log_softmax(logits / generation.temperature)``, as the
+    engine reports the sampled tokens' and the policy loss computes them. ``model.reward_fn`` adds its weighted value to
+    each score (or scores alone without a Reward model); it runs on each instance's first rank, texts decoded
+    with ``tokenizer``, and its failures follow ``training.nan_policy``.
+    """
+    m = cfg.model
+    rule = None
+    if m.reward_fn is not None:
+        rule = RuleReward(
+            load_reward_fn(m.reward_fn),
+            tokenizer,
+            weight=m.reward_fn_weight,
+            on_failure=cfg.training.nan_policy,
+            name=m.reward_fn,
+            group=rollout.instance_group,
+        )
+    return Scorer(
+        ScoringModels(rollout.reference, rollout.reward, rollout.critic),
+        pad_id=tokenizer.pad_id,
+        temperature=cfg.generation.temperature,
+        max_tokens=cfg.generation.scoring_max_tokens,
+        reward_fn=rule,
+    )
+
+
+def build_controller(
+    cfg: JobConfig, engine: GenerationEngine, scorer: Scorer, rollout: RolloutLayout
+) -> MigrationController[Experience]:
+    """Generation + scoring of this instance's requests; ``fusion.inter_stage`` switches tail migration on/off.
+
+    Scoring micro-batches hold at most ``generation.max_slots`` samples. Request states travel over the rollout
+    layout's default-backend group, statistics and finished samples over its gloo groups."""
+    return MigrationController.from_config(
+        engine,
+        scorer.score,
+        cfg.fusion,
+        micro_batch_size=cfg.generation.max_slots,
+        group=rollout.group,
+        control_group=rollout.control_group,
+        instance_group=rollout.instance_group,
+    )
+
+
+def generate_and_score(
+    controller: MigrationController[Experience], requests: list[Request], pad_id: int
+) -> tuple[RolloutResult[Experience], Experience]:
+    """Generate and score this rank's requests (collective); every rank receives the whole scored batch
+    in sample-id order."""
+    result = controller.run(requests, gather=True)
+    exp = Experience.concat(result.scored, pad_token_id=pad_id)
+    assert exp.sample_ids is not None  # Scorer.score sets sample_ids on every scored batch
+    return result, exp.select(exp.sample_ids.argsort())
+
+
+def migration_metrics(result: RolloutResult) -> dict[str, float]:
+    """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank)."""
+    m = result.migration
+    if m is None:
+        return {
+            "migration_moved": 0,
+            "migration_bytes": 0,
+            "migration_kept": 0,
+            "migration_at_unfinished": 0,
+            "migration_at_s": 0.0,
+            "migration_s": 0.0,
+        }
+    return {
+        "migration_moved": m.moved,
+        "migration_bytes": m.moved_bytes + m.sample_bytes,
+        "migration_kept": len(m.kept),
+        "migration_at_unfinished": m.unfinished,
+        "migration_at_s": m.time_s,
+        "migration_s": m.duration_s,
+    }

@@ -1,0 +1,234 @@
+"""The PPO update of one iteration: the optimizers, one minibatch through the training executor, epochs x
+minibatches with clipping and the non-finite skip, and the recomputed old log-probs with their gap to the engine's."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
+
+from fusedrl.buckets import evenly_spaced, round_up
+from fusedrl.components import build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
+from fusedrl.config import JobConfig
+from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
+from fusedrl.pipelining import Timeline, pipeline_forward
+from fusedrl.rlhf.experience import Experience
+from fusedrl.rlhf.losses import chunked_token_logprobs
+
+log = logging.getLogger("fusedrl.rlhf.update")
+
+
+POLICY_STATS = ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy")
+
+
+FIRST_MINIBATCH_STATS = ("approx_kl", "clip_frac", "ratio_mean", "logprob_diff", "logprob_diff_max")
+"""Policy stats of each iteration's first minibatch, before any update: the gap between the old log-probs (the
+engine's, or the recomputed ones) and the training forward's (``<name>_first`` in the metrics)."""
+
+
+VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean")
+
+
+def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
+    """Right-pad the batch to one of a few lengths so the executor builds few stage shapes."""
+    return exp.pad_to(round_up(exp.seq_len, evenly_spaced(max_len)), pad_id)
+
+
+@dataclass
+class Optimizers:
+    actor: torch.optim.Optimizer
+    critic: torch.optim.Optimizer
+    actor_lr: LRScheduler
+    critic_lr: LRScheduler
+
+
+def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: int) -> Optimizers:
+    """AdamW for both training stages (float32 state on the FSDP2 shards) and their LR schedules."""
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    actor = build_optimizer(layout.actor_stage, o.actor_lr, o.weight_decay)
+    critic = build_optimizer(layout.critic_stage, o.critic_lr, o.weight_decay)
+    total = cfg.training.steps * updates_per_step
+
+    def schedule(opt: torch.optim.Optimizer) -> LRScheduler:
+        return build_lr_scheduler(opt, s.warmup_steps * updates_per_step, total, s.decay, s.min_ratio)
+
+    return Optimizers(actor, critic, schedule(actor), schedule(critic))
+
+
+def train_minibatch(
+    layout: TrainingLayout, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
+) -> dict[str, torch.Tensor]:
+    """Forward/backward of one global minibatch for both models through the fused executor.
+
+    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage; the
+    caller sums them over minibatches and reduces them over ranks once per iteration). The losses use
+    ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch. ``tis_cap`` > 0
+    weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs ``mb.engine_logprobs``).
+    """
+    shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]
+    tokens_total = mb.response_mask.sum()
+    # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
+    denom = (tokens_total / (layout.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
+    actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
+    if tis_cap > 0:
+        assert shard.logprobs is not None and shard.engine_logprobs is not None, "tis_cap needs recomputed log-probs"
+        actor_targets["tis_weight"] = (shard.logprobs - shard.engine_logprobs).exp().clamp(max=tis_cap) * shard.response_mask
+    critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
+    assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
+    result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
+    out: dict[str, torch.Tensor] = {}
+    for model, keys in (("actor", (*POLICY_STATS, *FIRST_MINIBATCH_STATS)), ("critic", VALUE_STATS)):
+        r = result[model]
+        out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
+    if layout.critic_replicas > 1:  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
+        out.update({k: out[k] / layout.critic_replicas for k in VALUE_STATS})
+    return out
+
+
+@dataclass
+class UpdateResult:
+    """One iteration's PPO update on this rank."""
+
+    stat_sums: dict[str, torch.Tensor]  # this rank's last-stage stats summed over the updates (reduce over ranks)
+    first: dict[str, torch.Tensor]  # this rank's last-stage FIRST_MINIBATCH_STATS (reduce over ranks)
+    updates: int
+    figures: dict[str, float]  # identical on every rank: gradient norms, skipped updates, learning rates
+    timeline: Timeline | None  # the last minibatch's pipeline timeline of all ranks, on recorded iterations
+
+
+def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> bool:
+    """Whether any rank saw a non-finite gradient norm or loss: one small all-reduce, so that every rank
+    takes the same decision (the gradient norms are already global; the losses live on last stages)."""
+    device = norms[0].device
+    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss"))])
+    bad = (~torch.isfinite(local)).any().to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+def ppo_update(
+    cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int, *, record: bool = False
+) -> UpdateResult:
+    """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model.
+
+    ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
+    (the metrics then carry ``bubble_ratio``)."""
+    sums: dict[str, torch.Tensor] = {}
+    first: dict[str, torch.Tensor] = {}
+    bubbles: list[float] = []
+    timeline: Timeline | None = None
+    skipped, updates = 0, 0
+    norms: dict[str, list[torch.Tensor]] = {"actor": [], "critic": []}
+    # a tied LM head on the last stage holds the first stage's embedding gradient: counted once, on the first stage
+    tied_head = [layout.tied.param] if layout.tied.param is not None and layout.actor_stage.output is not None else []
+    for epoch in range(cfg.ppo.epochs):
+        g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
+        for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
+            if not mb.response_mask.any():  # every sample of it masked (ppo.truncated = "mask"): nothing to learn
+                continue
+            stats = train_minibatch(layout, mb, record=record, tis_cap=cfg.ppo.tis_cap)
+            layout.tied.sum_gradients()
+            if not first:
+                first = {k: stats[k] for k in FIRST_MINIBATCH_STATS}
+            for k in (*POLICY_STATS, *VALUE_STATS):
+                sums[k] = sums[k] + stats[k] if k in sums else stats[k]
+            if record:
+                assert layout.schedule is not None and layout.schedule.timeline is not None  # the step above recorded it
+                timeline = layout.schedule.timeline.gather(layout.pp_group)
+                bubbles.append(timeline.bubble_ratio())
+            # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
+            for name, stage, group, uncounted in (
+                ("actor", layout.actor_stage, layout.pp_group, tied_head),
+                ("critic", layout.critic_stage, layout.critic_group, []),
+            ):
+                params = list(stage.parameters())
+                if cfg.optimizer.grad_clip > 0:
+                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, group, uncounted=uncounted))
+                else:
+                    counted = [p for p in params if all(p is not q for q in uncounted)]
+                    norms[name].append(grad_norm(counted, pp_group=group))
+            if not _skip_update([norms["actor"][-1], norms["critic"][-1]], stats):
+                for optimizer in (opt.actor, opt.critic):
+                    optimizer.step()
+            elif cfg.training.nan_policy == "stop":
+                raise FloatingPointError(
+                    f"step {step}: non-finite loss or gradient norm (actor {float(norms['actor'][-1])}, "
+                    f'critic {float(norms["critic"][-1])}); stopping (training.nan_policy = "stop")'
+                )
+            else:
+                skipped += 1
+                if dist.get_rank() == 0:
+                    log.warning("step %d: skipped an update: non-finite loss or gradient norm", step)
+            for optimizer, sched in ((opt.actor, opt.actor_lr), (opt.critic, opt.critic_lr)):
+                optimizer.zero_grad(set_to_none=True)
+                sched.step()
+            updates += 1
+    figures = {
+        "grad_norm_actor": float(torch.stack(norms["actor"]).mean()),
+        "grad_norm_critic": float(torch.stack(norms["critic"]).mean()),
+        "skipped_updates": skipped,
+        "lr_actor": float(opt.actor_lr.get_last_lr()[0]),
+        "lr_critic": float(opt.critic_lr.get_last_lr()[0]),
+    }
+    if bubbles:
+        figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
+    return UpdateResult(sums, first, updates, figures, timeline)
+
+
+def recompute_enabled(cfg: JobConfig) -> bool:
+    """``ppo.recompute_logprobs``; "auto": whenever the engine's weights or arithmetic may differ from the training
+    forward's (a bf16 rollout copy or bf16 compute, or a quantized engine), not for the all-float32 CPU configs,
+    where they agree to float32 rounding."""
+    setting, t = cfg.ppo.recompute_logprobs, cfg.training
+    if setting != "auto":
+        return bool(setting)
+    return t.rollout_dtype != "float32" or t.mixed_precision_param != "float32" or cfg.generation.quantize != "none"
+
+
+def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device) -> torch.Tensor:
+    """The old Actor log-probs of every sample of ``exp`` (``[B, S]`` on the CPU, 0 outside the response mask) by a
+    forward-only pass of the Actor's training stages (pipeline x FSDP2 x TP), at the sampling temperature: each
+    data-parallel shard runs its rows in micro-batches through the pipeline, the last stage applies the LM head in
+    chunks, the pipeline group receives its rows and the data-parallel shards exchange theirs (collective)."""
+    rows = exp.batch_size // layout.dp
+    shard = exp.select(slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows))
+    inputs = list(shard.tokens.split(cfg.ppo.microbatch_size))
+    head = cast("torch.nn.Linear | None", layout.actor_stage.output)  # the LM head, on the last stage
+
+    def logprobs(hidden: torch.Tensor, i: int) -> torch.Tensor:
+        assert head is not None  # called on the last stage only
+        return chunked_token_logprobs(hidden.to(head.weight.dtype), head, inputs[i].to(device), cfg.generation.temperature)
+
+    ranks = [dist.get_global_rank(layout.pp_group, r) for r in range(layout.pp)]
+    outs = pipeline_forward(
+        layout.actor_stage,
+        inputs,
+        ranks,
+        layout.pp_rank,
+        hidden_dim=model_flavor(cfg, "actor").embed_dim,
+        activation_dtype=DTYPES[cfg.training.mixed_precision_param],
+        device=device,
+        last=logprobs,
+        group=layout.pp_group,
+    )
+    local = torch.cat(outs) if outs is not None else torch.empty(rows, exp.seq_len, device=device)
+    dist.broadcast(local, src=ranks[-1], group=layout.pp_group)
+    parts = [torch.empty_like(local) for _ in range(layout.dp)]
+    dist.all_gather(parts, local, group=layout.mesh["dp_shard"].get_group())
+    return torch.cat(parts).cpu() * exp.response_mask
+
+
+def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the training forward's, over the response
+    tokens: mean and largest absolute difference, and the mean importance ratio ``pi_train / pi_engine``."""
+    diff = (trainer - engine) * mask
+    tokens = mask.sum().clamp_min(1)
+    return {
+        "logprob_diff_mean": float(diff.abs().sum() / tokens),
+        "logprob_diff_max": float(diff.abs().max()),
+        "importance_ratio_mean": float((diff.exp() * mask).sum() / tokens),
+    }

@@ -1,0 +1,408 @@
+"""The PPO Trainer (``fusedrl.train`` runs it): one iteration, every rank running the same program, in the phases the
+metrics time:
+
+1. weight_sync: the Actor's and Critic's training stages (pipeline-split, FSDP2-sharded) are gathered
+   into full replicas: the generation engine's Actor and the scoring Critic;
+2. generation + scoring (the rollout): each rank is one generation instance that decodes its share of the
+   prompts; finished samples are scored (Actor/Reference log-probs, Reward score, Critic values). With
+   ``[fusion] inter_stage`` the migration controller moves the long tail onto a few instances and the freed
+   ones score at once; without it every instance finishes decoding before any scoring;
+3. advantages: the experience of all ranks is gathered (every rank then holds the whole batch in
+   sample-id order), KL-shaped rewards, GAE and global whitening;
+4. training: PPO epochs x minibatches; each minibatch runs the Actor's policy loss and the Critic's
+   value loss through one :class:`~fusedrl.pipelining.FusedPipelineSchedule` program, the planner's
+   fused schedule (``[fusion] intra_stage``) or sequential 1F1B; gradients are clipped and both
+   optimizers step.
+
+Evaluation hooks (the embedded debug task's ``true_score``) run after the timed phases. The training phase
+adds no synchronization of its own: per-minibatch figures stay on the device and all cross-rank metric
+reductions of an iteration are one collective at its end; pipeline timelines are recorded only on the
+iterations that ``metrics.trace`` and ``metrics.timeline_interval`` name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fusedrl.components import (
+    CheckpointManager,
+    ChromeTrace,
+    MetricsLogger,
+    PhaseTimers,
+    PromptLoader,
+    check_vocab,
+    drop_steps_after,
+    export_hf,
+    length_stats,
+    load_prompts_from_config,
+    load_tokenizer,
+    peak_memory_gib,
+)
+from fusedrl.config import JobConfig
+from fusedrl.distributed import select_device
+from fusedrl.generation import GenerationEngine, WeightSync
+from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
+from fusedrl.pipelining import Timeline
+from fusedrl.rlhf import (
+    UpdateResult,
+    build_controller,
+    build_executor,
+    build_optimizers,
+    build_requests,
+    build_scorer,
+    compute_advantages,
+    generate_and_score,
+    logprob_gap,
+    migration_metrics,
+    pad_to_bucket,
+    ppo_update,
+    recompute_enabled,
+    recompute_logprobs,
+    reward_fn_metrics,
+)
+from fusedrl.tasks import EvalHook, debug
+from fusedrl.trainer.checks import resume_step
+
+log = logging.getLogger("fusedrl.trainer")
+
+
+PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "recompute", "training", "step", "outside")
+"""The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration;
+``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save)."""
+
+
+STDOUT_KEYS = (
+    "true_score",
+    "reward_mean",
+    "reward_fn_mean",
+    "reward_fn_failures",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "entropy",
+    "logprob_diff_mean",
+    "response_len_mean",
+    "samples_per_s",
+    "bubble_ratio",
+    "time_generation",
+    "time_scoring_exposed",
+    "time_training",
+    "time_step",
+)
+
+
+def reduce_iteration(
+    sums: dict[str, torch.Tensor],
+    phase_times: dict[str, float],
+    peak_memory: float,
+    *,
+    divisor: float,
+    device: torch.device,
+    first: dict[str, torch.Tensor] | None = None,
+    first_divisor: float = 1.0,
+) -> dict[str, float]:
+    """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
+    ``divisor``; ``first`` (the first minibatch's stats, as ``<name>_first``) likewise by ``first_divisor``, its
+    ``*_max`` entries maximised; phase times and peak memory are the slowest / largest rank's. One ``all_gather``
+    of one float64 vector per rank (a sum and a max cannot share one all-reduce)."""
+    first = first or {}
+    keys, first_keys = sorted(sums), sorted(first)
+    scalars = [sums[k] for k in keys] + [first[k] for k in first_keys]
+    local = torch.cat(
+        [
+            torch.stack([s.to(device, torch.float64) for s in scalars])
+            if scalars
+            else torch.zeros(0, dtype=torch.float64, device=device),
+            torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
+        ]
+    )
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    gathered = torch.stack(parts)
+    n, f = len(keys), len(first_keys)
+    out = dict(zip(keys, (gathered[:, :n].sum(0) / divisor).tolist()))
+    for i, k in enumerate(first_keys):
+        column = gathered[:, n + i]
+        out[f"{k}_first"] = float(column.amax() if k.endswith("_max") else column.sum() / first_divisor)
+    largest = gathered[:, n + f :].amax(0).tolist()
+    out.update({f"time_{p}": v for p, v in zip(PHASES, largest)})
+    out["peak_memory_gib"] = largest[-1]
+    return out
+
+
+class Trainer:
+    """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised.
+
+    ``evaluators`` are called with each iteration's scored batch (every rank holds it) after the timed phases;
+    their figures join the iteration's metrics. Default: the embedded debug task's ``true_score``, which adds
+    nothing unless every prompt is a debug-task prompt.
+    """
+
+    def __init__(self, cfg: JobConfig, evaluators: Sequence[EvalHook] = (debug.evaluate,)) -> None:
+        self.cfg = cfg
+        self.evaluators = tuple(evaluators)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = select_device(cfg.training.device)
+        self.out = Path(cfg.job.output_dir)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        vocab = model_flavor(cfg, "actor").vocab_size
+        check_vocab(self.tokenizer, vocab)
+        self.layout = build_training_layout(cfg, self.device)
+        self.rollout = build_rollout_layout(cfg, self.device)
+        load_initial_weights(cfg, self.layout, self.rollout)
+        self.frozen = None
+        if cfg.training.offload_frozen:  # in host memory until the first rollout
+            self.frozen = HostCopies([m for m in (self.rollout.reference, self.rollout.reward) if m is not None])
+            self.frozen.release()
+        build_executor(cfg, self.layout, self.device)
+        synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
+        self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
+        # every rank of an instance generates the same prompts: the loader shards over instances
+        self.loader = PromptLoader(
+            self.dataset,
+            cfg.ppo.batch_size // self.rollout.instances,
+            rank=self.rollout.instance,
+            world_size=self.rollout.instances,
+            seed=cfg.job.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        self.max_len = cfg.sequence_budget
+        self.recompute = recompute_enabled(cfg)
+        self.engine = GenerationEngine.from_config(
+            self.rollout.actor,
+            cfg.generation,
+            max_len=self.max_len,
+            seed=cfg.job.seed,
+            kv_dtype=DTYPES[cfg.training.kv_cache_dtype],
+        )
+        self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
+        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer), self.rollout)
+        self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
+        self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
+        # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
+        # groups), so ranks holding different stages must not share names. Critic replicas of a stage share its
+        # name: DCP writes one copy of their identical shards and every replica loads it.
+        actor_name = f"actor_stage{self.layout.pp_rank}"
+        critic_name = f"critic_stage{self.layout.critic_index}"
+        self.ckpt = CheckpointManager.from_config(
+            cfg.checkpoint,
+            self.out,
+            {actor_name: self.layout.actor_stage, critic_name: self.layout.critic_stage},
+            {actor_name: self.opt.actor, critic_name: self.opt.critic},
+            {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
+            {"data": self.loader},
+        )
+        # rank 0 reads the folder once and its view decides: every rank resumes (or not) from the same step
+        found = [self.ckpt.latest_step() if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        latest = found[0]
+        self.resume_from: int | None = resume_step(cfg, latest, self.ckpt.folder)
+        if cfg.checkpoint.resume == "auto" and self.resume_from is None:
+            log.info('checkpoint.resume = "auto": no complete checkpoint in %s; starting fresh', self.ckpt.folder)
+        elif cfg.checkpoint.resume is False and self.rank == 0 and latest is not None:
+            log.warning(
+                "fresh run (checkpoint.resume = false), but %s holds checkpoints of an earlier run (latest: step %d): "
+                "a later resume would take the newest of either run; use another job.output_dir or remove them",
+                self.ckpt.folder,
+                latest,
+            )
+        old = self.out / "metrics.jsonl"
+        if self.rank == 0 and cfg.metrics.jsonl and old.exists():
+            if self.resume_from is None:  # a fresh run starts a fresh file
+                kept = old.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
+                old.rename(kept)
+                log.info("fresh run: the previous metrics were moved to %s", kept)
+            elif dropped := drop_steps_after(old, self.resume_from):  # steps after the checkpoint run again
+                log.info(
+                    "resuming from step %d: dropped %d metrics records of later steps from metrics.jsonl (those steps run again)",
+                    self.resume_from,
+                    dropped,
+                )
+        self.metrics = MetricsLogger.from_config(cfg.metrics, self.out, rank=self.rank, stdout_keys=STDOUT_KEYS)
+        self.step = 0
+        self.outside_s = 0.0  # the last iteration's logging and checkpointing, reported by the next one
+
+    def train(self) -> list[dict[str, float]]:
+        """Run (or resume) training to ``training.steps``; returns the metrics of the steps run here (identical on every rank)."""
+        cfg = self.cfg
+        if self.resume_from is not None:
+            self.ckpt.load(self.resume_from)
+            self.step = self.resume_from
+            log.info("resumed from %s (step %d)", self.ckpt.path(self.step), self.step)
+        log.info(
+            "%s: %d ranks (training pp=%d x dp_shard=%d x tp=%d; %d generation instances of gen_tp=%d), "
+            "inter_stage=%s, intra_stage=%s (schedule: %s), steps %d..%d",
+            cfg.job.name,
+            self.world,
+            self.layout.pp,
+            self.layout.dp,
+            self.layout.tp,
+            self.rollout.instances,
+            self.rollout.gen_tp,
+            cfg.fusion.inter_stage,
+            cfg.fusion.intra_stage,
+            self.layout.plan_method,
+            self.step + 1,
+            cfg.training.steps,
+        )
+        history = []
+        while self.step < cfg.training.steps:
+            self.step += 1
+            record = self.train_step(self.step)
+            history.append(record)
+            start = time.perf_counter()
+            self.metrics.log(self.step, record)
+            self.ckpt.save(self.step)
+            self.outside_s = time.perf_counter() - start
+        if cfg.checkpoint.export_hf:
+            self.export()
+        self.metrics.close()
+        return history
+
+    def skipped_update(self, step: int) -> UpdateResult:
+        """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
+        if self.rank == 0:
+            log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
+        updates = self.cfg.ppo.epochs * (self.cfg.ppo.batch_size // self.cfg.ppo.minibatch_size)
+        lr = {"lr_actor": float(self.opt.actor_lr.get_last_lr()[0]), "lr_critic": float(self.opt.critic_lr.get_last_lr()[0])}
+        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **lr}, None)
+
+    def records_timeline(self, step: int) -> bool:
+        """Whether iteration ``step`` records pipeline timelines: traced steps and every
+        ``metrics.timeline_interval``-th step (0: traced steps only)."""
+        interval = self.cfg.metrics.timeline_interval
+        return step in self.cfg.metrics.trace or (interval > 0 and step % interval == 0)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One PPO iteration; returns its metrics (identical on every rank)."""
+        cfg = self.cfg
+        trace = ChromeTrace() if step in cfg.metrics.trace else None
+        timers = PhaseTimers(sync_cuda=self.device.type == "cuda", trace=trace, pid=self.rank)
+        step_start = time.perf_counter()
+        with timers("weight_sync"):
+            for sync in self.syncs:
+                sync.sync()
+            if self.frozen is not None:
+                self.frozen.restore()
+        batch = self.loader.next_batch()
+        requests = build_requests(cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
+        rollout_start = time.perf_counter()
+        result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id)
+        if self.frozen is not None:
+            self.frozen.release()
+        timers.add("generation", result.decode_end_s)
+        timers.add("scoring", result.scoring_s)
+        timers.add("scoring_exposed", result.scoring_exposed_s)
+        with timers("advantages"):
+            exp, adv_stats = compute_advantages(cfg, scored)
+            exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
+        gap = None
+        if self.recompute:  # PPO's old log-probs from the training forward; the KL reward keeps the engine's
+            with timers("recompute"):
+                exp.engine_logprobs, exp.logprobs = exp.logprobs, recompute_logprobs(cfg, self.layout, exp, self.device)
+            assert exp.engine_logprobs is not None  # the scored batch's
+            gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
+        if exp.response_mask.any():
+            with timers("training"):
+                update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
+        else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
+            update = self.skipped_update(step)
+        timers.add("step", time.perf_counter() - step_start)
+        timers.add("outside", self.outside_s)
+
+        # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
+        record = reduce_iteration(
+            update.stat_sums,
+            timers.pop(),
+            peak_memory_gib(self.device),
+            divisor=self.layout.dp * self.layout.tp * max(1, update.updates),
+            device=self.device,
+            first=update.first,
+            first_divisor=self.layout.dp * self.layout.tp,
+        )
+        if gap is None and "logprob_diff_first" in record:  # without recompute: the first minibatch's forward
+            gap = {
+                "logprob_diff_mean": record["logprob_diff_first"],
+                "logprob_diff_max": record["logprob_diff_max_first"],
+                "importance_ratio_mean": record["ratio_mean_first"],
+            }
+        record.update(gap or {})
+        lengths = scored.response_mask.sum(1)
+        record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
+        record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
+        record.update(length_stats(lengths))
+        record.update(adv_stats)
+        record.update(update.figures)
+        record.update(migration_metrics(result))
+        record.update(reward_fn_metrics(scored))
+        eval_start = time.perf_counter()
+        for evaluate in self.evaluators:
+            record.update(evaluate(scored, self.tokenizer))
+        if self.evaluators:
+            record["time_eval"] = time.perf_counter() - eval_start
+        if trace is not None:
+            self._save_trace(step, trace, result.trace, rollout_start, update.timeline)
+        return record
+
+    def _save_trace(
+        self, step: int, trace: ChromeTrace, rollout_trace: ChromeTrace, rollout_start: float, timeline: Timeline | None
+    ) -> None:
+        """One Chrome trace of the step: every rank's phase spans, the rollout's decode/migrate/score spans and
+        the last minibatch's measured pipeline timeline, on rank 0's clock (exact on one host)."""
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, trace.events)
+        if self.rank != 0:
+            return
+        t0 = min(e["ts"] for e in parts[0] if "ts" in e)
+        merged = ChromeTrace()
+        for r, events in enumerate(parts):
+            merged.name_process(f"phases {r}", f"rank {r}: iteration phases")
+            merged.extend([{**e, "pid": f"phases {r}", "ts": e["ts"] - t0} for e in events if "ts" in e])
+        offset = rollout_start * 1e6 - t0  # rollout spans count from the rollout's start
+        for e in rollout_trace.events:
+            shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
+            merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
+        for a in timeline.events if timeline is not None else ():
+            merged.complete(
+                f"{a.action.model} {a.action.kind}{a.action.microbatch}",
+                a.start - t0 / 1e6,
+                a.end - a.start,
+                pid="training (last minibatch)",
+                tid=f"pp rank {a.rank}",
+            )
+        path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
+        log.info("trace of step %d written to %s", step, path)
+
+    def export(self) -> Path | None:
+        """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
+        folder = self.out / "actor_hf"
+        path = export_hf(
+            self.layout.actor_stage,
+            folder,
+            model_flavor(self.cfg, "actor"),
+            "policy",
+            self.layout.pp_group,
+            tokenizer=self.tokenizer,
+        )
+        if path is None:
+            return None
+        log.info("Actor exported to %s", path)
+        return path
+
+
+def use_device(cfg: JobConfig) -> None:
+    """Bind this rank to its device (CUDA) or its share of the host's cores (CPU)."""
+    device = select_device(cfg.training.device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // dist.get_world_size())))
+    else:
+        torch.cuda.set_device(device)
