@@ -89,7 +89,7 @@ def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: 
     return run
 
 
-def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int, device: str) -> dict[str, float]:
+def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int) -> dict[str, float]:
     """Graphs and compile seconds of a compiled engine with default buckets over a mixed-length generation: 3x
     ``slots`` requests, prompts of 4 to max_len / 3 tokens, responses of 1 to the rest (a long tail: the batch
     shrinks through every batch bucket at the end)."""
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     bucketed = {}
     if not args.no_compile and args.graphs_slots:
-        bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len, args.device)
+        bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len)
         print(
             f"bucketed engine ({args.graphs_slots} slots, max_len {args.graphs_max_len}: {bucketed['batch_buckets']} batch x "
             f"{bucketed['len_buckets']} length buckets), {3 * args.graphs_slots} mixed-length requests: "
