@@ -160,6 +160,8 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
         assert 0.0 <= h["bubble_ratio"] < 1.0
     # time between iterations: nothing before a run's first step; the fused run then logged and checkpointed step 1
     assert on[0]["time_outside"] == 0.0 and on[1]["time_outside"] > 0.0
+    # the config's task (job.task = the debug task) evaluated every iteration, after the timed phases
+    assert all(-1.0 <= h["true_score"] <= 1.0 and h["time_eval"] > 0 for h in on + off)
 
 
 @pytest.mark.parametrize("name", ["on", "replicas"])
@@ -252,6 +254,13 @@ BAD_CONFIGS = [
         ["--ppo.minibatch_size=4", "--ppo.microbatch_size=2", "--parallelism.pp_critic=1"],
         "the 2 Critic replicas split each minibatch's 1 micro-batches per data-parallel shard evenly",
     ),
+    (["--job.task="], 'data.format = "synthetic" takes its prompts from the task, but job.task is unset'),
+    (["--job.task=fusedrl.tasks.debug:ASSET_FLAVOR"], "fusedrl.tasks.debug has a str under 'ASSET_FLAVOR', not a fusedrl"),
+    (["--job.task=no_such_module:TASK"], "job.task = 'no_such_module:TASK': cannot import module 'no_such_module'"),
+    (
+        ["--job.task=", "--model.reward_fn=task"],
+        'model.reward_fn = "task" scores with the task\'s reward function, but job.task is unset',
+    ),
 ]
 
 
@@ -272,6 +281,10 @@ BAD_CONFIGS = [
         "pp-critic-divisor",
         "pp-critic-layers",
         "pp-critic-microbatches",
+        "synthetic-without-task",
+        "task-not-a-task",
+        "task-not-importable",
+        "task-reward-without-task",
     ],
 )
 def test_bad_configs_are_refused_before_any_process_group(overrides, message, monkeypatch):
@@ -417,7 +430,7 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
     cfg = load_config(
         [*base, *(f"--model.{k}=" for k in ("actor", "critic", "reward")), f"--model.actor_path={pending / 'actor'}"]
     )
-    assert model_flavors(cfg, pending)["actor"] == FLAVORS["debug"]  # built later by the debug task
+    assert model_flavors(cfg, (pending, "debug"))["actor"] == FLAVORS["debug"]  # built later by the debug task
     qwen = save_hf_checkpoint(build_model("debug_qwen"), tmp_path / "qwen", "debug_qwen")
     with pytest.raises(
         ConfigError, match=r"model.reference_path = .*another architecture than the Actor's \(it differs in family"

@@ -56,7 +56,15 @@ def non_empty(v: str) -> str | None:
 def _import_path(v: str | None) -> str | None:
     if v is None or re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", v):
         return None
-    return 'must be an import path "package.module:function", e.g. "fusedrl.tasks.debug:reward_fn"'
+    return 'must be an import path "package.module:attribute", e.g. "fusedrl.tasks.debug:TASK"'
+
+
+def _reward_fn_path(v: str | None) -> str | None:
+    if v == "task":
+        return None
+    if _import_path(v) is None:
+        return None
+    return 'must be an import path "package.module:function", e.g. "fusedrl.tasks.debug:reward_fn", or "task" (the task\'s)'
 
 
 def _top_p(v: float) -> str | None:
@@ -79,6 +87,13 @@ class JobSection:
         0,
         "Seed of model initialisation, data order and sampling (each request's RNG comes from (seed, iteration, request id)).",
         at_least(0),
+    )
+    task: str | None = _key(
+        "fusedrl.tasks.debug:TASK",
+        'The task, "package.module:attribute" naming a fusedrl.tasks.Task: the prompts of data.format synthetic, the '
+        'reward function of model.reward_fn = "task", an evaluation logged each iteration, models it builds first. '
+        "Unset: none.",
+        _import_path,
     )
     # Where the config came from: set by the loader, never inside a file, not part of equality.
     config_file: str | None = _key(
@@ -128,8 +143,9 @@ class ModelSection:
     reward_fn: str | None = _key(
         None,
         'Rule-based reward "package.module:function" scoring each sample from its texts and token ids (docs/ppo.md, '
-        "Reward functions); its value times reward_fn_weight is added to the Reward model's score. Unset: none.",
-        _import_path,
+        'Reward functions), or "task": the job.task\'s reward function; its value times reward_fn_weight is added to '
+        "the Reward model's score. Unset: none.",
+        _reward_fn_path,
     )
     reward_fn_weight: float = _key(1.0, "Weight of reward_fn's value in a sample's score (also when it scores alone).")
 
@@ -146,7 +162,7 @@ class DataSection:
     path: str | None = _key(None, "Prompt dataset file or folder; unused (and may stay unset) for format synthetic.")
     format: Literal["jsonl", "parquet", "hf_disk", "synthetic"] = _key(
         "synthetic",
-        "jsonl (one JSON object per line), parquet, hf_disk (datasets.save_to_disk folder), or synthetic (built-in debug task).",
+        "jsonl (one JSON object per line), parquet, hf_disk (datasets.save_to_disk folder), or synthetic (job.task's prompts).",
     )
     prompt_key: str = _key(
         "prompt",

@@ -9,7 +9,7 @@ from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.layouts import RolloutLayout
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.reward_fn import RuleReward, load_reward_fn
+from fusedrl.rlhf.reward_fn import RewardFn, RuleReward, load_reward_fn
 from fusedrl.rlhf.scoring import Scorer, ScoringModels
 
 
@@ -27,23 +27,30 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
     return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
 
 
-def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer) -> Scorer:
+def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer, task_reward: RewardFn | None = None) -> Scorer:
     """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
 
     Log-probs are those of the sampling distribution, ``log_softmax(logits / generation.temperature)``, as the
     engine reports the sampled tokens' and the policy loss computes them. ``model.reward_fn`` adds its weighted value to
     each score (or scores alone without a Reward model); it runs on each instance's first rank, texts decoded
-    with ``tokenizer``, and its failures follow ``training.nan_policy``.
+    with ``tokenizer``, and its failures follow ``training.nan_policy``. ``task_reward``: the function that
+    ``model.reward_fn = "task"`` names (the job's task's; ``fusedrl.tasks.task_reward_fn``).
     """
     m = cfg.model
     rule = None
     if m.reward_fn is not None:
+        if m.reward_fn != "task":
+            fn = load_reward_fn(m.reward_fn)
+        elif task_reward is None:
+            raise ValueError('model.reward_fn = "task": pass the task\'s reward function as task_reward')
+        else:
+            fn = task_reward
         rule = RuleReward(
-            load_reward_fn(m.reward_fn),
+            fn,
             tokenizer,
             weight=m.reward_fn_weight,
             on_failure=cfg.training.nan_policy,
-            name=m.reward_fn,
+            name="" if m.reward_fn == "task" else m.reward_fn,  # "": named after the function
             group=rollout.instance_group,
         )
     return Scorer(

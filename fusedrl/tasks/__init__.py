@@ -1,17 +1,106 @@
-"""Embedded tasks: everything a task brings (prompts, assets, a rule-based score) in one module, reaching the
-trainer only through an evaluation hook (:data:`EvalHook`) whose time no phase timer counts.
+"""Tasks: what a task brings to a run (prompts, a rule-based reward, an evaluation, models to build first) as one
+:class:`Task` object. The trainer knows tasks only through this object, which ``job.task`` names
+(``"package.module:attribute"``); nothing in the trainer names a task.
 
-:mod:`.debug`: "repeat <unit> <k> times:" with heavy-tailed answer lengths, the CPU debug run's task.
+:mod:`.debug`: "repeat <unit> <k> times:" with heavy-tailed answer lengths, the CPU debug run's task
+(``fusedrl.tasks.debug:TASK``: synthetic prompts, the ``true_score`` evaluation, its SFT Actor and Reward model).
 :mod:`.arithmetic`: one-line arithmetic questions with an exact checker, the real-model recipe's task
-(``train_configs/smollm2_135m_ppo.toml``: its reward function, no evaluation hook).
+(``fusedrl.tasks.arithmetic:TASK``: its reward function).
 """
 
+from __future__ import annotations
+
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from fusedrl.components import Tokenizer
-from fusedrl.rlhf import Experience
+from fusedrl.config import ConfigError, JobConfig
+from fusedrl.rlhf import Experience, RewardFn
 
 EvalHook = Callable[[Experience, Tokenizer], dict[str, float]]
 """Figures of one iteration's scored batch (every rank holds it), added to that iteration's metrics."""
 
-__all__ = ["EvalHook"]
+
+@dataclass(frozen=True)
+class TaskAssets:
+    """Models a task trains for itself before the run (e.g. the debug task's SFT Actor and Reward model).
+
+    ``missing(cfg)``: the folder still to build for this config, or None; paths inside it are not checked at startup,
+    and model paths inside it (without a flavor name) have architecture ``flavor``. ``build(cfg)``: builds that folder,
+    before any process group (the trainer's ``prepare`` calls it on every rank: one local rank builds, others wait).
+    """
+
+    flavor: str
+    missing: Callable[[JobConfig], Path | None]
+    build: Callable[[JobConfig], None]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task's contribution to a run; every part is optional.
+
+    ``prompts(count, seed)``: prompt texts for ``data.format = "synthetic"``. ``reward_fn``: a rule-based reward
+    (:data:`fusedrl.rlhf.RewardFn`) that ``model.reward_fn = "task"`` selects. ``evaluate``: figures of each
+    iteration's scored batch, logged after the timed phases (``time_eval``). ``assets``: models built before training.
+    """
+
+    name: str
+    prompts: Callable[[int, int], list[str]] | None = None
+    reward_fn: RewardFn | None = None
+    evaluate: EvalHook | None = None
+    assets: TaskAssets | None = None
+
+
+def load_task(path: str | None) -> Task | None:
+    """The :class:`Task` that ``job.task`` names (``"package.module:attribute"``; None or "" for none).
+    Raises ConfigError (one line) when it cannot be imported or is not a Task."""
+    if not path:
+        return None
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
+        raise ConfigError(
+            f"job.task = {path!r}: cannot import module {module_name!r} ({' '.join(str(e).split())}); check the module "
+            "path and that its package is installed or on PYTHONPATH"
+        ) from None
+    task = getattr(module, attr, None)
+    if not isinstance(task, Task):
+        found = "nothing" if task is None else f"a {type(task).__name__}"
+        raise ConfigError(
+            f"job.task = {path!r}: {module_name} has {found} under {attr!r}, not a fusedrl.tasks.Task; name a Task "
+            "object (e.g. fusedrl.tasks.debug:TASK)"
+        )
+    return task
+
+
+def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> list[str] | None:
+    """``count`` prompts of the task for ``data.format = "synthetic"`` (seeded by ``job.seed``); None for other formats.
+    Raises ConfigError when the task gives no prompts."""
+    if cfg.data.format != "synthetic":
+        return None
+    if task is None or task.prompts is None:
+        what = "job.task is unset" if task is None else f"the task {task.name!r} gives no prompts"
+        raise ConfigError(
+            f'data.format = "synthetic" takes its prompts from the task, but {what}; set --job.task to a task with '
+            "prompts (e.g. fusedrl.tasks.debug:TASK) or give a dataset (data.format, data.path)"
+        )
+    return task.prompts(count, cfg.job.seed)
+
+
+def task_reward_fn(cfg: JobConfig, task: Task | None) -> RewardFn | None:
+    """The task's reward function when ``model.reward_fn = "task"`` (None otherwise); ConfigError if it has none."""
+    if cfg.model.reward_fn != "task":
+        return None
+    if task is None or task.reward_fn is None:
+        what = "job.task is unset" if task is None else f"the task {task.name!r} has no reward function"
+        raise ConfigError(
+            f'model.reward_fn = "task" scores with the task\'s reward function, but {what}; set --job.task to a task '
+            'with one or name a function: --model.reward_fn="package.module:function"'
+        )
+    return task.reward_fn
+
+
+__all__ = ["EvalHook", "Task", "TaskAssets", "load_task", "synthetic_prompts", "task_reward_fn"]

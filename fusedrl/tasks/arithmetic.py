@@ -23,6 +23,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from fusedrl.tasks import Task
+
 LARGER = "Which number is larger, {a} or {b}? Answer with the number only."
 SUM = "What is {a} + {b}? Answer with the number only."
 _LARGER = re.compile(r"Which number is larger, (\d+) or (\d+)\?")
@@ -114,6 +116,11 @@ def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens
     out = {"accuracy": sum(every) / len(every), "response_len_mean": sum(lengths) / len(lengths)}
     out.update({f"accuracy_{kind}": sum(v) / len(v) for kind, v in scores.items() if v})
     return out
+
+
+TASK = Task(name="arithmetic", reward_fn=reward_fn)
+"""The task as the trainer takes it (``job.task = "fusedrl.tasks.arithmetic:TASK"`` with ``model.reward_fn = "task"``);
+its prompts come from the file :func:`write_prompts` writes, rendered by the model's chat template."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ from fusedrl.config import JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model, save_hf_checkpoint
 from fusedrl.rlhf import Experience
+from fusedrl.tasks import Task, TaskAssets
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +362,16 @@ def ensure_assets(cfg: JobConfig) -> None:
         figures["actor_true_score_mean"],
         figures["reward_true_corr_on_actor_samples"],
     )
+
+
+TASK = Task(
+    name="debug",
+    prompts=sample_prompts,
+    reward_fn=reward_fn,
+    evaluate=evaluate,
+    assets=TaskAssets(flavor=ASSET_FLAVOR, missing=missing_assets, build=ensure_assets),
+)
+"""The debug task as the trainer takes it (``job.task = "fusedrl.tasks.debug:TASK"``, the default)."""
 
 
 def main(argv: list[str] | None = None) -> None:

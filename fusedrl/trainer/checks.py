@@ -14,7 +14,7 @@ from fusedrl.distributed import select_device
 from fusedrl.layouts import MODEL_ROLES, RANDOM_INIT_MAX_PARAMS, model_flavor
 from fusedrl.models import ModelFlavor, read_flavor, resolve_flavor
 from fusedrl.rlhf import load_reward_fn, recompute_enabled, schedule_memory_limit
-from fusedrl.tasks import debug
+from fusedrl.tasks import Task, load_task, synthetic_prompts, task_reward_fn
 
 
 def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> None:
@@ -26,7 +26,8 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
     if cfg.checkpoint.resume is True:
         ckpt = CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {})
         resume_step(cfg, ckpt.latest_step(), ckpt.folder)
-    check_reward(cfg)
+    task = load_task(cfg.job.task)
+    check_reward(cfg, task)
     check_sampling(cfg)
     par, gen = cfg.parallelism, cfg.generation
     instances = world_size // par.gen_tp
@@ -36,9 +37,11 @@ def check_config(cfg: JobConfig, world_size: int, local_world_size: int | None =
             f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
             "equal share of the prompts)"
         )
-    pending = debug.missing_assets(cfg)  # the debug task's assets, built by prepare() after these checks
+    synthetic_prompts(cfg, task, count=1)  # the task gives the prompts of format synthetic
+    assets = task.assets if task is not None else None
+    pending = assets.missing(cfg) if assets is not None else None  # built by prepare() after these checks
     validate_paths(cfg, pending)
-    flavors = model_flavors(cfg, pending)
+    flavors = model_flavors(cfg, (pending, assets.flavor) if assets is not None and pending is not None else None)
     for key, f in flavors.items():
         what = f"model.{key} = {getattr(cfg.model, key)!r}" if getattr(cfg.model, key) else f"model.{key}_path's {f.family} model"
         own = key == "critic" and par.pp_critic is not None
@@ -152,17 +155,17 @@ def check_tokenizer(cfg: JobConfig) -> None:
         )
 
 
-def model_flavors(cfg: JobConfig, pending: Path | None = None) -> dict[str, ModelFlavor]:
+def model_flavors(cfg: JobConfig, pending: tuple[Path, str] | None = None) -> dict[str, ModelFlavor]:
     """The architecture of each built model (:func:`neural_models`) by [model] key; ConfigError naming the key when
-    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build. A path into ``pending``
-    (the debug task's assets, not built yet) has the flavor they are built with. A ``model.reference_path`` with a
+    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build. A path into ``pending``'s
+    folder (a task's assets, not built yet) has ``pending``'s flavor, the one they are built with. A ``model.reference_path`` with a
     config.json must describe the Actor's architecture (the Reference is built as the Actor)."""
     out = {}
     for key in neural_models(cfg):
         path = getattr(cfg.model, f"{key}_path")
         try:
-            if pending is not None and path and not getattr(cfg.model, key) and Path(path).is_relative_to(pending):
-                out[key] = resolve_flavor(debug.ASSET_FLAVOR)
+            if pending is not None and path and not getattr(cfg.model, key) and Path(path).is_relative_to(pending[0]):
+                out[key] = resolve_flavor(pending[1])
             else:
                 out[key] = model_flavor(cfg, key)
         except InputError as e:
@@ -226,11 +229,13 @@ def check_sampling(cfg: JobConfig) -> None:
             )
 
 
-def check_reward(cfg: JobConfig) -> None:
-    """The rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable; ``model.reward =
-    "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
+def check_reward(cfg: JobConfig, task: Task | None) -> None:
+    """The rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable (``"task"``: the task
+    has one); ``model.reward = "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
     m = cfg.model
-    if m.reward_fn is not None:
+    if m.reward_fn == "task":
+        task_reward_fn(cfg, task)
+    elif m.reward_fn is not None:
         try:
             load_reward_fn(m.reward_fn)
         except ValueError as e:

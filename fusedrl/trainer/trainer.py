@@ -14,7 +14,7 @@ metrics time:
    fused schedule (``[fusion] intra_stage``) or sequential 1F1B; gradients are clipped and both
    optimizers step.
 
-Evaluation hooks (the embedded debug task's ``true_score``) run after the timed phases. The training phase
+The task's evaluation (``job.task``; the debug task's ``true_score``) runs after the timed phases. The training phase
 adds no synchronization of its own: per-minibatch figures stay on the device and all cross-rank metric
 reductions of an iteration are one collective at its end; pipeline timelines are recorded only on the
 iterations that ``metrics.trace`` and ``metrics.timeline_interval`` name.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,7 @@ from fusedrl.rlhf import (
     recompute_logprobs,
     reward_fn_metrics,
 )
-from fusedrl.tasks import EvalHook, debug
+from fusedrl.tasks import Task, load_task, synthetic_prompts, task_reward_fn
 from fusedrl.trainer.checks import resume_step
 
 log = logging.getLogger("fusedrl.trainer")
@@ -142,14 +141,14 @@ def reduce_iteration(
 class Trainer:
     """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised.
 
-    ``evaluators`` are called with each iteration's scored batch (every rank holds it) after the timed phases;
-    their figures join the iteration's metrics. Default: the embedded debug task's ``true_score``, which adds
-    nothing unless every prompt is a debug-task prompt.
+    ``task`` (default: the one ``job.task`` names) gives the prompts of ``data.format = "synthetic"``, the reward
+    function of ``model.reward_fn = "task"`` and an evaluation, called with each iteration's scored batch (every
+    rank holds it) after the timed phases; its figures join the iteration's metrics.
     """
 
-    def __init__(self, cfg: JobConfig, evaluators: Sequence[EvalHook] = (debug.evaluate,)) -> None:
+    def __init__(self, cfg: JobConfig, task: Task | None = None) -> None:
         self.cfg = cfg
-        self.evaluators = tuple(evaluators)
+        self.task = task if task is not None else load_task(cfg.job.task)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
@@ -164,8 +163,8 @@ class Trainer:
             self.frozen = HostCopies([m for m in (self.rollout.reference, self.rollout.reward) if m is not None])
             self.frozen.release()
         build_executor(cfg, self.layout, self.device)
-        synthetic = debug.sample_prompts(1024, cfg.job.seed) if cfg.data.format == "synthetic" else None
-        self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=synthetic)
+        texts = synthetic_prompts(cfg, self.task)
+        self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=texts)
         # every rank of an instance generates the same prompts: the loader shards over instances
         self.loader = PromptLoader(
             self.dataset,
@@ -185,7 +184,9 @@ class Trainer:
             kv_dtype=DTYPES[cfg.training.kv_cache_dtype],
         )
         self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
-        self.controller = build_controller(cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer), self.rollout)
+        self.controller = build_controller(
+            cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer, task_reward_fn(cfg, self.task)), self.rollout
+        )
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
@@ -344,10 +345,9 @@ class Trainer:
         record.update(update.figures)
         record.update(migration_metrics(result))
         record.update(reward_fn_metrics(scored))
-        eval_start = time.perf_counter()
-        for evaluate in self.evaluators:
-            record.update(evaluate(scored, self.tokenizer))
-        if self.evaluators:
+        if self.task is not None and self.task.evaluate is not None:
+            eval_start = time.perf_counter()
+            record.update(self.task.evaluate(scored, self.tokenizer))
             record["time_eval"] = time.perf_counter() - eval_start
         if trace is not None:
             self._save_trace(step, trace, result.trace, rollout_start, update.timeline)
