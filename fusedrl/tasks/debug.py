@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedrl.components import ByteTokenizer, Tokenizer
-from fusedrl.config import JobConfig
+from fusedrl.config import JobConfig, Startup
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model, save_hf_checkpoint
 from fusedrl.rlhf import Experience
@@ -326,6 +326,14 @@ def missing_assets(cfg: JobConfig) -> Path | None:
         if path is not None and Path(path).name in ASSET_PARTS and not Path(path).is_dir():
             return Path(path).parent
     return None
+
+
+def declare_assets(startup: Startup) -> None:
+    """Startup check (the first to run): the debug task's missing assets are built after the checks, by
+    ``fusedrl.train.prepare``, so the other checks take their paths as models of :data:`ASSET_FLAVOR`."""
+    folder = missing_assets(startup.cfg)
+    if folder is not None:
+        startup.assets[folder] = ASSET_FLAVOR
 
 
 def ensure_assets(cfg: JobConfig) -> None:
