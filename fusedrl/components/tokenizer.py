@@ -491,9 +491,10 @@ def check_tokenizer(startup: Startup) -> None:
             f"model.tokenizer_path = {format_value(path)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
             'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer'
         )
+    vocab_size = model_flavors(cfg, startup.assets)["actor"].vocab_size
     try:
         tokenizer = load_tokenizer(path)
-        check_vocab(tokenizer, model_flavors(cfg, startup.assets)["actor"].vocab_size)
+        check_vocab(tokenizer, vocab_size)
     except (ValueError, OSError) as e:
         raise ConfigError(f"{where}: {e}") from None
     if cfg.data.chat_template and getattr(tokenizer, "chat_template", None) is None:

@@ -57,8 +57,8 @@ StartupCheck = Callable[[Startup], None]
 
 
 def built_later(assets: dict[Path, str], path: str | Path) -> str | None:
-    """The flavor of the models that are built later in the folder of ``assets`` holding ``path``; None if none
-    holds it (``path`` must exist now)."""
+    """The flavor of the models built later in the folder of ``assets`` that holds ``path``; None when no such
+    folder holds it (then ``path`` must exist now)."""
     return next((flavor for folder, flavor in assets.items() if Path(path).is_relative_to(folder)), None)
 
 
