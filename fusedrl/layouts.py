@@ -56,8 +56,7 @@ from fusedrl.models import (
     init_rope_buffers,
     load_hf_weights,
     load_state_slices,
-    read_flavor,
-    resolve_flavor,
+    model_flavor,
 )
 from fusedrl.models.registry import Role
 from fusedrl.pipelining import CRITIC, FusedPipelineSchedule, LocalSchedule, Placement
@@ -65,22 +64,6 @@ from fusedrl.pipelining import CRITIC, FusedPipelineSchedule, LocalSchedule, Pla
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
-MODEL_ROLES: dict[str, Role] = {"actor": "policy", "critic": "value", "reward": "value"}
-DEFAULT_FLAVOR = "debug"  # the Actor's, with an empty name and no checkpoint path
-
-
-def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
-    """The architecture of ``model.<key>`` (actor, critic or reward): the named flavor; with an empty name the one
-    ``config.json`` of ``model.<key>_path`` describes (raises :class:`CheckpointError` if it cannot be built), or
-    without a path the Actor's (for the Actor itself the tiny ``debug`` flavor), randomly initialised. The
-    Reference is built as the Actor."""
-    name, path = getattr(cfg.model, key), getattr(cfg.model, f"{key}_path")
-    if name:
-        return resolve_flavor(name)
-    if path:
-        return read_flavor(path, MODEL_ROLES[key])
-    return resolve_flavor(DEFAULT_FLAVOR) if key == "actor" else model_flavor(cfg, "actor")
 
 
 @dataclass

@@ -12,10 +12,10 @@ import sys
 import torch.distributed as dist
 
 from fusedrl.components import init_logging
-from fusedrl.config import InputError, JobConfig, load_config
+from fusedrl.config import InputError, JobConfig, load_config, run_checks
 from fusedrl.distributed import Heartbeat, describe_failure, init_distributed
 from fusedrl.tasks import load_task
-from fusedrl.trainer import Trainer, check_config, use_device
+from fusedrl.trainer import Trainer, use_device
 
 USAGE = """\
 usage: torchrun --nproc_per_node N -m fusedrl.train --job.config_file FILE [--section.key=VALUE ...]
@@ -32,19 +32,19 @@ def run(cfg: JobConfig) -> list[dict[str, float]]:
 
 
 def prepare(argv: list[str], world_size: int | None = None) -> JobConfig:
-    """Load and check the config for ``world_size`` ranks (default: $WORLD_SIZE, else 1; then the node checks use
-    $LOCAL_WORLD_SIZE when set) and build the models the task trains first (``job.task``'s assets) when missing;
-    raises ConfigError. Needs no process group."""
+    """Load the config and run the startup checks (:func:`fusedrl.config.run_checks`) for ``world_size`` ranks
+    (default: $WORLD_SIZE, else 1; then the node checks use $LOCAL_WORLD_SIZE when set), and build the models the task
+    trains first (``job.task``'s assets) when missing; raises ConfigError. Needs no process group."""
     cfg = load_config(argv)
     local_world_size = None
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         local_world_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
-    check_config(cfg, world_size, local_world_size)  # before building anything
+    run_checks(cfg, world_size, local_world_size)  # before building anything
     assets = getattr(load_task(cfg.job.task), "assets", None)
     if assets is not None and assets.missing(cfg) is not None:
         assets.build(cfg)
-        check_config(cfg, world_size, local_world_size)  # now the built assets' paths and tokenizer too
+        run_checks(cfg, world_size, local_world_size)  # now the built assets' paths and tokenizer too
     return cfg
 
 

@@ -14,4 +14,20 @@ if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import torc
   export PYTHONPATH="/tmp/fusedrl-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import sys; from importlib.metadata import entry_points as e; sys.exit(not e(group='fusedrl.config_checks'))"; then
+  # A checkout that is not pip-installed (the GPU image): the trainer finds its startup checks through fusedrl's
+  # entry points (docs/config.md), so record pyproject.toml's in a metadata folder on the path, as an install would.
+  "$PY" - /tmp/fusedrl-meta <<'EOF'
+import sys, tomllib
+from pathlib import Path
+
+project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+info = Path(sys.argv[1]) / f"fusedrl-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fusedrl\nVersion: {project['version']}\n")
+groups = project["entry-points"].items()
+(info / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for g, eps in groups))
+EOF
+  export PYTHONPATH="$PYTHONPATH:/tmp/fusedrl-meta"
+fi
 exec "$PY" scripts/gpu_check.py "$@"

@@ -1,4 +1,4 @@
-"""Config system: TOML + overrides, printing round-trip, one-line errors, world-size check, docs in sync."""
+"""Config system: TOML + overrides, printing round-trip, one-line errors, world-size and path checks, docs in sync."""
 
 from __future__ import annotations
 
@@ -9,17 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from fusedrl.components import check_data, check_tokenizer
 from fusedrl.config import (
     ConfigError,
     JobConfig,
+    Startup,
     config_to_toml,
     load_config,
+    run_checks,
     validate_config,
-    validate_paths,
-    validate_world_size,
 )
 from fusedrl.config.__main__ import markdown_table
 from fusedrl.config.loader import section_keys, section_types
+from fusedrl.distributed import check_dims
+from fusedrl.models import check_models
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "train_configs" / "debug_ppo.toml")
@@ -41,7 +44,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fusedrl.config", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
-def test_debug_config_has_every_section_and_key_and_fits_four_ranks():
+def test_debug_config_has_every_section_and_key_and_fits_four_ranks(monkeypatch):
     with open(DEBUG, "rb") as f:
         raw = tomllib.load(f)
     assert list(raw) == list(section_types())
@@ -53,8 +56,8 @@ def test_debug_config_has_every_section_and_key_and_fits_four_ranks():
     assert cfg.model.actor == cfg.model.critic == cfg.model.reward == "debug"
     assert cfg.fusion.inter_stage and cfg.fusion.intra_stage and cfg.data.format == "synthetic"
     assert cfg.model.actor_path == "assets/debug/actor" and cfg.model.reference_path is None  # "" means unset
-    validate_world_size(cfg, 4)
-    validate_paths(cfg)
+    monkeypatch.chdir(ROOT)  # its paths are relative to the checkout
+    run_checks(cfg, 4)
 
 
 def test_every_key_is_documented():
@@ -212,29 +215,37 @@ def test_validate_config_checks_configs_built_in_python():
 
 
 def test_world_size_check():
+    """The parallel layout's check of its degrees (fusedrl.distributed.check_dims, run by the startup checks)."""
     cfg = _load()
-    validate_world_size(cfg, 4)
+    check_dims(cfg, 4)
     with pytest.raises(ConfigError) as info:
-        validate_world_size(cfg, 8)
+        check_dims(cfg, 8)
     message = str(info.value)
     assert "2 * 2 * 1 = 4" in message and "world size 8" in message and "--parallelism.dp_shard=4" in message
     assert DEBUG in message
     with pytest.raises(ConfigError, match="parallelism.pp"):
-        validate_world_size(_load("--parallelism.pp=3"), 4)
+        check_dims(_load("--parallelism.pp=3"), 4)
     with pytest.raises(ConfigError, match=r"parallelism\.gen_tp = 3 \(command line\): must divide the world size 4"):
-        validate_world_size(_load("--parallelism.gen_tp=3"), 4)
-    validate_world_size(_load("--parallelism.gen_tp=4"), 4)
-    validate_world_size(_load("--parallelism.pp=1", "--parallelism.dp_shard=1"), 1)
+        check_dims(_load("--parallelism.gen_tp=3"), 4)
+    check_dims(_load("--parallelism.gen_tp=4"), 4)
+    check_dims(_load("--parallelism.pp=1", "--parallelism.dp_shard=1"), 1)
 
 
-def test_validate_paths(tmp_path):
-    validate_paths(_load(f"--model.actor_path={tmp_path}"))
+def test_validate_paths(tmp_path, monkeypatch):
+    """Each path is checked by its owner: model folders by the models' check, the tokenizer and the dataset by theirs."""
+    monkeypatch.chdir(ROOT)
+    check_models(Startup(_load(f"--model.actor_path={tmp_path}"), 4))
     with pytest.raises(ConfigError, match=r"model\.critic_path = \"/no/such/folder\" \(command line\): folder not found"):
-        validate_paths(_load("--model.critic_path=/no/such/folder"))
-    with pytest.raises(ConfigError, match=r"model\.tokenizer_path"):
-        validate_paths(_load("--model.tokenizer_path=/no/tokenizer.json"))
-    with pytest.raises(ConfigError, match=r"data\.path"):
-        validate_paths(_load("--data.format=jsonl", "--data.path=/no/prompts.jsonl"))
+        check_models(Startup(_load("--model.critic_path=/no/such/folder"), 4))
+    with pytest.raises(ConfigError, match=r"model\.tokenizer_path = \"/no/tokenizer.json\" \(command line\): not found"):
+        check_tokenizer(Startup(_load("--model.tokenizer_path=/no/tokenizer.json"), 4))
+    with pytest.raises(ConfigError, match=r"data\.path = \"/no/prompts.jsonl\" \(command line\): not found"):
+        check_data(Startup(_load("--data.format=jsonl", "--data.path=/no/prompts.jsonl"), 4))
+    pending = tmp_path / "assets"  # a folder a task builds after the checks: its paths are taken as they will be
+    assets = {pending: "debug"}
+    check_models(Startup(_load(f"--model.critic_path={pending / 'actor'}"), 4, assets=assets))
+    check_tokenizer(Startup(_load(f"--model.tokenizer_path={pending / 'tokenizer.json'}"), 4, assets=assets))
+    check_data(Startup(_load("--data.format=jsonl", f"--data.path={pending / 'prompts.jsonl'}"), 4, assets=assets))
 
 
 # ---------------------------------------------------------------------------- command line

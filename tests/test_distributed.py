@@ -56,15 +56,15 @@ def _assert_params_match(model: torch.nn.Module, ref: torch.nn.Module, *, grads:
 
 def test_parallel_dims_rejects_bad_layouts_before_any_collective():
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match=r"pp\*dp_shard\*tp = 2\*2\*1 = 4 does not match the world size 3"):
+    with pytest.raises(ValueError, match=r"parallelism.tp = 2 \* 2 \* 1 = 4: must equal the world size 3"):
         ParallelDims(pp=2, dp_shard=2, world_size=3)
-    with pytest.raises(ValueError, match=r"gen_tp = 3 does not divide the world size 4"):
+    with pytest.raises(ValueError, match=r"gen_tp = 3: must divide the world size 4"):
         ParallelDims(dp_shard=4, gen_tp=3, world_size=4)
     with pytest.raises(ValueError, match=r"parallelism.tp must be an integer >= 1, got 0"):
         ParallelDims(tp=0, world_size=1)
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         ParallelDims(world_size=1).build_mesh("cpu")
-    with pytest.raises(ValueError, match=r"parallelism.pp_critic = 3 must be a divisor of pp = 4"):
+    with pytest.raises(ValueError, match=r"parallelism.pp_critic = 3: must divide parallelism.pp = 4"):
         ParallelDims(pp=4, pp_critic=3, world_size=4)
 
 

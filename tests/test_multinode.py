@@ -199,7 +199,8 @@ def _lines(world: int, pp: int, dp_shard: int, tp: int, gen_tp: int) -> dict[str
 def test_node_check_refuses_exactly_the_layouts_with_a_group_across_nodes(pp, dp_shard, tp, gen_tp):
     """For 8 ranks on nodes of 1, 2, 4 or 8 ranks (torchrun: node n holds ranks n * L ...), check_nodes refuses a
     layout exactly when one of its TP groups or generation instances holds ranks of two nodes."""
-    from fusedrl.trainer import check_nodes
+    from fusedrl.config import Startup
+    from fusedrl.distributed import check_nodes
 
     world = 8
     lines = _lines(world, pp, dp_shard, tp, gen_tp)
@@ -209,10 +210,10 @@ def test_node_check_refuses_exactly_the_layouts_with_a_group_across_nodes(pp, dp
     for local in (1, 2, 4, 8):
         spanning = [key for key in ("gen_tp", "tp") if any(len({r // local for r in g}) > 1 for g in lines[key])]
         if not spanning:
-            check_nodes(cfg, world, local)
+            check_nodes(Startup(cfg, world, local))
             continue
         with pytest.raises(ConfigError) as err:
-            check_nodes(cfg, world, local)
+            check_nodes(Startup(cfg, world, local))
         assert str(err.value).startswith(f"parallelism.{spanning[0]} = "), (local, lines, str(err.value))
     assert not dist.is_initialized()
 

@@ -648,9 +648,8 @@ def test_memory_cap_holds_every_rank_within_it(monkeypatch):
 def test_schedule_memory_cap_from_the_config(monkeypatch):
     from pathlib import Path
 
-    from fusedrl.config import ConfigError, load_config
+    from fusedrl.config import ConfigError, load_config, run_checks
     from fusedrl.rlhf import pipeline_costs, plan_program, program, schedule_memory_limit
-    from fusedrl.trainer import check_config
 
     root = Path(__file__).resolve().parents[1]
     config = str(root / "train_configs" / "debug_ppo.toml")
@@ -677,6 +676,6 @@ def test_schedule_memory_cap_from_the_config(monkeypatch):
     assert "\n" not in str(err.value)
     monkeypatch.chdir(root)
     with pytest.raises(ConfigError, match="fusion.schedule_memory_gib"):
-        check_config(low, 4)  # the trainer's startup checks refuse it before any process group exists
+        run_checks(low, 4)  # the trainer's startup checks refuse it before any process group exists
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config([*base, "--fusion.schedule_memory_gib=0"])

@@ -274,8 +274,7 @@ def test_bad_reward_configs_are_refused_before_any_process_group(overrides, mess
 
 def test_a_function_alone_passes_the_config_checks(monkeypatch):
     """reward = "none" names no flavor: the Reward flavor's checks (vocabulary, heads, length) are skipped."""
-    from fusedrl.config import load_config
-    from fusedrl.trainer import check_config
+    from fusedrl.config import load_config, run_checks
 
     cfg = load_config(
         [
@@ -288,7 +287,7 @@ def test_a_function_alone_passes_the_config_checks(monkeypatch):
         ]
     )
     monkeypatch.chdir(ROOT)
-    check_config(cfg, 4)
+    run_checks(cfg, 4)
     assert not dist.is_initialized()
 
 

@@ -416,9 +416,8 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
     """An empty Critic / Reward name without a path takes the Actor's architecture; a path into the debug task's
     assets not built yet has their flavor; a reference_path of another architecture is refused at config check."""
     from fusedrl.config import ConfigError, load_config
-    from fusedrl.models import FLAVORS, build_model, read_flavor, save_hf_checkpoint
+    from fusedrl.models import FLAVORS, build_model, model_flavors, read_flavor, save_hf_checkpoint
     from fusedrl.train import prepare
-    from fusedrl.trainer import model_flavors
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.chdir(ROOT)
@@ -430,7 +429,7 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
     cfg = load_config(
         [*base, *(f"--model.{k}=" for k in ("actor", "critic", "reward")), f"--model.actor_path={pending / 'actor'}"]
     )
-    assert model_flavors(cfg, (pending, "debug"))["actor"] == FLAVORS["debug"]  # built later by the debug task
+    assert model_flavors(cfg, {pending: "debug"})["actor"] == FLAVORS["debug"]  # built later by the debug task
     qwen = save_hf_checkpoint(build_model("debug_qwen"), tmp_path / "qwen", "debug_qwen")
     with pytest.raises(
         ConfigError, match=r"model.reference_path = .*another architecture than the Actor's \(it differs in family"

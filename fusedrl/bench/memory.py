@@ -139,8 +139,8 @@ from torch.distributed.tensor import DTensor
 
 from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.buckets import evenly_spaced, round_up
-from fusedrl.config import ConfigError, JobConfig, load_config, validate_world_size
-from fusedrl.distributed import plan_reshard
+from fusedrl.config import ConfigError, JobConfig, load_config
+from fusedrl.distributed import check_dims, plan_reshard
 from fusedrl.distributed.compat import init_fake_process_group
 from fusedrl.distributed.reshard import Box, ReshardPlan
 from fusedrl.layouts import DTYPES, build_rollout_layout, build_training_layout, model_flavor
@@ -900,7 +900,7 @@ def estimate(
 
     par = cfg.parallelism
     world = par.pp * par.dp_shard * par.tp if world is None else world
-    validate_world_size(cfg, world)
+    check_dims(cfg, world)
     if dist.is_initialized():
         raise RuntimeError(
             "the memory estimate plays every rank under its own fake process group; call it in a "
@@ -1549,7 +1549,7 @@ def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         cfg = load_config(argv)
         world = args.world or cfg.parallelism.pp * cfg.parallelism.dp_shard * cfg.parallelism.tp
-        validate_world_size(cfg, world)
+        check_dims(cfg, world)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,16 @@
 """Training plumbing reusable by any loop: tokenizers, prompt data, optimizers, LR schedules,
 metrics and checkpoints."""
 
-from fusedrl.components.checkpoint import CheckpointManager, export_hf
-from fusedrl.components.data import DataReport, PromptBatch, PromptDataset, PromptLoader, load_prompts, load_prompts_from_config
+from fusedrl.components.checkpoint import CheckpointManager, check_resume, export_hf, resume_step
+from fusedrl.components.data import (
+    DataReport,
+    PromptBatch,
+    PromptDataset,
+    PromptLoader,
+    check_data,
+    load_prompts,
+    load_prompts_from_config,
+)
 from fusedrl.components.lr_schedule import build_lr_scheduler, lr_factor
 from fusedrl.components.metrics import (
     ChromeTrace,
@@ -21,6 +29,7 @@ from fusedrl.components.tokenizer import (
     HFTokenizer,
     Tokenizer,
     TorchtuneTokenizer,
+    check_tokenizer,
     check_vocab,
     load_tokenizer,
 )
@@ -36,6 +45,9 @@ __all__ = [
     "PhaseTimers",
     "build_lr_scheduler",
     "build_optimizer",
+    "check_data",
+    "check_resume",
+    "check_tokenizer",
     "clip_grad_norm",
     "export_hf",
     "grad_norm",
@@ -48,6 +60,7 @@ __all__ = [
     "drop_steps_after",
     "init_logging",
     "read_jsonl",
+    "resume_step",
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",

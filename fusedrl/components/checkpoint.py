@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fusedrl.components.tokenizer import Tokenizer
-from fusedrl.config import CheckpointSection
+from fusedrl.config import CheckpointSection, ConfigError, JobConfig, Startup
+from fusedrl.config.loader import source_of
 from fusedrl.distributed import gather_full_state_dict
 from fusedrl.models import ModelFlavor, save_hf_checkpoint
 
@@ -251,6 +252,29 @@ class CheckpointManager:
         for n, e in self._extra.items():
             e.load_state_dict(state["extra"][n])
         return int(state["step"])
+
+
+def resume_step(cfg: JobConfig, latest: int | None, folder: Path) -> int | None:
+    """The step a run continues from, given ``latest``, the latest complete checkpoint in ``folder``: that one when
+    checkpoint.resume is true or "auto", None for a fresh start (false, or "auto" without one). Raises ConfigError
+    for true without one."""
+    if cfg.checkpoint.resume is False:
+        return None
+    if latest is None and cfg.checkpoint.resume is True:
+        raise ConfigError(
+            f"checkpoint.resume = true ({source_of(cfg, 'checkpoint.resume')}): no complete checkpoint in "
+            f"{folder}; check job.output_dir and checkpoint.folder, or set --checkpoint.resume=auto "
+            "to start fresh when there is none"
+        )
+    return latest
+
+
+def check_resume(startup: Startup) -> None:
+    """Startup check: ``checkpoint.resume = true`` finds a complete checkpoint (:func:`resume_step`)."""
+    cfg = startup.cfg
+    if cfg.checkpoint.resume is True:
+        ckpt = CheckpointManager.from_config(cfg.checkpoint, cfg.job.output_dir, {})
+        resume_step(cfg, ckpt.latest_step(), ckpt.folder)
 
 
 @contextlib.contextmanager

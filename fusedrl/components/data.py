@@ -24,7 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from fusedrl.components.tokenizer import CHAT_TEMPLATE_FIX
-from fusedrl.config import DataSection, InputError
+from fusedrl.config import ConfigError, DataSection, InputError, Startup
+from fusedrl.config.checks import built_later
+from fusedrl.config.loader import format_value, source_of
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +253,19 @@ def load_prompts_from_config(
         vocab_size=vocab_size,
         texts=texts,
     )
+
+
+def check_data(startup: Startup) -> None:
+    """Startup check: ``data.path`` exists (unless the format is synthetic or a task builds it later)."""
+    cfg = startup.cfg
+    path = cfg.data.path
+    if cfg.data.format == "synthetic" or path is None or built_later(startup.assets, path) is not None:
+        return
+    if not Path(path).exists():
+        raise ConfigError(
+            f"data.path = {format_value(path)} ({source_of(cfg, 'data.path')}): not found; "
+            f"give an existing {cfg.data.format} dataset"
+        )
 
 
 def _no_chat_template(tokenizer: PromptTokenizer, why: str, alternative: str) -> InputError:

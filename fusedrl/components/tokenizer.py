@@ -27,11 +27,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _RustTokenizer
 
+from fusedrl.config import ConfigError, Startup
+from fusedrl.config.checks import built_later
+from fusedrl.config.loader import format_value, source_of
+from fusedrl.models import model_flavors
+
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",
     "TorchtuneTokenizer",
+    "check_tokenizer",
     "check_vocab",
     "load_tokenizer",
 ]
@@ -470,3 +476,29 @@ def load_tokenizer(path_or_name: str | os.PathLike, kind: str | None = None) -> 
         else ("tokenizer.json, tokenizer.model, or vocab.json + merges.txt")
     )
     raise ValueError(f"no tokenizer files in {path}: expected {wanted}")
+
+
+def check_tokenizer(startup: Startup) -> None:
+    """Startup check of ``model.tokenizer_path`` (raises ConfigError; skipped for a tokenizer a task builds later): it
+    exists and loads, its ids fit the Actor's vocabulary, and it has a chat template where the config asks for one."""
+    cfg = startup.cfg
+    path = cfg.model.tokenizer_path
+    where = f"model.tokenizer_path = {path!r}"
+    if path != "byte" and built_later(startup.assets, path) is not None:
+        return
+    if path != "byte" and not Path(path).exists():
+        raise ConfigError(
+            f"model.tokenizer_path = {format_value(path)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
+            'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer'
+        )
+    vocab_size = model_flavors(cfg, startup.assets)["actor"].vocab_size
+    try:
+        tokenizer = load_tokenizer(path)
+        check_vocab(tokenizer, vocab_size)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cfg.data.chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            f"data.chat_template = true, but the tokenizer ({where}) has no chat template; {CHAT_TEMPLATE_FIX}, "
+            "or set --data.chat_template=false"
+        )

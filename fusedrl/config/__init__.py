@@ -2,9 +2,11 @@
 
 ``load_config(argv)`` builds a :class:`JobConfig`; every problem raises :class:`ConfigError` with a
 one-line message. ``python -m fusedrl.config --job.config_file FILE --print`` shows the effective
-config; ``--help`` lists every key.
+config; ``--help`` lists every key. ``run_checks(cfg, world_size)`` runs the startup checks that the packages
+owning each rule register (``fusedrl.config.checks``).
 """
 
+from fusedrl.config.checks import Startup, StartupCheck, run_checks
 from fusedrl.config.job_config import (
     CheckpointSection,
     DataSection,
@@ -26,8 +28,6 @@ from fusedrl.config.loader import (
     config_to_toml,
     load_config,
     validate_config,
-    validate_paths,
-    validate_world_size,
 )
 
 __all__ = [
@@ -45,10 +45,11 @@ __all__ = [
     "OptimizerSection",
     "PPOSection",
     "ParallelismSection",
+    "Startup",
+    "StartupCheck",
     "TrainingSection",
     "config_to_toml",
     "load_config",
+    "run_checks",
     "validate_config",
-    "validate_paths",
-    "validate_world_size",
 ]

@@ -2,8 +2,8 @@
 
 Without ``--print`` it only validates. ``--help`` lists every key; ``--markdown`` prints the key table
 of docs/config.md. Errors print ``error: <one line>`` to stderr and exit with status 2. With ``--world_size N``
-it runs the trainer's own startup checks (``fusedrl.trainer.check_config``), so this entry point, unlike the
-package, imports the trainer.
+it runs the trainer's own startup checks (:func:`fusedrl.config.checks.run_checks`: the checks each package
+registers under the entry-point group ``fusedrl.config_checks``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import sys
 
+from fusedrl.config.checks import run_checks
 from fusedrl.config.job_config import JobConfig
 from fusedrl.config.loader import (
     ConfigError,
+    InputError,
     config_to_toml,
     format_value,
     load_config,
@@ -85,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--local_world_size (command line): the node checks need the job's size too; add --world_size N")
         cfg = load_config(args)
         if world_size is not None:
-            from fusedrl.trainer import check_config
-
-            check_config(cfg, world_size, local_world_size)
-    except ConfigError as e:
+            run_checks(cfg, world_size, local_world_size)
+    except InputError as e:  # a ConfigError, or the checks not registered
         print(f"error: {e}", file=sys.stderr)
         return 2
     if show:

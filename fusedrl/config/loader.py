@@ -16,7 +16,6 @@ import typing
 from collections.abc import Mapping
 from dataclasses import fields
 from functools import cache
-from pathlib import Path
 from typing import Any, Literal, Union
 
 from fusedrl.config.job_config import JobConfig
@@ -300,31 +299,11 @@ def validate_config(cfg: JobConfig) -> None:
             _check(section, key, value, meta, source)
             setattr(obj, key, value)
     _check_batches(cfg)
-    _check_critic_stages(cfg)
     _check_split_backward(cfg)
     if cfg.data.format != "synthetic" and cfg.data.path is None:
         raise ConfigError(
             f'data.path ({source_of(cfg, "data.path")}): is unset but data.format = "{cfg.data.format}" '
             f"needs a dataset; set --data.path=PATH or --data.format=synthetic"
-        )
-
-
-def _check_critic_stages(cfg: JobConfig) -> None:
-    par, ppo = cfg.parallelism, cfg.ppo
-    if par.pp_critic is None:
-        return
-    where = f"parallelism.pp_critic = {par.pp_critic} ({source_of(cfg, 'parallelism.pp_critic')})"
-    if par.pp % par.pp_critic:
-        raise ConfigError(
-            f"{where}: must divide parallelism.pp = {par.pp} (the Critic runs as pp / pp_critic replicas); choose one of "
-            f"{_divisors(par.pp)}"
-        )
-    microbatches = ppo.minibatch_size // par.dp_shard // ppo.microbatch_size
-    if microbatches % par.critic_replicas:
-        raise ConfigError(
-            f"{where}: the {par.critic_replicas} Critic replicas split each minibatch's {microbatches} micro-batches per "
-            f"data-parallel shard evenly; make that count (ppo.minibatch_size / dp_shard / microbatch_size) a multiple of "
-            f"{par.critic_replicas}, or choose another pp_critic"
         )
 
 
@@ -351,7 +330,7 @@ def _check_batches(cfg: JobConfig) -> None:
         raise ConfigError(
             f"ppo.batch_size = {ppo.batch_size} ({source_of(cfg, 'ppo.batch_size')}): must be a multiple of "
             f"ppo.minibatch_size = {ppo.minibatch_size} ({source_of(cfg, 'ppo.minibatch_size')}); "
-            f"choose a minibatch_size among {_divisors(ppo.batch_size)}"
+            f"choose a minibatch_size among {divisors(ppo.batch_size)}"
         )
     if ppo.minibatch_size % dp:
         raise ConfigError(
@@ -367,63 +346,14 @@ def _check_batches(cfg: JobConfig) -> None:
         )
         raise ConfigError(
             f"ppo.microbatch_size = {ppo.microbatch_size} ({source_of(cfg, 'ppo.microbatch_size')}): must divide "
-            f"{share}; choose one of {_divisors(per_shard)}"
+            f"{share}; choose one of {divisors(per_shard)}"
         )
 
 
-def _divisors(n: int) -> str:
+def divisors(n: int) -> str:
+    """The divisors of ``n`` for an error's fix ("1, 2, 4"; a phrase when there are many)."""
     found = sorted({d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)})
     return ", ".join(map(str, found)) if len(found) <= 16 else f"the divisors of {n}"
-
-
-def validate_world_size(cfg: JobConfig, world_size: int) -> None:
-    """Check the parallel sizes against the number of ranks; call it before creating any process group."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    par = cfg.parallelism
-    product = par.pp * par.dp_shard * par.tp
-    if product != world_size:
-        sources = sorted({source_of(cfg, f"parallelism.{k}") for k in ("pp", "dp_shard", "tp")})
-        if world_size % (par.pp * par.tp) == 0:
-            fix = f"set --parallelism.dp_shard={world_size // (par.pp * par.tp)} or launch {product} processes"
-        else:
-            fix = f"choose pp, dp_shard and tp whose product is {world_size}, or launch {product} processes"
-        raise ConfigError(
-            f"parallelism.pp * parallelism.dp_shard * parallelism.tp = {par.pp} * {par.dp_shard} * {par.tp} = "
-            f"{product} ({', '.join(sources)}): must equal the world size {world_size}; {fix}"
-        )
-    if world_size % par.gen_tp:
-        raise ConfigError(
-            f"parallelism.gen_tp = {par.gen_tp} ({source_of(cfg, 'parallelism.gen_tp')}): must divide the "
-            f"world size {world_size}; choose one of {_divisors(world_size)}"
-        )
-
-
-def validate_paths(cfg: JobConfig, pending: Path | None = None) -> None:
-    """Check that the files the config names exist (model folders, tokenizer, dataset); paths inside ``pending``
-    (a folder that is built at startup, such as the debug task's assets) are not checked."""
-
-    def missing(path: str) -> bool:
-        return not Path(path).exists() and not (pending is not None and Path(path).is_relative_to(pending))
-
-    for key in ("actor_path", "critic_path", "reward_path", "reference_path"):
-        path = getattr(cfg.model, key)
-        if path is not None and (missing(path) or Path(path).is_file()):
-            raise ConfigError(
-                f"model.{key} = {format_value(path)} ({source_of(cfg, f'model.{key}')}): folder not found; "
-                "give an HF-format safetensors folder, or leave it unset for random initialisation"
-            )
-    tok = cfg.model.tokenizer_path
-    if tok != "byte" and missing(tok):
-        raise ConfigError(
-            f"model.tokenizer_path = {format_value(tok)} ({source_of(cfg, 'model.tokenizer_path')}): not found; "
-            'give a tokenizer file or folder, or "byte" for the built-in byte tokenizer'
-        )
-    if cfg.data.format != "synthetic" and cfg.data.path is not None and missing(cfg.data.path):
-        raise ConfigError(
-            f"data.path = {format_value(cfg.data.path)} ({source_of(cfg, 'data.path')}): not found; "
-            f"give an existing {cfg.data.format} dataset"
-        )
 
 
 # ---------------------------------------------------------------------------- printing

@@ -1,11 +1,17 @@
 """Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, full state
-dicts from a training layout, float8; a heartbeat that names dead ranks after a failed collective."""
+dicts from a training layout, float8, the layout's startup checks; a heartbeat that names dead ranks after a failed
+collective."""
 
-from fusedrl.distributed.float8 import convert_to_float8
+from fusedrl.distributed.float8 import check_float8, convert_to_float8
 from fusedrl.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
 from fusedrl.distributed.parallel_dims import (
     ParallelDims,
+    check_device,
+    check_dims,
+    check_model_split,
+    check_nodes,
+    check_parallelism,
     default_backend,
     group_devices,
     init_distributed,
@@ -27,6 +33,12 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_tp",
+    "check_device",
+    "check_dims",
+    "check_float8",
+    "check_model_split",
+    "check_nodes",
+    "check_parallelism",
     "convert_to_float8",
     "default_backend",
     "describe_failure",

@@ -5,7 +5,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fusedrl.config import ConfigError, Startup
+from fusedrl.distributed.parallel_dims import select_device
+
 FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+def check_float8(startup: Startup) -> None:
+    """Startup check of ``training.float8`` (raises ConfigError): it needs CUDA, and no tensor-parallel plan is built
+    for float8 linears."""
+    cfg = startup.cfg
+    if not cfg.training.float8:
+        return
+    if select_device(cfg.training.device).type != "cuda":
+        raise ConfigError("training.float8 = true: float8 training needs CUDA; set --training.float8=false on CPU")
+    if cfg.parallelism.tp > 1:
+        raise ConfigError(
+            "training.float8 = true with parallelism.tp > 1: float8 tensor-parallel plans are not built; "
+            "use tp = 1 (FSDP2 and pipeline stages work with float8) or --training.float8=false"
+        )
 
 
 def _float8_eligible(module: nn.Module, fqn: str) -> bool:

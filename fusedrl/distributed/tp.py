@@ -20,6 +20,14 @@ from fusedrl.models import QKNormProjection
 VOCAB_MODULES = ("tok_embeddings", "output")
 
 
+def tp_indivisible(degree: int, num_heads: int, num_kv_heads: int, mlp_width: int) -> tuple[str, int] | None:
+    """The first part of a decoder layer that a tensor-parallel ``degree`` cannot split evenly, as (its name, its
+    size); None when the degree divides them all. The plan shards attention by heads (query and KV) and the MLP by
+    its width."""
+    parts = (("attention heads", num_heads), ("KV heads", num_kv_heads), ("MLP width", mlp_width))
+    return next(((part, value) for part, value in parts if value % degree), None)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str, ...] = VOCAB_MODULES) -> nn.Module:
     """Shard every transformer layer of ``model`` (a decoder or a pipeline stage) over the 1-D ``tp_mesh``.
 
@@ -40,12 +48,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
     tp = tp_mesh.size()
     for layer in transformer_layers(model):
         attn, mlp = layer.attn, layer.mlp
-        hidden = mlp.w1.out_features
-        for name, value in (("num_heads", attn.num_heads), ("num_kv_heads", attn.num_kv_heads), ("hidden_dim", hidden)):
-            if value % tp != 0:
-                raise ValueError(
-                    f"tensor parallel degree {tp} does not divide the model's {name} ({value}); choose a tp dividing it"
-                )
+        indivisible = tp_indivisible(tp, attn.num_heads, attn.num_kv_heads, mlp.w1.out_features)
+        if indivisible is not None:
+            part, value = indivisible
+            raise ValueError(f"tensor parallel degree {tp} does not divide the model's {part} ({value}); choose a tp dividing it")
         if attn.kv_cache is not None:
             raise ValueError("apply_tp must run before KV caches are set up (caches are sized by the local head count)")
         plan: dict[str, ParallelStyle] = {

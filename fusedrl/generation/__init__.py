@@ -3,6 +3,7 @@ request-state export/import and its wire format, and loading training weights in
 
 from fusedrl.generation.engine import CompileStats, EngineStats, GenerationEngine, RequestProgress
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.sampling import check_sampling
 from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
 from fusedrl.generation.weight_sync import WeightSync, WeightSyncStats
 
@@ -18,6 +19,7 @@ __all__ = [
     "SamplingParams",
     "WeightSync",
     "WeightSyncStats",
+    "check_sampling",
     "isend_states",
     "pack_states",
     "recv_states",

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from fusedrl.config import ConfigError, Startup
+from fusedrl.config.loader import source_of
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -98,3 +101,23 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def check_sampling(startup: Startup) -> None:
+    """Startup check (raises ConfigError): PPO needs the log-probs of the distribution that sampled, so a temperature
+    > 0 (greedy decoding has none) and no top-k / top-p filter (the training forward's log-probs would be of the
+    unfiltered distribution, whose support differs)."""
+    cfg = startup.cfg
+    g = cfg.generation
+    if g.temperature <= 0:
+        raise ConfigError(
+            f"generation.temperature = {g.temperature} ({source_of(cfg, 'generation.temperature')}): PPO samples from the "
+            "policy, and greedy decoding has no sampling distribution; use a temperature > 0 (1.0: the model's own)"
+        )
+    for key, value, off in (("top_k", g.top_k, 0), ("top_p", g.top_p, 1.0)):
+        if value != off:
+            raise ConfigError(
+                f"generation.{key} = {value} ({source_of(cfg, f'generation.{key}')}): the PPO ratio and KL need the "
+                f"log-probs of the distribution that sampled, and a filtered one's support moves with the policy; set "
+                f"--generation.{key}={off} (lower generation.temperature to sharpen sampling)"
+            )

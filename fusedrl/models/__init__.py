@@ -1,4 +1,5 @@
-"""Decoder architectures over torchtune modules: flavors (named, or read from an HF config.json), roles, HF weights."""
+"""Decoder architectures over torchtune modules: flavors (named, or read from an HF config.json), roles, HF weights;
+the architecture each [model] key of a job builds and its startup check (``fusedrl.models.job``)."""
 
 from fusedrl.models.hf import (
     CheckpointError,
@@ -10,6 +11,15 @@ from fusedrl.models.hf import (
     load_hf_weights,
     read_flavor,
     save_hf_checkpoint,
+)
+from fusedrl.models.job import (
+    DEFAULT_FLAVOR,
+    MODEL_ROLES,
+    RANDOM_INIT_MAX_PARAMS,
+    check_models,
+    model_flavor,
+    model_flavors,
+    neural_models,
 )
 from fusedrl.models.registry import (
     FAMILIES,
@@ -32,8 +42,11 @@ from fusedrl.models.weights import (
 )
 
 __all__ = [
+    "DEFAULT_FLAVOR",
     "FAMILIES",
     "FLAVORS",
+    "MODEL_ROLES",
+    "RANDOM_INIT_MAX_PARAMS",
     "ROLES",
     "CheckpointError",
     "Llama3RoPE",
@@ -43,6 +56,7 @@ __all__ = [
     "ValueHead",
     "build_model",
     "cast_parameters",
+    "check_models",
     "flavor_from_hf_config",
     "from_pretrained",
     "hf_config",
@@ -52,6 +66,9 @@ __all__ = [
     "load_hf_weights",
     "load_state_slices",
     "local_indices",
+    "model_flavor",
+    "model_flavors",
+    "neural_models",
     "read_flavor",
     "resolve_flavor",
     "save_hf_checkpoint",

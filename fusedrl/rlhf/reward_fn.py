@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fusedrl.components import Tokenizer
+from fusedrl.config import ConfigError, Startup
 from fusedrl.generation import RequestResult
 from fusedrl.rlhf.experience import Experience
 
@@ -69,6 +70,34 @@ def load_reward_fn(path: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"{path} is a {type(obj).__name__}, not a callable; name a function")
     return obj
+
+
+def check_reward(startup: Startup) -> None:
+    """Startup check of the rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable;
+    ``model.reward = "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
+    m = startup.cfg.model
+    if m.reward_fn == "task":
+        pass  # the task's own function: the "task" check found it
+    elif m.reward_fn is not None:
+        try:
+            load_reward_fn(m.reward_fn)
+        except ValueError as e:
+            raise ConfigError(f"model.reward_fn = {m.reward_fn!r}: {e}") from None
+    elif not m.uses_reward_model:
+        raise ConfigError(
+            'model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
+            "--model.reward_fn=package.module:function or give a Reward model (model.reward_path)"
+        )
+    elif m.reward_fn_weight != 1.0:
+        raise ConfigError(
+            f"model.reward_fn_weight = {m.reward_fn_weight} weighs no function: model.reward_fn is unset; set "
+            "--model.reward_fn=package.module:function or drop the weight"
+        )
+    if not m.uses_reward_model and m.reward_path is not None:
+        raise ConfigError(
+            f'model.reward_path = {m.reward_path!r} is set but model.reward = "none" builds no Reward model; '
+            'unset it (--model.reward_path=) or build a Reward model (model.reward = "" reads its config.json)'
+        )
 
 
 def _one_line(e: BaseException) -> str:

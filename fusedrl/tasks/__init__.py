@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusedrl.components import Tokenizer
-from fusedrl.config import ConfigError, JobConfig
+from fusedrl.config import ConfigError, JobConfig, Startup
 from fusedrl.rlhf import Experience, RewardFn
 
 EvalHook = Callable[[Experience, Tokenizer], dict[str, float]]
@@ -76,6 +76,21 @@ def load_task(path: str | None) -> Task | None:
     return task
 
 
+def check_task(startup: Startup) -> None:
+    """Startup check (the first to run): ``job.task`` imports and is a :class:`Task` with the parts the config uses
+    (prompts for ``data.format = "synthetic"``, a reward function for ``model.reward_fn = "task"``); the folder its
+    assets still need is declared, so the later checks take paths inside it as models of the assets' flavor."""
+    cfg = startup.cfg
+    task = load_task(cfg.job.task)
+    task_reward_fn(cfg, task)
+    if cfg.data.format == "synthetic":
+        synthetic_prompts(cfg, task, count=1)
+    assets = task.assets if task is not None else None
+    folder = assets.missing(cfg) if assets is not None else None
+    if assets is not None and folder is not None:
+        startup.assets[folder] = assets.flavor
+
+
 def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> list[str] | None:
     """``count`` prompts of the task for ``data.format = "synthetic"`` (seeded by ``job.seed``); None for other formats.
     Raises ConfigError when the task gives no prompts."""
@@ -103,4 +118,4 @@ def task_reward_fn(cfg: JobConfig, task: Task | None) -> RewardFn | None:
     return task.reward_fn
 
 
-__all__ = ["EvalHook", "Task", "TaskAssets", "load_task", "synthetic_prompts", "task_reward_fn"]
+__all__ = ["EvalHook", "Task", "TaskAssets", "check_task", "load_task", "synthetic_prompts", "task_reward_fn"]

@@ -44,6 +44,7 @@ from fusedrl.components import (
     load_prompts_from_config,
     load_tokenizer,
     peak_memory_gib,
+    resume_step,
 )
 from fusedrl.config import JobConfig
 from fusedrl.distributed import select_device
@@ -68,7 +69,6 @@ from fusedrl.rlhf import (
     reward_fn_metrics,
 )
 from fusedrl.tasks import Task, load_task, synthetic_prompts, task_reward_fn
-from fusedrl.trainer.checks import resume_step
 
 log = logging.getLogger("fusedrl.trainer")
 

@@ -1,0 +1,89 @@
+"""The startup checks of a job: every rule that needs more than the config's own keys (the job's size, the models'
+architectures, files, devices), run before any process group or model is built.
+
+Each rule has one owner, the package whose code it guards (the parallel layout checks its dims, the data component
+its dataset, the model loader its checkpoints), which registers a check function under the entry-point group
+``fusedrl.config_checks`` (pyproject.toml). :func:`run_checks` loads them with :mod:`importlib.metadata` and runs
+them in :data:`ORDER`, so this package imports none of its owners; a user's package registers a check for its own
+component the same way (it runs after fusedrl's). The trainer (``fusedrl.train``) and ``python -m fusedrl.config
+--world_size N`` both call :func:`run_checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from fusedrl.config.job_config import JobConfig
+from fusedrl.config.loader import InputError
+
+GROUP = "fusedrl.config_checks"
+
+# fusedrl's own checks (entry-point names), in the order they run: a refusal names the first problem found, so
+# the cheap rules on the config come before those that read checkpoints, devices and the tokenizer.
+ORDER = (
+    "task",  # tasks: job.task imports and has the parts the config uses; folders it builds after the checks
+    "parallelism",  # distributed: parallel degrees, world size, Critic replicas, generation instances
+    "nodes",  # distributed: no TP group or generation instance across nodes
+    "resume",  # components: checkpoint.resume = true finds a checkpoint
+    "reward",  # rlhf: the rule-based reward function and the Reward model
+    "sampling",  # generation: a sampling distribution PPO can use
+    "recompute",  # rlhf: what needs the old log-probs recomputed
+    "data",  # components: the dataset
+    "models",  # models: checkpoint folders, flavors, vocabulary, sequence length
+    "model_split",  # distributed: the models' layers over pipeline stages, heads over TP ranks
+    "schedule_memory",  # rlhf: fusion.schedule_memory_gib against the fallback schedule's peak
+    "device",  # distributed: training.device
+    "float8",  # distributed: float8 training
+    "tokenizer",  # components: the tokenizer loads and fits the Actor's vocabulary
+)
+
+INSTALL_FIX = "run `pip install -e .` in the fusedrl checkout"
+
+
+@dataclass
+class Startup:
+    """What every startup check reads: the config, the job's size and the folders built after the checks."""
+
+    cfg: JobConfig
+    world_size: int
+    local_world_size: int | None = None  # ranks per node (torchrun's LOCAL_WORLD_SIZE); None skips the node checks
+    assets: dict[Path, str] = field(default_factory=dict)  # a folder built at startup -> the flavor of its models
+
+
+StartupCheck = Callable[[Startup], None]
+
+
+def built_later(assets: dict[Path, str], path: str | Path) -> str | None:
+    """The flavor of the models built later in the folder of ``assets`` that holds ``path``; None when no such
+    folder holds it (then ``path`` must exist now)."""
+    return next((flavor for folder, flavor in assets.items() if Path(path).is_relative_to(folder)), None)
+
+
+def registered_checks() -> list[tuple[str, StartupCheck]]:
+    """(name, function) of every check of the entry-point group, fusedrl's in :data:`ORDER`, then the others by
+    name. Raises InputError when fusedrl's own are not all registered (a source tree without installed metadata, or
+    metadata older than the code): checks are never skipped silently."""
+    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    missing = [name for name in ORDER if name not in found]
+    if missing:
+        what = "no startup checks are" if len(missing) == len(ORDER) else f"the startup checks {', '.join(missing)} are not"
+        raise InputError(
+            f"{what} registered under the entry-point group {GROUP!r} (fusedrl is not installed, or its installed "
+            f"metadata is older than its code); {INSTALL_FIX}"
+        )
+    rank = {name: i for i, name in enumerate(ORDER)}
+    names = sorted(found, key=lambda name: (rank.get(name, len(ORDER)), name))
+    return [(name, found[name].load()) for name in names]
+
+
+def run_checks(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> None:
+    """Run every registered startup check for a job of ``world_size`` ranks (``local_world_size`` per node; None
+    skips the node checks); the first problem raises ConfigError (one line naming the key and the fix)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    startup = Startup(cfg, world_size, local_world_size)
+    for _, check in registered_checks():
+        check(startup)

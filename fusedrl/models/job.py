@@ -1,0 +1,108 @@
+"""The job's models: the architecture each [model] key builds, and the startup check of checkpoints and flavors."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from fusedrl.config import ConfigError, InputError, JobConfig, Startup
+from fusedrl.config.checks import built_later
+from fusedrl.config.loader import format_value, source_of
+from fusedrl.models.hf import read_flavor
+from fusedrl.models.registry import ModelFlavor, Role, resolve_flavor
+
+RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
+MODEL_ROLES: dict[str, Role] = {"actor": "policy", "critic": "value", "reward": "value"}
+DEFAULT_FLAVOR = "debug"  # the Actor's, with an empty name and no checkpoint path
+
+
+def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
+    """The architecture of ``model.<key>`` (actor, critic or reward): the named flavor; with an empty name the one
+    ``config.json`` of ``model.<key>_path`` describes (raises :class:`CheckpointError` if it cannot be built), or
+    without a path the Actor's (for the Actor itself the tiny ``debug`` flavor), randomly initialised. The
+    Reference is built as the Actor."""
+    name, path = getattr(cfg.model, key), getattr(cfg.model, f"{key}_path")
+    if name:
+        return resolve_flavor(name)
+    if path:
+        return read_flavor(path, MODEL_ROLES[key])
+    return resolve_flavor(DEFAULT_FLAVOR) if key == "actor" else model_flavor(cfg, "actor")
+
+
+def neural_models(cfg: JobConfig) -> tuple[str, ...]:
+    """The [model] flavor keys whose models are built: actor, critic and reward (unless ``model.reward = "none"``)."""
+    return ("actor", "critic", "reward") if cfg.model.uses_reward_model else ("actor", "critic")
+
+
+def model_flavors(cfg: JobConfig, assets: dict[Path, str] | None = None) -> dict[str, ModelFlavor]:
+    """The architecture of each built model (:func:`neural_models`) by [model] key; ConfigError naming the key when
+    a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build. A path into one of
+    ``assets`` (folders built after the startup checks -> the flavor of their models, :class:`Startup`) has that
+    flavor. A ``model.reference_path`` with a config.json must describe the Actor's architecture (the Reference is
+    built as the Actor)."""
+    out = {}
+    for key in neural_models(cfg):
+        path = getattr(cfg.model, f"{key}_path")
+        later = built_later(assets or {}, path) if path and not getattr(cfg.model, key) else None
+        try:
+            out[key] = resolve_flavor(later) if later is not None else model_flavor(cfg, key)
+        except InputError as e:
+            raise ConfigError(f"model.{key}: {e}") from None
+        except ValueError as e:  # an unknown flavor name
+            raise ConfigError(f"model.{key} = {getattr(cfg.model, key)!r}: {e}") from None
+    reference = cfg.model.reference_path
+    if reference and (Path(reference) / "config.json").is_file():
+        try:
+            ref = read_flavor(reference)
+        except InputError as e:
+            raise ConfigError(f"model.reference_path: {e}") from None
+        actor = out["actor"]
+        differ = [
+            f.name
+            for f in fields(ModelFlavor)
+            if f.name not in ("name", "max_seq_len") and getattr(ref, f.name) != getattr(actor, f.name)
+        ]
+        if differ:
+            raise ConfigError(
+                f"model.reference_path = {reference!r}: its config.json describes another architecture than the Actor's "
+                f"(it differs in {', '.join(differ)}); the Reference is built as the Actor: give a checkpoint of the "
+                "Actor's architecture"
+            )
+    return out
+
+
+def check_models(startup: Startup) -> None:
+    """Startup check of the four models (raises ConfigError): their checkpoint folders exist (unless built later),
+    their flavors resolve (:func:`model_flavors`), a model without a checkpoint is small enough to initialise
+    randomly in host memory, all share the Actor's vocabulary, and a prompt plus its response fits each one's
+    ``max_seq_len``."""
+    cfg = startup.cfg
+    for key in ("actor_path", "critic_path", "reward_path", "reference_path"):
+        path = getattr(cfg.model, key)
+        if path is not None and built_later(startup.assets, path) is None and not Path(path).is_dir():
+            raise ConfigError(
+                f"model.{key} = {format_value(path)} ({source_of(cfg, f'model.{key}')}): folder not found; "
+                "give an HF-format safetensors folder, or leave it unset for random initialisation"
+            )
+    flavors = model_flavors(cfg, startup.assets)
+    for key, f in flavors.items():
+        if not getattr(cfg.model, f"{key}_path") and f.num_params(MODEL_ROLES[key]) > RANDOM_INIT_MAX_PARAMS:
+            raise ConfigError(
+                f"model.{key}_path is unset: a random initialisation builds the whole {f.name!r} model in host memory "
+                f"(allowed up to {RANDOM_INIT_MAX_PARAMS / 1e9:.0f}B parameters); give an HF checkpoint folder"
+            )
+    actor = flavors["actor"]
+    if any(f.vocab_size != actor.vocab_size for f in flavors.values()):
+        sizes = ", ".join(f"{key} {f.vocab_size}" for key, f in flavors.items())
+        raise ConfigError(
+            f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({sizes}); "
+            "all four models must share the tokenizer"
+        )
+    longest = cfg.sequence_budget
+    key, shortest = min(flavors.items(), key=lambda kv: kv[1].max_seq_len)
+    if longest > shortest.max_seq_len:
+        raise ConfigError(
+            f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {cfg.generation.max_new_tokens} "
+            f"= {longest}: exceeds the max_seq_len {shortest.max_seq_len} of model.{key} (its max_position_embeddings, "
+            "or a sliding window, within which attention is exact); lower one of them"
+        )

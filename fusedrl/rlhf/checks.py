@@ -1,0 +1,32 @@
+"""Startup checks of the PPO settings that depend on other sections: when the old log-probs must be recomputed
+with the training layout, and the fused schedule's activation-memory cap."""
+
+from __future__ import annotations
+
+from fusedrl.config import ConfigError, Startup
+from fusedrl.config.loader import source_of
+from fusedrl.rlhf.program import schedule_memory_limit
+from fusedrl.rlhf.update import recompute_enabled
+
+
+def check_recompute(startup: Startup) -> None:
+    """A quantized engine's log-probs are not the policy's: it needs ``ppo.recompute_logprobs``, as truncated
+    importance sampling does (its weight is trainer / engine); raises ConfigError."""
+    cfg = startup.cfg
+    g, ppo = cfg.generation, cfg.ppo
+    if g.quantize != "none" and not recompute_enabled(cfg):
+        raise ConfigError(
+            f"generation.quantize = {g.quantize!r} with ppo.recompute_logprobs = false: the quantized engine's "
+            "log-probs would become PPO's old log-probs; set --ppo.recompute_logprobs=true (or auto)"
+        )
+    if ppo.tis_cap > 0 and not recompute_enabled(cfg):
+        raise ConfigError(
+            f"ppo.tis_cap = {ppo.tis_cap} ({source_of(cfg, 'ppo.tis_cap')}): truncated importance sampling weighs the "
+            "trainer's old log-probs against the engine's, which needs ppo.recompute_logprobs on; set "
+            "--ppo.recompute_logprobs=true or --ppo.tis_cap=0"
+        )
+
+
+def check_schedule_memory(startup: Startup) -> None:
+    """``fusion.schedule_memory_gib`` is not below sequential 1F1B's peak (:func:`schedule_memory_limit`)."""
+    schedule_memory_limit(startup.cfg, startup.cfg.sequence_budget)
