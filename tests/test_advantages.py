@@ -3,7 +3,6 @@ import torch
 
 from fusedrl.rlhf.advantages import gae, kl_estimate, kl_shaped_rewards, last_token_index, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
-from fusedrl.testing import run_multirank
 
 
 def _mask(rows):
@@ -115,11 +114,11 @@ def _whiten_ranks(x, mask):
     assert torch.allclose(local, expected, atol=1e-5), (local, expected)
 
 
-def test_whiten_across_ranks():
+def test_whiten_across_ranks(rank_pools):
     torch.manual_seed(0)
     x = torch.randn(4, 6)
     mask = (torch.rand(4, 6) > 0.3).float()
-    run_multirank(_whiten_ranks, 2, x, mask, timeout_s=90)
+    rank_pools(2).run(_whiten_ranks, x, mask, timeout_s=90)
 
 
 def test_masked_mean_var_empty_mask():

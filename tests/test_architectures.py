@@ -12,7 +12,6 @@ import torch
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import CheckpointError, ModelFlavor, flavor_from_hf_config, from_pretrained, read_flavor, save_hf_checkpoint
-from fusedrl.testing import run_multirank
 from fusedrl.testing.architectures import TINY_ARCHITECTURES
 
 transformers = pytest.importorskip("transformers")
@@ -213,12 +212,13 @@ def _generate(model) -> dict:
     return {r.id: (r.tokens, r.logprobs) for r in results}
 
 
-def test_gen_tp2_instances_sample_what_one_process_samples(folders):
+@pytest.mark.slow
+def test_gen_tp2_instances_sample_what_one_process_samples(rank_pools, folders):
     even = [a for a, c in TINY_ARCHITECTURES.items() if c["num_attention_heads"] % 2 == c["num_key_value_heads"] % 2 == 0]
     assert len(even) == len(ARCHS) - 1  # all but the 9-head Llama
     paths = {arch: folders[arch][1] for arch in even}
     single = {arch: _generate(from_pretrained(folder).model.eval()) for arch, folder in paths.items()}
-    for rank_out in run_multirank(_tp_generation, 2, paths, timeout_s=240):
+    for rank_out in rank_pools(2).run(_tp_generation, paths, timeout_s=240):
         for arch, results in rank_out.items():
             for i, (tokens, logprobs) in results.items():
                 assert tokens == single[arch][i][0], (arch, i)

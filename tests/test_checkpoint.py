@@ -13,7 +13,6 @@ from torch import nn
 from fusedrl.components.checkpoint import COMPLETE_MARKER, CheckpointManager, export_hf
 from fusedrl.components.lr_schedule import build_lr_scheduler
 from fusedrl.components.optimizer import build_optimizer
-from fusedrl.testing import run_multirank
 
 
 class Counter:
@@ -221,5 +220,5 @@ def _fsdp_ranks(folder):
         assert torch.equal(v, full_before[k]), k
 
 
-def test_fsdp2_two_ranks_round_trip_and_hf_export(tmp_path):
-    run_multirank(_fsdp_ranks, 2, str(tmp_path), timeout_s=150)
+def test_fsdp2_two_ranks_round_trip_and_hf_export(rank_pools, tmp_path):
+    rank_pools(2).run(_fsdp_ranks, str(tmp_path), timeout_s=150)

@@ -57,6 +57,7 @@ def _checked_trainer_run(out: str) -> int:
     return len(history)
 
 
+@pytest.mark.slow
 def test_a_trainer_run_passes_every_collective_a_served_device(tmp_path):
     # pp=2 x dp_shard=2 training, instances of gen_tp=2: weight sync, migration, checkpoint, export and a trace
     assert run_multirank(_checked_trainer_run, 4, str(tmp_path), timeout_s=300) == [2] * 4

@@ -17,7 +17,6 @@ from fusedrl.components.metrics import (
     read_jsonl,
 )
 from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm, param_groups
-from fusedrl.testing import run_multirank
 
 
 class Tiny(nn.Module):
@@ -94,8 +93,8 @@ def _clip_ranks():
     assert torch.allclose(local, torch.full((3, 3), (rank + 1) / expected), rtol=1e-4)
 
 
-def test_clip_grad_norm_over_pp_group_with_dtensors():
-    run_multirank(_clip_ranks, 2, timeout_s=90)
+def test_clip_grad_norm_over_pp_group_with_dtensors(rank_pools):
+    rank_pools(2).run(_clip_ranks, timeout_s=90)
 
 
 def test_lr_schedule():

@@ -15,16 +15,9 @@ from torch.distributed.tensor import DTensor
 from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder, stage_layer_ranges
 from fusedrl.layouts import HostCopies
 from fusedrl.models import build_model
-from fusedrl.testing import MultiRankPool, run_multirank
+from fusedrl.testing import run_multirank
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def two_ranks():
-    """Two gloo ranks shared by this module's CPU multi-rank tests (one process start-up)."""
-    with MultiRankPool(2) as pool:
-        yield pool
 
 
 def _batch(batch_size: int = 4, seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -193,13 +193,14 @@ def _check_gradients(
                 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pp,dp,ma,mc,boundaries",
     # the debug decoder has 2 layers: at pp=4 the first stage holds only the embedding, the last only the head
     [(2, 1, 4, 2, None), (2, 2, 2, 2, None), (4, 1, 4, 2, (0, 1, 2))],
     ids=["pp2-dp1", "pp2-dp2", "pp4-dp1"],
 )
-def test_gradients_match_single_process_reference(pp, dp, ma, mc, boundaries):
+def test_gradients_match_single_process_reference(rank_pools, pp, dp, ma, mc, boundaries):
     # programs are planned once here: a search cut short by its wall-clock guard could differ between ranks
     kinds = ("sequential", "fused") + (("split_backward",) if pp == 2 and dp == 1 else ())
     kinds += ("planned_split",) if pp == 2 else ()
@@ -211,7 +212,7 @@ def test_gradients_match_single_process_reference(pp, dp, ma, mc, boundaries):
     # pp2-dp1 also runs minibatches of several padded lengths (accumulated gradients): three shapes, then the first
     # again, which the stage cache (two per model) evicted and rebuilds
     seq_lens = (SEQ, SEQ + 2, SEQ + 4, SEQ) if pp == 2 and dp == 1 else (SEQ,)
-    run_multirank(_check_gradients, pp * dp, programs, pp, dp, ma, mc, 4, seq_lens, boundaries, timeout_s=240.0)
+    rank_pools(pp * dp).run(_check_gradients, programs, pp, dp, ma, mc, 4, seq_lens, boundaries, timeout_s=240.0)
 
 
 def _every_architecture(program, flavors) -> None:
@@ -219,18 +220,18 @@ def _every_architecture(program, flavors) -> None:
         _check_gradients({"fused": program}, 2, 1, 2, 2, 2, (SEQ,), flavor=flavor)
 
 
-def test_every_architecture_gives_the_reference_gradients_at_pp2():
+def test_every_architecture_gives_the_reference_gradients_at_pp2(rank_pools):
     """Llama (biases, head_dim != hidden / heads, 9 heads), llama3 RoPE, Mistral, Qwen2 (odd vocabulary), Qwen3 (q/k
     norms, with and without biases), tied and untied: the fused pp=2 program's gradients are the single process's."""
     flavors = [flavor_from_hf_config(config) for config in TINY_ARCHITECTURES.values()]
-    run_multirank(_every_architecture, 2, _program("fused", 2, 2, 2), flavors, timeout_s=240.0)
+    rank_pools(2).run(_every_architecture, _program("fused", 2, 2, 2), flavors, timeout_s=240.0)
 
 
-def test_tied_embedding_gradients_match_the_reference_at_pp2():
+def test_tied_embedding_gradients_match_the_reference_at_pp2(rank_pools):
     """debug_qwen ties its LM head to the embedding: at pp=2 the two copies live on different ranks and their
     gradients are summed (TiedEmbeddings) into the unsplit model's one gradient."""
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
-    run_multirank(_check_gradients, 2, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug_qwen", timeout_s=240.0)
+    rank_pools(2).run(_check_gradients, programs, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug_qwen", timeout_s=240.0)
 
 
 def _tensor_parallel_cases(programs, qwen3) -> None:
@@ -238,21 +239,23 @@ def _tensor_parallel_cases(programs, qwen3) -> None:
     _check_gradients({"fused": programs["fused"]}, 2, 1, 2, 2, 4, (SEQ,), None, "cpu", 2, flavor=qwen3)
 
 
-def test_tensor_parallel_training_gradients_match_the_reference():
+@pytest.mark.slow
+def test_tensor_parallel_training_gradients_match_the_reference(rank_pools):
     """pp=2 x tp=2 (4 ranks, FSDP2 over the TP shards as in the trainer; vocabulary-parallel embedding and LM head),
     fp32: gradients equal the single-process ones to rtol 1e-4 / atol 1e-6 (the TP all-reduces sum the heads'
     partial products in another order than one matmul does: float reassociation). Also a Qwen3 (per-head q/k norms,
     whose weight gradient each TP rank holds only for its heads until the plan sums it) with biases."""
     programs = {kind: _program(kind, 2, 2, 2) for kind in ("sequential", "fused")}
     qwen3 = flavor_from_hf_config(TINY_ARCHITECTURES["qwen3_biased"])
-    run_multirank(_tensor_parallel_cases, 4, programs, qwen3, timeout_s=300.0)
+    rank_pools(4).run(_tensor_parallel_cases, programs, qwen3, timeout_s=300.0)
 
 
-def test_activation_checkpointing_gives_the_reference_gradients():
+@pytest.mark.slow
+def test_activation_checkpointing_gives_the_reference_gradients(rank_pools):
     """training.activation_checkpointing = "full" on pp=2 x dp_shard=2 with FSDP2: layers recomputed in the
     backward give the single-process gradients, and parameter names are unchanged (checked in _check_gradients)."""
     programs = {"fused": _program("fused", 2, 2, 2)}
-    run_multirank(_check_gradients, 4, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True, timeout_s=240.0)
+    rank_pools(4).run(_check_gradients, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True, timeout_s=240.0)
 
 
 def test_misordered_program_is_rejected_before_running():
@@ -279,13 +282,14 @@ def test_split_program_with_recomputed_layers_is_refused():
         FusedPipelineSchedule(_program("split_backward", 2, 2, 2), spec, spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "pp,dp,tp,critic_stages,boundaries",
     # pp=4: the Actor's first stage holds only the embedding, its last only the head; the Critic's 2 stages 1 layer each
     [(2, 1, 1, 1, None), (4, 1, 1, 2, (0, 1, 2)), (2, 2, 1, 1, None), (2, 1, 2, 1, None)],
     ids=["pp2-critic1", "pp4-critic2", "pp2-dp2-critic1", "pp2-tp2-critic1"],
 )
-def test_critic_replicas_give_the_reference_gradients(pp, dp, tp, critic_stages, boundaries):
+def test_critic_replicas_give_the_reference_gradients(rank_pools, pp, dp, tp, critic_stages, boundaries):
     """A Critic with fewer stages than the Actor runs as pp / critic_stages replicas, each on its share of the
     micro-batches; hybrid sharding averages their gradients: every replica holds the single-process gradients (also
     with the replicas tensor-parallel, FSDP2 over the TP shards as in the trainer's layout)."""
@@ -293,7 +297,7 @@ def test_critic_replicas_give_the_reference_gradients(pp, dp, tp, critic_stages,
     kinds = ("sequential", "fused") + (("planned_split",) if pp == 2 and dp == tp == 1 else ())
     programs = {kind: _program(kind, pp, ma, mc, critic_stages) for kind in kinds}
     args = (programs, pp, dp, ma, mc, 4, (SEQ,), boundaries, "cpu", tp)
-    run_multirank(_check_gradients, pp * dp * tp, *args, critic_stages=critic_stages, timeout_s=240.0)
+    rank_pools(pp * dp * tp).run(_check_gradients, *args, critic_stages=critic_stages, timeout_s=240.0)
 
 
 def test_critic_replicas_without_hybrid_sharding_are_refused():
@@ -362,5 +366,5 @@ def _chunked_head_gradients(program) -> None:
             torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name}: {s}")
 
 
-def test_chunked_lm_head_in_the_loss_gives_the_full_logits_gradients():
-    run_multirank(_chunked_head_gradients, 2, _program("fused", 2, 2, 2), timeout_s=120.0)
+def test_chunked_lm_head_in_the_loss_gives_the_full_logits_gradients(rank_pools):
+    rank_pools(2).run(_chunked_head_gradients, _program("fused", 2, 2, 2), timeout_s=120.0)

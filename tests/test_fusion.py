@@ -31,7 +31,6 @@ from fusedrl.fusion.workload import lmsys_lengths
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
 from fusedrl.rlhf import Experience, Scorer, ScoringModels
-from fusedrl.testing import run_multirank
 
 # ------------------------------------------------------------------------------------------------ plans
 
@@ -382,10 +381,11 @@ SCENARIOS_2 = {
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_multirank(_run_scenarios, 2, SCENARIOS_2, timeout_s=240)[0]
+def two_ranks(rank_pools):
+    return rank_pools(2).run(_run_scenarios, SCENARIOS_2, timeout_s=240)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kv", "reprefill"])
 def test_two_ranks_fusion_changes_no_output(two_ranks, name):
     off, on = two_ranks[name][False], two_ranks[name][True]
@@ -434,8 +434,9 @@ SCENARIOS_4 = {
 }
 
 
-def test_four_ranks_fusion_changes_no_output():
-    results = run_multirank(_run_scenarios, 4, SCENARIOS_4, timeout_s=240)[0]
+@pytest.mark.slow
+def test_four_ranks_fusion_changes_no_output(rank_pools):
+    results = rank_pools(4).run(_run_scenarios, SCENARIOS_4, timeout_s=240)[0]
     for name in SCENARIOS_4:
         off, on = results[name][False], results[name][True]
         _check_same_outputs(off, on)
@@ -537,9 +538,10 @@ def _tp_rollouts(gen_tp: int) -> dict:
     return out
 
 
-def test_instances_of_two_tp_ranks_give_the_samples_and_scores_of_single_rank_instances():
-    single = run_multirank(_tp_rollouts, 4, 1, timeout_s=300)
-    tp2 = run_multirank(_tp_rollouts, 4, 2, timeout_s=300)
+@pytest.mark.slow
+def test_instances_of_two_tp_ranks_give_the_samples_and_scores_of_single_rank_instances(rank_pools):
+    single = rank_pools(4).run(_tp_rollouts, 1, timeout_s=300)
+    tp2 = rank_pools(4).run(_tp_rollouts, 2, timeout_s=300)
     reference = single[0]["off"]
     for rank, runs in enumerate(tp2):
         for name in ("off", "kv", "reprefill"):

@@ -227,6 +227,7 @@ def test_int8_weight_only_engine_matches_its_quantized_model(model):
         torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_decode_and_prefill_equal_eager(model, tmp_path, monkeypatch):
     """Both compiled: the prefill of 3 prompts of 2-12 tokens is one graph (symbolic rows and length), the decode
     step with its sampling another (batch bucket 4, length bucket 32): two graphs in all, no graph break. Inductor
@@ -262,6 +263,7 @@ def test_load_weights_replaces_the_generation_weights(model, quantize):
     assert res.tokens == _reference_greedy(expected_model, prompt, GREEDY.max_new_tokens)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_weights_changed_in_place_after_decoding_are_used(compile):
     # The engine may cache derived copies of the weights (the CPU linears' transposed and packed layouts); an in-place update

@@ -1,11 +1,11 @@
 """Multi-process generation tests: request migration between processes, weight sync from the training layout."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams, recv_states, send_states
 from fusedrl.models import build_model
-from fusedrl.testing import run_multirank
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=10)
 
@@ -49,9 +49,9 @@ def _migrate_in_both_modes() -> dict:
     return {mode: _migrate_between_ranks(mode) for mode in ("kv", "reprefill")}
 
 
-def test_export_on_one_process_import_on_another():
+def test_export_on_one_process_import_on_another(rank_pools):
     reference = GenerationEngine(_model(), max_slots=3, max_len=64, seed=3).generate(_requests())
-    rank0, rank1 = run_multirank(_migrate_in_both_modes, 2, timeout_s=120)
+    rank0, rank1 = rank_pools(2).run(_migrate_in_both_modes, timeout_s=120)
     for mode in ("kv", "reprefill"):
         assert set(rank0[mode]) == {0, 2} and set(rank1[mode]) == {1, "resident"}
         merged = {**rank0[mode], **rank1[mode]}
@@ -90,7 +90,8 @@ def _sync_from_pp2_dp2(tokens: torch.Tensor) -> dict:
     return {"logits": logits.tolist(), "tokens": result.tokens, "bytes": stats.bytes, "seconds": stats.seconds}
 
 
-def test_weight_sync_from_pp2_dp_shard2_training_layout():
+@pytest.mark.slow
+def test_weight_sync_from_pp2_dp_shard2_training_layout(rank_pools):
     reference = _perturbed_training_model()
     tokens = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -101,7 +102,7 @@ def test_weight_sync_from_pp2_dp_shard2_training_layout():
         .tokens
     )
     full_bytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
-    for out in run_multirank(_sync_from_pp2_dp2, 4, tokens, timeout_s=150):
+    for out in rank_pools(4).run(_sync_from_pp2_dp2, tokens, timeout_s=150):
         torch.testing.assert_close(torch.tensor(out["logits"]), ref_logits)
         assert out["tokens"] == ref_tokens
         # each rank receives every block of the model it does not hold itself, once

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fusedrl.testing.image import read_names, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +29,7 @@ def _check(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(tmp_path):
     summary, _ = _check("--out", str(tmp_path))
     assert summary["ok"] and summary["dry_run"] and STEPS <= set(summary)
@@ -50,6 +53,7 @@ def test_gpu_check_only_runs_the_named_step(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["generation_bench.json"]
 
 
+@pytest.mark.slow
 def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels():
     """Every fusedrl module, test module and the check itself import when only the GPU image's distributions (and,
     for the image packages' newer versions here, their dependencies) and scripts/gpu_wheels.txt's are importable."""

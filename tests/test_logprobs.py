@@ -246,6 +246,7 @@ def _engine_runs(out: str) -> dict[str, list[dict]]:
     }
 
 
+@pytest.mark.slow
 def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path):
     """pp = 2 on 2 ranks, sampling at temperature 0.7: with a bf16 or int8 engine the old log-probs are recomputed
     ("auto"), so the first minibatch's ratio is exactly 1 and nothing clips, while the engine's own log-probs were

@@ -153,6 +153,7 @@ def test_cli_json_and_training_walk(capsys):
         assert 1 <= rank["in_flight_max"]["actor"] <= 4 and 1 <= rank["in_flight_max"]["critic"] <= 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("critic", [[], ["--parallelism.pp_critic=1"]], ids=["critic-pp2", "critic-replicas"])
 def test_measured_trainer_memory_matches_the_estimate(capsys, critic):
     """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent

@@ -125,6 +125,7 @@ def one_node(tmp_path_factory) -> tuple[list[Agent], list[dict]]:
     return agents, read_jsonl(out / "run" / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_two_agents_place_ranks_by_node_and_train_as_one_agent_does(tmp_path, one_node):
     port = free_port()
     # c10d rendezvous: both agents name the same endpoint and --rdzv_id; the rendezvous assigns node ranks

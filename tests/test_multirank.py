@@ -32,6 +32,7 @@ def _pid() -> int:
     return os.getpid()
 
 
+@pytest.mark.slow
 def test_results_are_returned_per_rank():
     results = run_multirank(_allreduce_rank, 3, 10, scale=2)
     # all_reduce of rank+10 over ranks 0..2 = 33, times scale 2
@@ -46,6 +47,7 @@ def test_local_function_is_refused_clearly():
         run_multirank(local_fn, 2)
 
 
+@pytest.mark.slow
 def test_pool_reuses_processes_and_recovers_after_a_failure():
     with MultiRankPool(2) as pool:
         first = pool.run(_pid)
@@ -57,6 +59,7 @@ def test_pool_reuses_processes_and_recovers_after_a_failure():
         assert set(pool.run(_pid)).isdisjoint(first)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hang_is_killed_at_timeout(tmp_path):
     with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 10s \(ranks \[0\] returned"):

@@ -14,6 +14,8 @@ log-probs, each of magnitude about length x entropy, so it is checked within 1% 
 import math
 from pathlib import Path
 
+import pytest
+
 from fusedrl.testing import run_multirank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +53,7 @@ def _train(out: str, extra: list[str]) -> list[dict]:
     return Trainer(load_config(["--job.config_file", CONFIG, *SMALL, f"--job.output_dir={out}", *extra])).train()
 
 
+@pytest.mark.slow
 def test_bf16_run_tracks_the_fp32_run(tmp_path):
     fp32 = run_multirank(_train, 4, str(tmp_path / "fp32"), [], timeout_s=300)[0]
     bf16 = run_multirank(_train, 4, str(tmp_path / "bf16"), BF16, timeout_s=300)[0]

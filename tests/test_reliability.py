@@ -222,6 +222,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
     import os
     import subprocess
@@ -308,6 +309,7 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
     return trainer.train(), checksums
 
 
+@pytest.mark.slow
 def test_nan_reward_in_a_full_trainer_run_skips_that_update_on_every_rank(tmp_path):
     """End to end on 4 ranks (pp=2 x dp_shard=2) through the pipeline executor and FSDP: the NaN reaches
     every rank's loss via KL shaping, GAE and whitening; all ranks skip together and then train on."""

@@ -8,16 +8,9 @@ from torch.distributed.tensor import DTensor
 from fusedrl.distributed import ParallelDims, apply_fsdp, apply_tp, split_decoder
 from fusedrl.distributed.reshard import Box, local_tensor, plan_reshard, reshard
 from fusedrl.models import build_model, flavor_from_hf_config
-from fusedrl.testing import MultiRankPool
 from fusedrl.testing.architectures import TINY_ARCHITECTURES
 
 QWEN3 = flavor_from_hf_config(TINY_ARCHITECTURES["qwen3_biased"])  # q/k norms inside the projections, o_proj bias
-
-
-@pytest.fixture(scope="module")
-def four_ranks():
-    with MultiRankPool(4) as pool:
-        yield pool
 
 
 def test_box_intersection_and_index():
@@ -74,6 +67,7 @@ def _reshard_case(flavor, role: str, pp: int, dp: int, tp: int, gen_tp: int, dty
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     [

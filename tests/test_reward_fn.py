@@ -235,6 +235,7 @@ def _instance_worker() -> dict:
     return {"values": values, "calls": calls, "stopped": stopped}
 
 
+@pytest.mark.slow
 def test_an_instance_runs_the_function_once_and_shares_its_values():
     results = run_multirank(_instance_worker, 2, timeout_s=120.0)
     assert [r["values"] for r in results] == [[0.0, 1.0], [0.0, 1.0]]
@@ -366,6 +367,7 @@ def _trainer_runs(out: str) -> dict:
 COMPARED = ("reward_mean", "reward_fn_mean", "policy_loss", "value_loss", "kl", "grad_norm_actor", "response_len_mean")
 
 
+@pytest.mark.slow
 def test_trainer_with_the_debug_reward_function_alone_and_added(tmp_path):
     runs = run_multirank(_trainer_runs, 2, str(tmp_path), timeout_s=400.0)
     r = runs[0]
@@ -425,6 +427,7 @@ def _failing_runs(out: str) -> dict:
     return {"skip": skipped, "stop": stopped}
 
 
+@pytest.mark.slow
 def test_trainer_failures_are_counted_under_skip_and_end_the_run_under_stop(tmp_path):
     (r,) = run_multirank(_failing_runs, 1, str(tmp_path), timeout_s=300.0)
     skip = r["skip"]

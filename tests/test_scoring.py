@@ -141,5 +141,6 @@ def _score_tensor_parallel() -> None:
         torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_scorer_accepts_tensor_parallel_models():
     run_multirank(_score_tensor_parallel, 2)

@@ -47,6 +47,7 @@ def test_chat_prompts_and_stop_tokens_are_transformers(models):
     assert ours.stop_token_ids == (theirs.convert_tokens_to_ids("<|im_end|>"),) == (2,)
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_equal_transformers(models):
     model, _, hf = models
     tok = load_tokenizer(FOLDER)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fusedrl.components.data import load_prompts
 from fusedrl.components.tokenizer import load_tokenizer
 from fusedrl.testing.stress import BAD_ROWS, stress, write_prompt_file
@@ -24,6 +26,7 @@ def test_prompt_file_reports_every_injected_row_at_its_line(tmp_path):
     assert set(injected.values()) <= set(BAD_ROWS)
 
 
+@pytest.mark.slow
 def test_fifty_iterations_with_random_migrations_and_bad_prompts_lose_nothing(tmp_path):
     r = stress(tmp_path, steps=50, nproc=4, seed=0, timeout_s=600)
     assert r["steps"] == 50

@@ -139,6 +139,7 @@ def _assert_close(a: dict, b: dict, keys, rel: float, what: str) -> None:
         assert x == pytest.approx(y, rel=rel, abs=1e-6), f"{what}: {k} differs: {x} vs {y}"
 
 
+@pytest.mark.slow
 def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
     on, off = histories["on"], histories["off"]
     assert [len(on), len(off)] == [2, 2]
@@ -164,6 +165,7 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
     assert all(-1.0 <= h["true_score"] <= 1.0 and h["time_eval"] > 0 for h in on + off)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["on", "replicas"])
 def test_resume_continues_exactly(histories, name):
     run, resumed = histories[name], histories[f"{name}_resumed"]
@@ -171,6 +173,7 @@ def test_resume_continues_exactly(histories, name):
     _assert_close(resumed[0], run[1], COMPARED + ("true_score", "lr_actor", "lr_critic"), 1e-6, "resumed step 2")
 
 
+@pytest.mark.slow
 def test_critic_replicas_train_like_one_critic_pipeline(histories, train_dir):
     """pp_critic=1 at pp=2: two Critic replicas, each training half of the micro-batches, their gradients averaged by
     hybrid sharding: the same losses, rewards and gradient norms as the Critic split over both stages. The
@@ -191,6 +194,7 @@ def test_critic_replicas_train_like_one_critic_pipeline(histories, train_dir):
         assert stored == math.prod(meta.size), f"{name}: {stored} elements stored for a tensor of {math.prod(meta.size)}"
 
 
+@pytest.mark.slow
 def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
     from fusedrl.components import read_jsonl
     from fusedrl.models import build_model, load_hf_checkpoint
@@ -309,6 +313,7 @@ def test_config_cli_with_world_size_runs_the_trainers_checks(overrides, message,
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank_without_traceback(tmp_path):
     bad = tmp_path / "actor"
     shutil.copytree(ROOT / "assets" / "debug" / "actor", bad)
@@ -345,6 +350,7 @@ def test_a_bad_checkpoint_under_torchrun_is_one_line_from_one_rank_without_trace
     assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_bad_config_with_one_line_and_exit_status_2():
     # Rank 0 of 4 with a rendezvous nobody else joins: starting a process group would hang until the timeout.
     env = {

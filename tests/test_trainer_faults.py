@@ -230,6 +230,7 @@ def killed(tmp_path_factory):
     return out, job, metrics
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_job_naming_it_and_leaves_the_last_complete_checkpoint(killed):
     out, job, metrics = killed
     tail = job.output[-4000:]
@@ -254,6 +255,7 @@ def test_killed_rank_ends_the_job_naming_it_and_leaves_the_last_complete_checkpo
     print(f"--- rank 0's log after rank 1 was killed (tail) ---\n{job.rank0_log[-3000:]}")
 
 
+@pytest.mark.slow
 def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed, uninterrupted):
     out, _, killed_metrics = killed
     job = _launch(out, "--checkpoint.resume=true")
@@ -281,6 +283,7 @@ def test_resume_after_the_kill_continues_from_step_2_and_repeats_step_3(killed, 
     assert CheckpointManager(out / "checkpoints", {}).complete_steps() == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_by_itself_with_resume_auto(tmp_path, uninterrupted):
     """The kill of the first test in a job that torchrun may restart once: the restarted workers find the step-2
     checkpoint (checkpoint.resume = "auto") and finish the run as the uninterrupted one did."""
@@ -310,6 +313,7 @@ def test_torchrun_restart_resumes_by_itself_with_resume_auto(tmp_path, uninterru
     assert CheckpointManager(tmp_path / "checkpoints", {}).complete_steps() == [2, 4, 6, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_without_an_agent_the_surviving_rank_names_the_dead_one(tmp_path, fault):
     """Two trainer processes started by hand (rank 0 hosts the store); in iteration 4 rank 1 is SIGKILLed (its

@@ -26,7 +26,6 @@ from fusedrl.models import (
     tune_to_hf_state,
 )
 from fusedrl.models.weights import fill_slices, hf_name, hf_to_tune_rows, local_indices, shard_indices, tune_to_hf_rows
-from fusedrl.testing import MultiRankPool, run_multirank
 
 
 def _random_model(flavor: str, role: str, seed: int) -> torch.nn.Module:
@@ -334,12 +333,7 @@ def _two_rank_layouts(folders: dict) -> None:
     assert stage.output.weight.to_local().shape == (256, 64)
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    with MultiRankPool(2, timeout_s=300) as pool:
-        yield pool
-
-
+@pytest.mark.slow
 def test_tp_and_fsdp_shards_equal_the_full_model(two_ranks, folders):
     two_ranks.run(_two_rank_layouts, folders)
 
@@ -415,5 +409,6 @@ def _tp_fsdp_2d(folders: dict) -> None:
     assert any("_StridedShard" in p for p in placements), placements  # FSDP over TP on the same dim
 
 
-def test_tp_x_fsdp_2d_mesh_shards_equal_the_full_model(folders):
-    run_multirank(_tp_fsdp_2d, 4, folders, timeout_s=400)
+@pytest.mark.slow
+def test_tp_x_fsdp_2d_mesh_shards_equal_the_full_model(rank_pools, folders):
+    rank_pools(4).run(_tp_fsdp_2d, folders, timeout_s=400)
