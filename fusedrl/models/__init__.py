@@ -1,17 +1,8 @@
 """Decoder architectures over torchtune modules: flavors (named, or read from an HF config.json), roles, HF weights;
 the architecture each [model] key of a job builds and its startup check (``fusedrl.models.job``)."""
 
-from fusedrl.models.hf import (
-    CheckpointError,
-    PretrainedModel,
-    flavor_from_hf_config,
-    from_pretrained,
-    hf_config,
-    load_hf_checkpoint,
-    load_hf_weights,
-    read_flavor,
-    save_hf_checkpoint,
-)
+from fusedrl.models.hf import PretrainedModel, from_pretrained, load_hf_checkpoint, load_hf_weights, save_hf_checkpoint
+from fusedrl.models.hf_config import CheckpointError, flavor_from_hf_config, hf_config, read_flavor
 from fusedrl.models.job import (
     DEFAULT_FLAVOR,
     MODEL_ROLES,

@@ -8,7 +8,7 @@ from pathlib import Path
 from fusedrl.config import ConfigError, InputError, JobConfig, Startup
 from fusedrl.config.checks import built_later
 from fusedrl.config.loader import format_value, source_of
-from fusedrl.models.hf import read_flavor
+from fusedrl.models.hf_config import read_flavor
 from fusedrl.models.registry import ModelFlavor, Role, resolve_flavor
 
 RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
