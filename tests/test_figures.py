@@ -1,7 +1,10 @@
 """The derived figures of a flavor (fusedrl.models.figures) against hand computations, and their users."""
 
+from pathlib import Path
+
 import pytest
 
+from fusedrl.config import load_config, microbatch_count
 from fusedrl.distributed.pipeline import stage_layer_ranges
 from fusedrl.models import FLAVORS
 from fusedrl.models.figures import (
@@ -11,7 +14,8 @@ from fusedrl.models.figures import (
     stage_forward_flops,
     stage_layer_counts,
 )
-from fusedrl.pipelining import CostModel, Placement
+from fusedrl.pipelining import ACTOR, CRITIC, CostModel, Placement
+from fusedrl.rlhf import pipeline_costs
 
 DEBUG = FLAVORS["debug"]  # vocab 512, 2 layers, 4 heads of 16, 2 KV heads, dim 64, intermediate 192
 
@@ -51,3 +55,12 @@ def test_cost_model_times_are_the_figures_over_the_rate():
         assert stages.f == tuple(total / 1e12 for total, _ in flops)
         assert stages.w == tuple(matmul / 1e12 for _, matmul in flops)
         assert stages.mem == tuple(k * layer_activation_bytes(large, 512, 2) / 2**30 for k in stage_layer_counts(8, n))
+
+
+def test_microbatch_count_is_one_rule_for_config_and_planner():
+    assert microbatch_count(64, 2, 4) == 8  # 64 samples over 2 data-parallel shards, 4 per micro-batch
+    config = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_ppo.toml")
+    cfg = load_config(["--job.config_file", config, "--parallelism.pp=2", "--parallelism.pp_critic=1"])
+    expected = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+    assert cfg.microbatches == expected
+    assert pipeline_costs(cfg, cfg.sequence_budget)[2] == {ACTOR: expected, CRITIC: expected // 2}  # two Critic replicas

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fusedrl.bench.fusion import BF16, GPU_MEMORY_FOR_MODELS, LLAMA1, PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT, best_vs_best
+from fusedrl.config import microbatch_count
 from fusedrl.fusion.simulator import RolloutConfig, RolloutCosts, best_migration, simulate_rollout, split_round_robin
 from fusedrl.fusion.workload import lmsys_lengths
 from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
@@ -56,7 +57,9 @@ LLAMA_13B, LLAMA_33B, LLAMA_65B = LLAMA1["13B"], LLAMA1["33B"], LLAMA1["65B"]
 
 
 def params(model: ModelFlavor) -> int:
-    """The layers' weight matrices, the embedding and an output head (norms left out)."""
+    """This model's size of every LLaMA: the layers' weight matrices, the embedding and an LM head (norms left out, the
+    Critic counted with an LM head too), as docs/fusion.md's figures were made; ``ModelFlavor.num_params`` (every
+    parameter, the value head) would move the optimizer step by 0.3% and the speedups in their fourth digit."""
     return model.num_layers * layer_matmul_params(model) + 2 * model.vocab_size * model.embed_dim
 
 
@@ -244,8 +247,8 @@ def optimizer_step_s(setting: Setting, layout: TrainingLayout, gpu: Accelerator)
 def microbatches_per_pipeline(setting: Setting, layout: TrainingLayout, workload: Workload) -> int:
     """Actor micro-batches per minibatch on one data-parallel replica (each Critic replica takes its share of them)."""
     replicas = layout.pp // layout.pp_critic
-    per_replica, rem = divmod(workload.minibatch, layout.dp * workload.microbatch)
-    if rem or per_replica < replicas or per_replica % replicas:
+    per_replica = microbatch_count(workload.minibatch, layout.dp, workload.microbatch)
+    if workload.minibatch % (layout.dp * workload.microbatch) or per_replica < replicas or per_replica % replicas:
         raise ValueError(
             f"{setting.name}: minibatch {workload.minibatch} does not split into micro-batches of {workload.microbatch} "
             f"samples over {layout.dp} data-parallel replica(s) and {replicas} Critic replica(s); "

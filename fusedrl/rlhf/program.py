@@ -44,8 +44,7 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
         seq_len=seq_len,
     )
-    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
-    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
+    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches // par.critic_replicas}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
@@ -108,7 +107,7 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     )
     critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
     if layout.pp == 1:
-        layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
+        layout.microbatches = cfg.microbatches
         layout.schedule = LocalSchedule(
             actor_spec,
             critic_spec,
