@@ -82,6 +82,7 @@ PAPER_MODELS = [
         LLAMA1["13B"].num_layers,
     ),
 ]
+TRACE_COLORS = {"decode": "#4c8bd6", "migrate": "#d64c4c", "score": "#f0a04b"}  # the rollout's spans in --trace-dir's charts
 PAPER_TP = (1, 2, 4, 8)  # GPUs per generation instance (tensor parallel); instances = PAPER_GPUS / TP
 PRIMARY = ("H100 SXM", "13B actor+ref, 33B reward/critic")  # sim_speedup: best unfused TP vs best fused TP
 
@@ -320,38 +321,6 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
     )
 
 
-# ---------------------------------------------------------------------------------------------- trace picture
-def save_trace_png(events: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"decode": "#4c8bd6", "migrate": "#d64c4c", "score": "#f0a04b"}
-    spans = [e for e in events if e.get("ph") == "X"]
-    ranks = sorted({e["pid"] for e in spans})
-    fig, ax = plt.subplots(figsize=(11, 0.7 * len(ranks) + 1.3))
-    for e in spans:
-        ax.barh(e["pid"], e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.7, color=colors.get(e["name"], "gray"))
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.legend(
-        [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-        list(colors),
-        ncol=3,
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-        frameon=False,
-    )
-    ax.set_title(title, loc="left", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -437,13 +406,14 @@ def main() -> None:
     print(f"    real_vs_sim_error per fused run {', '.join(f'{e:.1%}' for e in errors)} -> median {err:.1%}")
 
     if args.trace_dir is not None:
-        from fusedrl.components.metrics import ChromeTrace
+        from fusedrl.components.metrics import ChromeTrace, save_gantt_png
 
         for name, events in (("off", real["trace_off"]), ("on", real["trace_on"])):
             trace = ChromeTrace()
             trace.extend(events)
             trace.save(args.trace_dir / f"fusion_{name}.json")
-            save_trace_png(events, args.trace_dir / f"fusion_{name}.png", f"generation + scoring, fusion {name} (2 ranks)")
+            title = f"generation + scoring, fusion {name} (2 ranks)"
+            save_gantt_png(trace, args.trace_dir / f"fusion_{name}.png", TRACE_COLORS, title=title)
         print(f"    traces: {args.trace_dir}/fusion_{{off,on}}.json and .png")
 
     if args.json:

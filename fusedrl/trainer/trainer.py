@@ -371,14 +371,8 @@ class Trainer:
         for e in rollout_trace.events:
             shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
             merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
-        for a in timeline.events if timeline is not None else ():
-            merged.complete(
-                f"{a.action.model} {a.action.kind}{a.action.microbatch}",
-                a.start - t0 / 1e6,
-                a.end - a.start,
-                pid="training (last minibatch)",
-                tid=f"pp rank {a.rank}",
-            )
+        if timeline is not None:
+            timeline.to_chrome_trace(merged, t0=t0 / 1e6, pid="training (last minibatch)")
         path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
         log.info("trace of step %d written to %s", step, path)
 
