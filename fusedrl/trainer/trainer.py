@@ -162,7 +162,7 @@ class Trainer:
         if cfg.training.offload_frozen:  # in host memory until the first rollout
             self.frozen = HostCopies([m for m in (self.rollout.reference, self.rollout.reward) if m is not None])
             self.frozen.release()
-        build_executor(cfg, self.layout, self.device)
+        self.executor = build_executor(cfg, self.layout, self.device)
         texts = synthetic_prompts(cfg, self.task)
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=texts)
         # every rank of an instance generates the same prompts: the loader shards over instances
@@ -251,7 +251,7 @@ class Trainer:
             self.rollout.gen_tp,
             cfg.fusion.inter_stage,
             cfg.fusion.intra_stage,
-            self.layout.plan_method,
+            self.executor.plan_method,
             self.step + 1,
             cfg.training.steps,
         )
@@ -314,7 +314,7 @@ class Trainer:
             gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
         if exp.response_mask.any():
             with timers("training"):
-                update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
+                update = ppo_update(cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step))
         else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
             update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
