@@ -59,7 +59,7 @@ from fusedrl.models import (
     model_flavor,
 )
 from fusedrl.models.registry import Role
-from fusedrl.pipelining import CRITIC, FusedPipelineSchedule, LocalSchedule, Placement
+from fusedrl.pipelining import CRITIC, Placement
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 @dataclass
 class TrainingLayout:
-    """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models; the trainer adds
-    the executor that runs them (``schedule``: a fused pipeline program, or both models locally when pp = 1).
+    """This rank's place in the (pp, dp_shard, tp) mesh and its training stages of both models, complete when built:
+    the executor that runs the stages is its own object (``fusedrl.rlhf.build_executor``).
 
     The Critic has ``pp_critic`` stages (``critic_index`` is this rank's); with fewer stages than pp it runs as
     ``critic_replicas`` replicas on consecutive blocks of pipeline ranks, and ``critic_group`` holds the pipeline
@@ -88,9 +88,6 @@ class TrainingLayout:
     critic_index: int
     critic_replicas: int
     critic_group: dist.ProcessGroup
-    schedule: FusedPipelineSchedule | LocalSchedule | None = None
-    plan_method: str = ""
-    microbatches: int = 0  # per model, per minibatch, on each data-parallel shard
 
 
 @dataclass

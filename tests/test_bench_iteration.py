@@ -7,13 +7,15 @@ import pytest
 
 from fusedrl.bench import iteration as it
 from fusedrl.fusion.workload import lmsys_lengths
+from fusedrl.hardware import H100_SXM, MFU
+from fusedrl.models import ModelFlavor
 
 SMALL = it.Workload(batch=64, minibatch=16, microbatch=2, max_len=256)
 
 
 def test_llama_sizes_and_paper_layouts():
     for model, nominal in ((it.LLAMA_13B, 13e9), (it.LLAMA_33B, 32.5e9), (it.LLAMA_65B, 65.2e9)):
-        assert abs(model.params / nominal - 1) < 0.01, model
+        assert abs(it.params(model) / nominal - 1) < 0.01, model
     layouts = {s.name: it.training_layout(s) for s in it.SETTINGS}
     assert layouts == {
         "13B/33B": it.TrainingLayout(tp=8, pp=4, pp_critic=4, dp=1),
@@ -44,13 +46,15 @@ def test_training_costs_keep_the_batch_work():
     the whole batch's forward FLOPs (linear + causal attention + LM head) over the GPUs' rate."""
     setting, layout = it.Setting(it.LLAMA_33B, it.LLAMA_13B, 32), it.TrainingLayout(8, 4, 2, 1)
     lengths = lmsys_lengths(SMALL.batch, seed=0, max_len=SMALL.max_len)
-    costs = it.training_costs(setting, layout, it.H100, SMALL, lengths)
+    costs = it.training_costs(setting, layout, H100_SXM, SMALL, lengths)
     assert (len(costs.actor.f), len(costs.critic.f)) == (4, 2)
     assert costs.actor.b == tuple(2 * f for f in costs.actor.f)
-    rate = layout.tp * it.H100.flops_per_s * it.TRAIN_MFU
+    rate = layout.tp * H100_SXM.flops_per_s * MFU
     seqs = [SMALL.prompt_len + n for n in lengths]
-    for model, stages, head in ((setting.actor, costs.actor, setting.actor.vocab), (setting.critic, costs.critic, 1)):
-        flops = sum(model.layers * (2 * s * model.layer_params + 2 * s * s * model.dim) + 2 * s * model.dim * head for s in seqs)
+    for model, stages, head in ((setting.actor, costs.actor, setting.actor.vocab_size), (setting.critic, costs.critic, 1)):
+        d = model.embed_dim
+        layer_params = 4 * d * d + 3 * d * model.intermediate_dim  # q, k, v, o (as many KV heads as heads); gate, up, down
+        flops = sum(model.num_layers * (2 * s * layer_params + 2 * s * s * d) + 2 * s * d * head for s in seqs)
         assert math.isclose(sum(stages.f) * len(seqs) / SMALL.microbatch, flops / rate, rel_tol=1e-9)
 
 
@@ -74,12 +78,12 @@ def test_iteration_sums_and_bounds(layout):
     assert ro["fused_s"] >= ro["decode_floor_s"] and ro["speedup"] <= ro["bound"]
     assert r["total"]["speedup"] <= r["total"]["bound"]
     assert r["weight_sync"]["unfused_s"] == it.weight_sync_s(
-        it.Setting(it.LLAMA_13B, it.LLAMA_33B, 32), it.TrainingLayout(**r["layout"]), it.H100, ro["unfused_tp"]
+        it.Setting(it.LLAMA_13B, it.LLAMA_33B, 32), it.TrainingLayout(**r["layout"]), H100_SXM, ro["unfused_tp"]
     )
 
 
 def test_one_stage_has_nothing_to_fuse():
-    tiny = it.Llama("tiny", layers=4, dim=256, ffn=688)
+    tiny = ModelFlavor("llama", 32_000, 4, 4, 4, 256, 688, 2048, name="tiny")
     r = it.iteration(it.Setting(tiny, tiny, 16), SMALL, budget_s=0)
     assert r["layout"] == {"tp": 8, "pp": 1, "pp_critic": 1, "dp": 2}
     assert r["weight_sync"] == {"unfused_s": 0.0, "fused_s": 0.0, "speedup": 1.0}  # every node holds every layer

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fusedrl"
 # (or its own). Top-level modules (buckets.py, layouts.py, train.py) count as packages of their own; a package's
 # ``__main__.py`` is part of its package, like any other module of it.
 LAYERS = [
-    {"buckets"},
+    {"buckets", "hardware"},
     {"config"},
     {"models"},
     {"distributed"},

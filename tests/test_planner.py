@@ -655,7 +655,7 @@ def test_schedule_memory_cap_from_the_config(monkeypatch):
     config = str(root / "train_configs" / "debug_ppo.toml")
     base = ["--job.config_file", config, "--parallelism.pp=2", "--fusion.schedule_search_budget_s=0.2"]
     cfg = load_config(base)
-    seq_len = cfg.data.max_prompt_len + cfg.generation.max_new_tokens
+    seq_len = cfg.sequence_budget
     placement, costs, counts = pipeline_costs(cfg, seq_len)
     n_mb = counts["actor"]
     need = simulate(sequential_1f1b(placement, n_mb, n_mb), placement, costs, n_mb, n_mb).max_peak_memory

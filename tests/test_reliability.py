@@ -129,7 +129,7 @@ def _ppo_step(
     if models is not None:
         models.update(actor=actor, critic=critic, before=[p.detach().clone() for m in (actor, critic) for p in m.parameters()])
 
-    def fake_minibatch(layout, mb, record=False, tis_cap=0.0):
+    def fake_minibatch(layout, executor, mb, record=False, tis_cap=0.0):
         x = torch.ones(mb.batch_size, 4)
         adv = (mb.advantages * mb.response_mask).sum(1)
         ret = (mb.returns * mb.response_mask).sum(1)
@@ -162,7 +162,7 @@ def _ppo_step(
     opt = rlhf.Optimizers(opts[0], opts[2], opts[1], opts[3])
     exp, stats = rlhf.compute_advantages(cfg, _experience(cfg.ppo.minibatch_size * 2, bad_score))
     before = [p.detach().clone() for p in (*actor.parameters(), *critic.parameters())]
-    out = rlhf.ppo_update(cfg, layout, opt, exp, step=1).figures
+    out = rlhf.ppo_update(cfg, layout, SimpleNamespace(), opt, exp, step=1).figures
     after = [p.detach() for p in (*actor.parameters(), *critic.parameters())]
     changed = any(not torch.equal(a, b) for a, b in zip(before, after))
     return out, stats, changed, opt

@@ -43,22 +43,46 @@ from fusedrl.fusion.simulator import (
 )
 from fusedrl.fusion.workload import lmsys_lengths
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.models import build_model
+from fusedrl.hardware import A100_SXM_80GB, H100_SXM
+from fusedrl.models import FLAVORS, ModelFlavor, build_model
+from fusedrl.models.figures import kv_bytes_per_token
 from fusedrl.rlhf import Scorer, ScoringModels
 from fusedrl.testing import run_multirank
 
 PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT = 512, 2048, 70  # LMSYS-Chat-1M: 69.5 prompt tokens on average
 PAPER_GPUS = 32
 GPU_MEMORY_FOR_MODELS = 0.9  # of HBM; the rest is activations and allocator slack
-# (name, HBM bytes/s, dense bf16 FLOP/s, HBM bytes, per-GPU bytes/s between instances): vendor data sheets;
-# the link is half of one 400 Gb/s (H100) or 200 Gb/s (A100) NIC per GPU.
-HARDWARE = [("H100 SXM", 3.35e12, 989e12, 80e9, 25e9), ("A100 SXM 80GB", 2.039e12, 312e12, 80e9, 12.5e9)]
-# (name, Actor params, Reference + Reward + Critic params, Actor KV bytes per token, Actor layers): LLaMA
-# 7B (32 layers, dim 4096) and 13B (40 layers, dim 5120), LLaMA-1 33B; KV = layers * 2 * dim * 2 bytes.
+HARDWARE = (H100_SXM, A100_SXM_80GB)
+BF16 = 2  # bytes
+
+
+def _llama1(name: str, layers: int, heads: int, dim: int, ffn: int) -> ModelFlavor:
+    return ModelFlavor("llama", 32_000, layers, heads, heads, dim, ffn, 2048, norm_eps=1e-6, name=name)
+
+
+# LLaMA-1: layers, heads and hidden size from the LLaMA paper (Table 2), FFN width from the released configs.
+LLAMA1 = {
+    f.name: f
+    for f in (
+        _llama1("7B", 32, 32, 4096, 11_008),
+        _llama1("13B", 40, 40, 5120, 13_824),
+        _llama1("33B", 60, 52, 6656, 17_920),
+        _llama1("65B", 80, 64, 8192, 22_016),
+    )
+}
+# (name, Actor params, Reference + Reward + Critic params, Actor KV bytes per token, Actor layers): the paper's
+# nominal sizes, the KV cache of the LLaMA-1 architecture in bf16.
 PAPER_MODELS = [
-    ("7B actor, 7B ref/reward/critic", 7e9, 3 * 7e9, 32 * 2 * 4096 * 2, 32),
-    ("13B actor+ref, 33B reward/critic", 13e9, 13e9 + 2 * 33e9, 40 * 2 * 5120 * 2, 40),
+    ("7B actor, 7B ref/reward/critic", 7e9, 3 * 7e9, kv_bytes_per_token(LLAMA1["7B"], BF16), LLAMA1["7B"].num_layers),
+    (
+        "13B actor+ref, 33B reward/critic",
+        13e9,
+        13e9 + 2 * 33e9,
+        kv_bytes_per_token(LLAMA1["13B"], BF16),
+        LLAMA1["13B"].num_layers,
+    ),
 ]
+TRACE_COLORS = {"decode": "#4c8bd6", "migrate": "#d64c4c", "score": "#f0a04b"}  # the rollout's spans in --trace-dir's charts
 PAPER_TP = (1, 2, 4, 8)  # GPUs per generation instance (tensor parallel); instances = PAPER_GPUS / TP
 PRIMARY = ("H100 SXM", "13B actor+ref, 33B reward/critic")  # sim_speedup: best unfused TP vs best fused TP
 
@@ -126,7 +150,7 @@ def _real_rank(batch: int, prompt_len: int, max_new: int, repeats: int, check_in
         return {}
     return {
         "lengths": lengths,
-        "kv_bytes_per_token": _kv_bytes_per_token(actor),
+        "kv_bytes_per_token": kv_bytes_per_token(FLAVORS["debug"], actor.tok_embeddings.weight.element_size()),
         "prompt_len": prompt_len,
         "off": [(r.rollout_s, r.decode_end_s, r.scoring_exposed_s) for r in off],
         "on": [(r.rollout_s, r.decode_end_s, r.scoring_exposed_s) for r in on],
@@ -151,16 +175,11 @@ def _check_gaps(res: RolloutResult, rank: int, check_interval: int) -> float:
     return (end_us - decode[0]["ts"] - sum(e["dur"] for e in decode)) / 1e6 / checks
 
 
-def _kv_bytes_per_token(model) -> int:
-    attn = model.layers[0].attn
-    return len(model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.tok_embeddings.weight.element_size()
-
-
 # ---------------------------------------------------------------------------------------------- (b) paper
 def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] = "balanced") -> list[dict]:
     lengths = lmsys_lengths(batch, seed=0, max_len=PAPER_MAX_LEN)
     rows = []
-    for hw, hbm_bw, flops, hbm, link in HARDWARE:
+    for gpu in HARDWARE:
         for name, actor, scorer, kvb, layers in PAPER_MODELS:
             for tp in PAPER_TP:
                 costs = RolloutCosts.for_models(
@@ -169,11 +188,9 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] =
                     kv_bytes_per_token=kvb,
                     gpus_per_instance=tp,
                     actor_layers=layers,
-                    hbm_bytes_per_s=hbm_bw,
-                    flops_per_s=flops,
-                    link_bytes_per_s=link,
+                    gpu=gpu,
                 )
-                kv_tokens = int((tp * hbm * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
+                kv_tokens = int((tp * gpu.hbm_bytes * GPU_MEMORY_FOR_MODELS - 2 * actor) / kvb)
                 config = RolloutConfig(
                     max_slots=256, kv_capacity_tokens=kv_tokens, check_interval=8, micro_batch_size=8, unfused_scoring=baseline
                 )
@@ -183,7 +200,7 @@ def paper_scale(batch: int = PAPER_BATCH, baseline: Literal["own", "balanced"] =
                 threshold, _, fused = best_migration(instances, costs, config, batch_size=batch)
                 rows.append(
                     dict(
-                        hardware=hw,
+                        hardware=gpu.name,
                         models=name,
                         tp=tp,
                         instances=n,
@@ -255,7 +272,7 @@ def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> tupl
             f"{r['unfused_s'] / r['decode_s']:5.3f}x {r['unfused_s'] / (r['decode_s'] + r['last_s']):5.3f}x "
             f"{r['threshold']:6d} {r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}"
         )
-    for hw, _, _, _, _ in HARDWARE:
+    for hw in (gpu.name for gpu in HARDWARE):
         for name, *_ in PAPER_MODELS:
             u, f, x = best_vs_best(rows, hw, name)
             bound, tight = bounds(rows, hw, name)
@@ -302,38 +319,6 @@ def model_check(real: dict, rep: int, world: int, check_interval: int) -> dict:
         measured_off=measured_off,
         error=abs(fused.total_s - measured) / measured,
     )
-
-
-# ---------------------------------------------------------------------------------------------- trace picture
-def save_trace_png(events: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"decode": "#4c8bd6", "migrate": "#d64c4c", "score": "#f0a04b"}
-    spans = [e for e in events if e.get("ph") == "X"]
-    ranks = sorted({e["pid"] for e in spans})
-    fig, ax = plt.subplots(figsize=(11, 0.7 * len(ranks) + 1.3))
-    for e in spans:
-        ax.barh(e["pid"], e["dur"] / 1e3, left=e["ts"] / 1e3, height=0.7, color=colors.get(e["name"], "gray"))
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    ax.legend(
-        [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-        list(colors),
-        ncol=3,
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=8,
-        frameon=False,
-    )
-    ax.set_title(title, loc="left", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -421,13 +406,14 @@ def main() -> None:
     print(f"    real_vs_sim_error per fused run {', '.join(f'{e:.1%}' for e in errors)} -> median {err:.1%}")
 
     if args.trace_dir is not None:
-        from fusedrl.components.metrics import ChromeTrace
+        from fusedrl.components.metrics import ChromeTrace, save_gantt_png
 
         for name, events in (("off", real["trace_off"]), ("on", real["trace_on"])):
             trace = ChromeTrace()
             trace.extend(events)
             trace.save(args.trace_dir / f"fusion_{name}.json")
-            save_trace_png(events, args.trace_dir / f"fusion_{name}.png", f"generation + scoring, fusion {name} (2 ranks)")
+            title = f"generation + scoring, fusion {name} (2 ranks)"
+            save_gantt_png(trace, args.trace_dir / f"fusion_{name}.png", TRACE_COLORS, title=title)
         print(f"    traces: {args.trace_dir}/fusion_{{off,on}}.json and .png")
 
     if args.json:

@@ -37,7 +37,9 @@ from torchtune.generation import generate as torchtune_generate
 from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.models import build_model, from_pretrained, resolve_flavor
+from fusedrl.hardware import H200_SXM
+from fusedrl.models import ModelFlavor, build_model, from_pretrained, resolve_flavor
+from fusedrl.models.figures import kv_bytes_per_token
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: str) -> torch.Tensor:
@@ -123,11 +125,12 @@ def _seconds(run) -> float:
     return time.perf_counter() - start
 
 
-def roofline_tokens_per_s(model: TransformerDecoder, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float) -> float:
+def roofline_tokens_per_s(
+    model: TransformerDecoder, flavor: ModelFlavor, batch: int, prompt_len: int, new_tokens: int, bytes_per_s: float
+) -> float:
     """Decode tokens/s if every step read all weights and the batch's KV cache at ``bytes_per_s``."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    attn = model.layers[0].attn
-    kv_per_token = len(model.layers) * 2 * attn.num_kv_heads * attn.head_dim * model.tok_embeddings.weight.element_size()
+    kv_per_token = kv_bytes_per_token(flavor, model.tok_embeddings.weight.element_size())
     mean_context = prompt_len + new_tokens / 2
     return batch / ((weights + batch * mean_context * kv_per_token) / bytes_per_s)
 
@@ -154,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--graphs-slots", type=int, default=16, help="slots of the bucketed compile run (0: skip it)")
     p.add_argument("--graphs-max-len", type=int, default=160, help="cache length of the bucketed compile run")
-    p.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12, help="memory bandwidth of the roofline (GPU only)")
+    p.add_argument(
+        "--hbm-bytes-per-s", type=float, default=H200_SXM.hbm_bytes_per_s, help="memory bandwidth of the roofline (GPU only)"
+    )
     args = p.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
             differing_rows[str(b)] = sum(x != y for x, y in zip(ours["tokens"], theirs["tokens"]))
             line += f"  greedy tokens equal in {b - differing_rows[str(b)]}/{b} rows"
         if args.device == "cuda":
-            roof = roofline_tokens_per_s(model, b, args.prompt_len, args.new_tokens, args.hbm_bytes_per_s)
+            roof = roofline_tokens_per_s(model, flavor, b, args.prompt_len, args.new_tokens, args.hbm_bytes_per_s)
             roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
             line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
         print(line)

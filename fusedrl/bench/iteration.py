@@ -26,17 +26,24 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fusedrl.bench.fusion import GPU_MEMORY_FOR_MODELS, HARDWARE, PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT, best_vs_best
+from fusedrl.bench.fusion import BF16, GPU_MEMORY_FOR_MODELS, LLAMA1, PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT, best_vs_best
+from fusedrl.config import microbatch_count
 from fusedrl.fusion.simulator import RolloutConfig, RolloutCosts, best_migration, simulate_rollout, split_round_robin
 from fusedrl.fusion.workload import lmsys_lengths
+from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
+from fusedrl.models import ModelFlavor
+from fusedrl.models.figures import (
+    kv_bytes_per_token,
+    layer_activation_bytes,
+    layer_matmul_params,
+    stage_forward_flops,
+    stage_layer_counts,
+)
 from fusedrl.pipelining import ACTOR, CRITIC, CostModel, Placement, fused_schedule
 
-BF16 = 2
 GPUS_PER_NODE = 8
 ROLLOUT_TP = (1, 2, 4, 8)  # generation instance sizes tried (within one node), as in bench.fusion
 ACTOR_WEIGHT_SHARE = 0.5  # a rollout instance must hold the Actor's weights in this share of its usable memory
-TRAIN_MFU = 0.4  # training forward/backward, as bench.fusion's prefill/scoring
-HBM_UTIL = 0.6  # optimizer step (memory bound), as bench.fusion's decode
 STATE_BYTES_PER_PARAM = 16  # trained model: bf16 weights and gradients, fp32 master weights, Adam m and v
 MODEL_STATE_SHARE = 0.5  # of HBM the training layout may fill with model state (the rest: activations, KV cache)
 ADAM_BYTES_PER_PARAM = 30  # optimizer step traffic: read fp32 master, m, v, grad; write master, m, v, bf16 weights
@@ -46,40 +53,22 @@ PAPER_SPEEDUPS = {"total": (1.2, 1.4), "rollout": (1.2, 1.6), "training": (1.2, 
 STAGES = ("weight_sync", "rollout", "training", "total")
 
 
-@dataclass(frozen=True)
-class Llama:
-    """A LLaMA-1 architecture: layers and hidden size from the LLaMA paper (Table 2), FFN width from the released configs."""
-
-    name: str
-    layers: int
-    dim: int
-    ffn: int
-    vocab: int = 32000
-
-    @property
-    def layer_params(self) -> int:
-        return 4 * self.dim * self.dim + 3 * self.dim * self.ffn  # q, k, v, o; gate, up, down
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + 2 * self.vocab * self.dim  # + embedding and output head
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.dim * BF16
+LLAMA_13B, LLAMA_33B, LLAMA_65B = LLAMA1["13B"], LLAMA1["33B"], LLAMA1["65B"]
 
 
-LLAMA_13B = Llama("13B", 40, 5120, 13824)
-LLAMA_33B = Llama("33B", 60, 6656, 17920)
-LLAMA_65B = Llama("65B", 80, 8192, 22016)
+def params(model: ModelFlavor) -> int:
+    """This model's size of every LLaMA: the layers' weight matrices, the embedding and an LM head (norms left out, the
+    Critic counted with an LM head too), as docs/fusion.md's figures were made; ``ModelFlavor.num_params`` (every
+    parameter, the value head) would move the optimizer step by 0.3% and the speedups in their fourth digit."""
+    return model.num_layers * layer_matmul_params(model) + 2 * model.vocab_size * model.embed_dim
 
 
 @dataclass(frozen=True)
 class Setting:
     """Actor (and Reference, same size) and Critic (and Reward, same size) on ``gpus`` GPUs, all four co-located."""
 
-    actor: Llama
-    critic: Llama
+    actor: ModelFlavor
+    critic: ModelFlavor
     gpus: int
 
     @property
@@ -93,18 +82,6 @@ SETTINGS = (
     Setting(LLAMA_65B, LLAMA_33B, 64),
     Setting(LLAMA_65B, LLAMA_65B, 64),
 )
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    hbm_bytes_per_s: float
-    flops_per_s: float
-    hbm_bytes: float
-    link_bytes_per_s: float  # per GPU, between nodes
-
-
-H100 = Gpu(*next(h for h in HARDWARE if h[0] == "H100 SXM"))
 
 
 @dataclass(frozen=True)
@@ -142,21 +119,21 @@ class TrainingLayout:
     dp: int
 
 
-def training_layout(setting: Setting, gpu: Gpu = H100) -> TrainingLayout:
+def training_layout(setting: Setting, gpu: Accelerator = H100_SXM) -> TrainingLayout:
     """tp = one node; pp = the fewest stages (a power of two dividing the node count) at which each GPU's share of the
     model state (trained Actor and Critic, frozen Reference and Reward in bf16) fits in ``MODEL_STATE_SHARE`` of its
     memory; the Critic gets the divisor of pp whose stages come closest in size to the Actor's; dp = the rest."""
-    a, c = setting.actor, setting.critic
+    a, c = params(setting.actor), params(setting.critic)
     tp = min(GPUS_PER_NODE, setting.gpus)
     if setting.gpus % tp:
         raise ValueError(f"{setting.name}: {setting.gpus} GPUs is not a whole number of {GPUS_PER_NODE}-GPU nodes")
     nodes = setting.gpus // tp
     per_param = STATE_BYTES_PER_PARAM + BF16
     pp = 1
-    while pp <= min(nodes, c.layers, a.layers):
+    while pp <= min(nodes, setting.critic.num_layers, setting.actor.num_layers):
         if nodes % pp == 0:
-            pp_critic = min((d for d in range(1, pp + 1) if pp % d == 0), key=lambda d: (abs(c.params / d - a.params / pp), -d))
-            per_gpu = per_param * (a.params / (tp * pp) + c.params / (tp * pp_critic))
+            pp_critic = min((d for d in range(1, pp + 1) if pp % d == 0), key=lambda d: (abs(c / d - a / pp), -d))
+            per_gpu = per_param * (a / (tp * pp) + c / (tp * pp_critic))
             if per_gpu <= MODEL_STATE_SHARE * gpu.hbm_bytes:
                 return TrainingLayout(tp, pp, pp_critic, nodes // pp)
         pp *= 2
@@ -167,27 +144,26 @@ def training_layout(setting: Setting, gpu: Gpu = H100) -> TrainingLayout:
 
 
 # ---------------------------------------------------------------------------------------------- rollout
-def rollout_stage(setting: Setting, gpu: Gpu, workload: Workload, lengths: Sequence[int]) -> dict:
+def rollout_stage(setting: Setting, gpu: Accelerator, workload: Workload, lengths: Sequence[int]) -> dict:
     """Generation + scoring, unfused vs fused, each at its fastest instance size (bench.fusion's best vs best)."""
     a, c = setting.actor, setting.critic
+    a_params, kv_bytes = params(a), kv_bytes_per_token(a, BF16)
     rows: list[dict[str, Any]] = []
     for tp in ROLLOUT_TP:
         usable = tp * gpu.hbm_bytes * GPU_MEMORY_FOR_MODELS
-        if tp > GPUS_PER_NODE or setting.gpus % tp or BF16 * a.params > ACTOR_WEIGHT_SHARE * usable:
+        if tp > GPUS_PER_NODE or setting.gpus % tp or BF16 * a_params > ACTOR_WEIGHT_SHARE * usable:
             continue
         costs = RolloutCosts.for_models(
-            actor_params=a.params,
-            scorer_params=a.params + 2 * c.params,  # Reference + Reward + Critic
-            kv_bytes_per_token=a.kv_bytes_per_token,
+            actor_params=a_params,
+            scorer_params=a_params + 2 * params(c),  # Reference + Reward + Critic
+            kv_bytes_per_token=kv_bytes,
             gpus_per_instance=tp,
-            actor_layers=a.layers,
-            hbm_bytes_per_s=gpu.hbm_bytes_per_s,
-            flops_per_s=gpu.flops_per_s,
-            link_bytes_per_s=gpu.link_bytes_per_s,
+            actor_layers=a.num_layers,
+            gpu=gpu,
         )
         config = RolloutConfig(  # bench.fusion's paper-scale settings
             max_slots=256,
-            kv_capacity_tokens=int((usable - BF16 * a.params) / a.kv_bytes_per_token),
+            kv_capacity_tokens=int((usable - BF16 * a_params) / kv_bytes),
             check_interval=8,
             micro_batch_size=8,
             unfused_scoring="balanced",
@@ -225,54 +201,54 @@ def rollout_stage(setting: Setting, gpu: Gpu, workload: Workload, lengths: Seque
     )
 
 
-def weight_sync_s(setting: Setting, layout: TrainingLayout, gpu: Gpu, rollout_tp: int) -> float:
+def weight_sync_s(setting: Setting, layout: TrainingLayout, gpu: Accelerator, rollout_tp: int) -> float:
     """Actor and Critic weights into the rollout layout: each GPU receives its TP shard of every layer its node does not
     hold as a training stage, over its own inter-node link (intra-node resharding over NVLink is left out)."""
-    a, c = setting.actor.params, setting.critic.params
+    a, c = params(setting.actor), params(setting.critic)
     remote = a * (layout.pp - 1) / layout.pp + c * (layout.pp_critic - 1) / layout.pp_critic
     return BF16 * remote / rollout_tp / gpu.link_bytes_per_s
 
 
 # ---------------------------------------------------------------------------------------------- training
-def training_costs(setting: Setting, layout: TrainingLayout, gpu: Gpu, workload: Workload, lengths: Sequence[int]) -> CostModel:
+def training_costs(
+    setting: Setting, layout: TrainingLayout, gpu: Accelerator, workload: Workload, lengths: Sequence[int]
+) -> CostModel:
     """Per-stage forward/backward seconds of the iteration's mean micro-batch (tokens and squared lengths averaged over
-    all micro-batches, i.e. token-balanced micro-batches): 2 FLOPs per parameter per token plus causal attention at
-    ``TRAIN_MFU`` over the stage's ``tp`` GPUs, backward = 2 x forward, the LM head on the Actor's last stage; activation
-    memory as ``CostModel.from_flavors`` counts it; P2P = one micro-batch's hidden states per TP rank over its link."""
+    all micro-batches, i.e. token-balanced micro-batches): forward FLOPs as ``CostModel.from_flavors`` counts them
+    (``stage_forward_flops``) at ``MFU`` over the stage's ``tp`` GPUs, backward = 2 x forward; activation memory as
+    ``CostModel.from_flavors`` counts it; P2P = one micro-batch's hidden states per TP rank over its link."""
     seqs = [workload.prompt_len + n for n in lengths]
     microbatches = len(seqs) / workload.microbatch
     tokens = sum(seqs) / microbatches
     squares = sum(s * s for s in seqs) / microbatches
-    rate = layout.tp * gpu.flops_per_s * TRAIN_MFU
+    rate = layout.tp * gpu.flops_per_s * MFU
 
-    def stages(model: Llama, n: int, head_out: int) -> dict[str, list[float]]:
-        layer_flops = 2 * tokens * model.layer_params + 2 * squares * model.dim
-        layer_gib = tokens * (16 * model.dim + 2 * model.ffn) * BF16 / layout.tp / 2**30
-        counts = [model.layers // n + (1 if s < model.layers % n else 0) for s in range(n)]
-        f = [(k * layer_flops + (2 * tokens * model.dim * head_out if s == n - 1 else 0)) / rate for s, k in enumerate(counts)]
-        return {"f": f, "b": [2 * x for x in f], "mem": [k * layer_gib for k in counts]}
+    def stages(model: ModelFlavor, n: int, role: str) -> dict[str, list[float]]:
+        layer_gib = layer_activation_bytes(model, tokens, BF16) / layout.tp / 2**30
+        f = [total / rate for total, _ in stage_forward_flops(model, role, n, tokens, squares)]
+        return {"f": f, "b": [2 * x for x in f], "mem": [k * layer_gib for k in stage_layer_counts(model.num_layers, n)]}
 
-    hidden = max(setting.actor.dim, setting.critic.dim)
+    hidden = max(setting.actor.embed_dim, setting.critic.embed_dim)
     p2p = P2P_LATENCY_S + tokens * hidden * BF16 / layout.tp / gpu.link_bytes_per_s
     return CostModel.from_profile(
-        {ACTOR: stages(setting.actor, layout.pp, setting.actor.vocab), CRITIC: stages(setting.critic, layout.pp_critic, 1)},
+        {ACTOR: stages(setting.actor, layout.pp, "policy"), CRITIC: stages(setting.critic, layout.pp_critic, "value")},
         p2p_latency=p2p,
     )
 
 
-def optimizer_step_s(setting: Setting, layout: TrainingLayout, gpu: Gpu) -> float:
+def optimizer_step_s(setting: Setting, layout: TrainingLayout, gpu: Accelerator) -> float:
     """Per minibatch, the same with or without fusion: ring all-reduce of fp32 gradients over the dp replicas, then
     the Adam step (memory bound) over each GPU's parameters."""
-    params = setting.actor.params / (layout.tp * layout.pp) + setting.critic.params / (layout.tp * layout.pp_critic)
-    all_reduce = 2 * (layout.dp - 1) / layout.dp * 4 * params / gpu.link_bytes_per_s
-    return all_reduce + ADAM_BYTES_PER_PARAM * params / (gpu.hbm_bytes_per_s * HBM_UTIL)
+    shard = params(setting.actor) / (layout.tp * layout.pp) + params(setting.critic) / (layout.tp * layout.pp_critic)
+    all_reduce = 2 * (layout.dp - 1) / layout.dp * 4 * shard / gpu.link_bytes_per_s
+    return all_reduce + ADAM_BYTES_PER_PARAM * shard / (gpu.hbm_bytes_per_s * DECODE_BW_UTIL)
 
 
 def microbatches_per_pipeline(setting: Setting, layout: TrainingLayout, workload: Workload) -> int:
     """Actor micro-batches per minibatch on one data-parallel replica (each Critic replica takes its share of them)."""
     replicas = layout.pp // layout.pp_critic
-    per_replica, rem = divmod(workload.minibatch, layout.dp * workload.microbatch)
-    if rem or per_replica < replicas or per_replica % replicas:
+    per_replica = microbatch_count(workload.minibatch, layout.dp, workload.microbatch)
+    if workload.minibatch % (layout.dp * workload.microbatch) or per_replica < replicas or per_replica % replicas:
         raise ValueError(
             f"{setting.name}: minibatch {workload.minibatch} does not split into micro-batches of {workload.microbatch} "
             f"samples over {layout.dp} data-parallel replica(s) and {replicas} Critic replica(s); "
@@ -282,7 +258,13 @@ def microbatches_per_pipeline(setting: Setting, layout: TrainingLayout, workload
 
 
 def training_stage(
-    setting: Setting, layout: TrainingLayout, gpu: Gpu, workload: Workload, lengths: Sequence[int], budget_s: float, seed: int
+    setting: Setting,
+    layout: TrainingLayout,
+    gpu: Accelerator,
+    workload: Workload,
+    lengths: Sequence[int],
+    budget_s: float,
+    seed: int,
 ) -> dict:
     """Every optimizer step runs one minibatch through one pipeline schedule (planned once, as the trainer does):
     sequential 1F1B (unfused) vs the fused schedule search; the bound uses the search's lower bound."""
@@ -313,7 +295,7 @@ def iteration(
     setting: Setting,
     workload: Workload = Workload(),
     *,
-    gpu: Gpu = H100,
+    gpu: Accelerator = H100_SXM,
     layout: TrainingLayout | None = None,
     budget_s: float = 2.0,
     seed: int = 0,

@@ -1279,8 +1279,9 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
         return result
 
     # LocalSchedule (pp = 1) has no lowered program or pipeline stages to measure
-    assert isinstance(layout.schedule, FusedPipelineSchedule), "memory --measure needs a pipelined config (pp >= 2)"
-    schedule_step = layout.schedule.step
+    schedule = trainer.executor.schedule
+    assert isinstance(schedule, FusedPipelineSchedule), "memory --measure needs a pipelined config (pp >= 2)"
+    schedule_step = schedule.step
     steps_seen = [0]
 
     def step(*args: Any, **kwargs: Any) -> Any:
@@ -1304,7 +1305,7 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
             got["activations"] = {"peak": peak, "per_microbatch": largest}
         return result
 
-    layout.schedule.step = step  # type: ignore[method-assign]  # measurement: wraps this instance's step
+    schedule.step = step  # type: ignore[method-assign]  # measurement: wraps this instance's step
 
     # gradients at the optimizer step
     for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
@@ -1369,12 +1370,12 @@ def _measure_worker(argv: list[str], out: str) -> dict[str, Any]:
     persistent["kv_cache"] = _storage_bytes(b for n, b in engine._forward.named_buffers() if n[:2] in ("k_", "v_"))
     models = (*stage_modules.values(), *rollout_models.values())
     persistent["rope_buffers"] = _storage_bytes(b for m in models for b in m.buffers())
-    stages = list(layout.schedule._stages.items())
+    stages = list(schedule._stages.items())
     persistent["pipeline_buffers"] = _storage_bytes(b for _, st in stages for b in _stage_buffers(st))
     got["pipeline_seqs"] = sorted({key[2][1] for key, _ in stages})
     got["persistent"] = persistent  # after the second iteration: offloaded frozen models are in host memory
     got["host"] = trainer.frozen.host_bytes if trainer.frozen is not None else 0
-    got["program"] = layout.schedule.program
+    got["program"] = schedule.program
     got["rank"] = dist.get_rank()
     return got
 

@@ -22,6 +22,7 @@ from fusedrl.components.metrics import (
     peak_memory_gib,
     percentile,
     read_jsonl,
+    save_gantt_png,
 )
 from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.components.tokenizer import (
@@ -61,6 +62,7 @@ __all__ = [
     "init_logging",
     "read_jsonl",
     "resume_step",
+    "save_gantt_png",
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",

@@ -1,7 +1,7 @@
 """Per-step metrics: phase timers, length percentiles, peak memory, and a logger writing a stdout
-line, a JSONL file and (when installed) TensorBoard, on rank 0 only. Also a Chrome/Perfetto trace
-writer other modules reuse (load the JSON in chrome://tracing or ui.perfetto.dev), and the logging
-set-up of a run (rank 0 speaks; other ranks only warn)."""
+line, a JSONL file and (when installed) TensorBoard, on rank 0 only. Also the one Chrome/Perfetto trace
+writer every trace producer uses (load the JSON in chrome://tracing or ui.perfetto.dev), the one Gantt
+chart of such a trace, and the logging set-up of a run (rank 0 speaks; other ranks only warn)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -63,9 +63,13 @@ class ChromeTrace:
     def __init__(self) -> None:
         self.events: list[dict] = []
 
-    def complete(self, name: str, start_s: float, dur_s: float, pid: int | str = 0, tid: int | str = 0, **args) -> None:
-        """A span (``ph: X``)."""
+    def complete(
+        self, name: str, start_s: float, dur_s: float, pid: int | str = 0, tid: int | str = 0, cat: str = "", **args
+    ) -> None:
+        """A span (``ph: X``); ``cat`` is its category (what :func:`save_gantt_png` colours it by)."""
         ev = {"name": name, "ph": "X", "ts": start_s * 1e6, "dur": max(dur_s, 0.0) * 1e6, "pid": pid, "tid": tid}
+        if cat:
+            ev["cat"] = cat
         if args:
             ev["args"] = args
         self.events.append(ev)
@@ -84,6 +88,9 @@ class ChromeTrace:
     def name_process(self, pid: int | str, name: str) -> None:
         self.events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
 
+    def name_thread(self, pid: int | str, tid: int | str, name: str) -> None:
+        self.events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+
     def extend(self, other: ChromeTrace | Sequence[dict]) -> None:
         """Append another trace's events (e.g. gathered from other ranks)."""
         self.events.extend(other.events if isinstance(other, ChromeTrace) else other)
@@ -98,6 +105,66 @@ class ChromeTrace:
         tmp.write_text(self.to_json())
         os.replace(tmp, path)
         return path
+
+
+def save_gantt_png(
+    trace: ChromeTrace,
+    path: str | os.PathLike,
+    colors: Mapping[str, str],
+    *,
+    title: str = "",
+    label: Callable[[dict], str] | None = None,
+    xlabel: str = "ms",
+) -> Path:
+    """A Gantt chart of ``trace``'s spans: one row per (pid, tid), grouped by process, in order of first mention, named
+    by the trace's thread (else process) names; x in ms from the trace's zero. A span's colour is ``colors`` of its ``cat`` (of its
+    name when it has none; gray when absent), the legend lists ``colors``; ``label(span)`` is written inside spans
+    wide enough for it (up to 16 rows). Needs matplotlib (``pip install 'fusedrl[viz]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import to_rgb
+        from matplotlib.patches import Patch
+    except ImportError as err:
+        raise ImportError("a Gantt chart needs matplotlib: pip install 'fusedrl[viz]'") from err
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace.events if e["ph"] == "M"}
+    spans = [e for e in trace.events if e["ph"] == "X"]
+    first: dict[tuple, int] = {}  # a process's rows stay together, both in order of first mention
+    for i, e in enumerate(trace.events):
+        first.setdefault(("process", e["pid"]), i)
+        first.setdefault((e["pid"], e.get("tid")), i)
+    rows = sorted({(e["pid"], e["tid"]) for e in spans}, key=lambda key: (first[("process", key[0])], first[key]))
+    row_of = {key: i for i, key in enumerate(rows)}
+    end = max((e["ts"] + e["dur"] for e in spans), default=0.0) / 1e3
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.4))
+    for e in spans:
+        y, start, width = row_of[(e["pid"], e["tid"])], e["ts"] / 1e3, e["dur"] / 1e3
+        color = colors.get(e.get("cat", e["name"]), "gray")
+        ax.barh(y, width, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.4)
+        if label is not None and len(rows) <= 16 and width > 0.012 * end:
+            dark = sum(to_rgb(color)) < 1.5
+            ax.text(start + width / 2, y, label(e), ha="center", va="center", fontsize=6, color="white" if dark else "black")
+    ax.set_yticks(range(len(rows)), [names.get(key, names.get((key[0], None), str(key[0]))) for key in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, end)
+    ax.set_xlabel(xlabel)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in colors.items()],
+        ncol=len(colors),
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        frameon=False,
+    )
+    ax.set_title(title, loc="left", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 class PhaseTimers:

@@ -21,6 +21,7 @@ from fusedrl.config.job_config import (
     ParallelismSection,
     PPOSection,
     TrainingSection,
+    microbatch_count,
 )
 from fusedrl.config.loader import (
     ConfigError,
@@ -50,6 +51,7 @@ __all__ = [
     "TrainingSection",
     "config_to_toml",
     "load_config",
+    "microbatch_count",
     "run_checks",
     "validate_config",
 ]

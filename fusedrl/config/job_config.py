@@ -418,6 +418,12 @@ class MetricsSection:
     )
 
 
+def microbatch_count(minibatch: int, dp: int, microbatch: int) -> int:
+    """Micro-batches of ``microbatch`` samples that one data-parallel replica of ``dp`` runs per minibatch: the one rule
+    the planner, the executors and the benchmarks count by (the config check makes the sizes divide)."""
+    return minibatch // dp // microbatch
+
+
 @dataclass
 class JobConfig:
     """The whole job config; attribute names are the TOML section names."""
@@ -442,3 +448,9 @@ class JobConfig:
         """The longest sample: ``data.max_prompt_len + generation.max_new_tokens`` (the engine's KV cache length and
         the base of the training buckets)."""
         return self.data.max_prompt_len + self.generation.max_new_tokens
+
+    @property
+    def microbatches(self) -> int:
+        """Actor micro-batches of one minibatch on each data-parallel shard (each Critic replica takes an equal share):
+        :func:`microbatch_count` of the ``ppo`` sizes."""
+        return microbatch_count(self.ppo.minibatch_size, self.parallelism.dp_shard, self.ppo.microbatch_size)

@@ -130,11 +130,11 @@ def check_layout(
 def check_dims(cfg: JobConfig, world_size: int) -> None:
     """The [parallelism] degrees of ``cfg`` against ``world_size`` (:func:`check_layout`) and the split of a
     minibatch's micro-batches over the Critic's replicas (raises ConfigError)."""
-    par, ppo = cfg.parallelism, cfg.ppo
+    par = cfg.parallelism
     check_layout(
         par.pp, par.dp_shard, par.tp, par.gen_tp, world_size, par.critic_stages, lambda k: source_of(cfg, f"parallelism.{k}")
     )
-    microbatches = ppo.minibatch_size // par.dp_shard // ppo.microbatch_size
+    microbatches = cfg.microbatches
     if microbatches % par.critic_replicas:
         raise ConfigError(
             f"parallelism.pp_critic = {par.pp_critic} ({source_of(cfg, 'parallelism.pp_critic')}): the "

@@ -14,26 +14,21 @@ from torchtune.modules import TransformerDecoder
 from torchtune.modules.tied_linear import TiedLinear
 
 from fusedrl.distributed.parallel_dims import mesh_lines
+from fusedrl.models.figures import stage_layer_counts
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int, boundaries: Sequence[int] | None = None) -> list[range]:
     """The decoder layers each stage runs.
 
-    Without ``boundaries`` the layers are split as evenly as possible (earlier stages take the
-    remainder, the last stage also runs the output head). ``boundaries`` are the ``num_stages - 1``
+    Without ``boundaries`` the layers are split as the cost model splits them,
+    :func:`fusedrl.models.figures.stage_layer_counts` (the last stage also runs the output head). ``boundaries`` are the ``num_stages - 1``
     layer indices where stages 1.. start: strictly increasing, within ``[0, num_layers]``; only the
     first and the last stage may be left without layers (they still hold the embedding / the head).
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if boundaries is None:
-        if num_stages > num_layers:
-            raise ValueError(
-                f"cannot balance {num_layers} layers over {num_stages} pipeline stages; "
-                "use fewer stages or pass boundaries explicitly"
-            )
-        base, extra = divmod(num_layers, num_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        sizes = stage_layer_counts(num_layers, num_stages)
         starts = [sum(sizes[:s]) for s in range(num_stages)]
         return [range(start, start + size) for start, size in zip(starts, sizes)]
     bounds = list(boundaries)

@@ -22,6 +22,7 @@ import torch
 
 from fusedrl.buckets import round_up
 from fusedrl.fusion.plan import InstanceStats, MovedRequest, build_plan, choose_kept
+from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
 
 STATS_LAG = 2  # a check decides on the statistics all-gathered this many checks earlier (see MigrationController)
 TOKEN_BYTES = 12  # a finished sample on the wire: int64 token + float32 log-prob per token (metadata aside)
@@ -101,15 +102,13 @@ class RolloutCosts:
         kv_bytes_per_token: float,
         gpus_per_instance: int = 1,
         actor_layers: int = 0,
-        hbm_bytes_per_s: float = 3.35e12,
-        flops_per_s: float = 989e12,
-        decode_bw_util: float = 0.6,
-        mfu: float = 0.4,
+        gpu: Accelerator = H100_SXM,
+        decode_bw_util: float = DECODE_BW_UTIL,
+        mfu: float = MFU,
         bytes_per_param: float = 2.0,
         step_overhead_s: float = 2e-3,
         per_seq_s: float = 2e-5,
         allreduce_s: float = 15e-6,
-        link_bytes_per_s: float = 25e9,
         transfer_latency_s: float = 50e-6,
         check_s: float = 1e-4,
     ) -> RolloutCosts:
@@ -118,14 +117,14 @@ class RolloutCosts:
         two all-reduces per layer (``allreduce_s`` each, latency bound at decode sizes); prefill and
         scoring are compute bound (2 FLOPs per parameter per token, attention FLOPs left out) on all the
         instance's GPUs. ``scorer_params`` is the sum of the Reference, Reward and Critic sizes. A transfer
-        between instances moves every TP rank's shard in parallel over its own ``link_bytes_per_s`` link.
-        Defaults: H100 SXM (3.35 TB/s HBM, 989 dense bf16 TFLOP/s), 60% of bandwidth in decode, 40% MFU,
-        25 GB/s per GPU between instances (half a 400 Gb/s NIC)."""
+        between instances moves every TP rank's shard in parallel over its own link (``gpu.link_bytes_per_s``).
+        Defaults: H100 SXM, :data:`fusedrl.hardware.DECODE_BW_UTIL` of its bandwidth in decode and
+        :data:`fusedrl.hardware.MFU`."""
         if gpus_per_instance < 1:
             raise ValueError(f"gpus_per_instance must be >= 1, got {gpus_per_instance}")
         tp = gpus_per_instance
-        bw = hbm_bytes_per_s * decode_bw_util * tp
-        flops = flops_per_s * mfu * tp
+        bw = gpu.hbm_bytes_per_s * decode_bw_util * tp
+        flops = gpu.flops_per_s * mfu * tp
         comm = 2 * actor_layers * allreduce_s if tp > 1 else 0.0
         return cls(
             decode_base_s=step_overhead_s + comm + actor_params * bytes_per_param / bw,
@@ -135,7 +134,7 @@ class RolloutCosts:
             score_base_s=step_overhead_s,
             score_per_token_s=2 * scorer_params / flops,
             transfer_latency_s=transfer_latency_s,
-            transfer_bytes_per_s=link_bytes_per_s * tp,
+            transfer_bytes_per_s=gpu.link_bytes_per_s * tp,
             kv_bytes_per_token=kv_bytes_per_token,
             check_s=check_s,
         )

@@ -147,39 +147,29 @@ class CostModel:
         """Estimate costs from the two architectures (:class:`fusedrl.models.ModelFlavor`, or names of
         ``fusedrl.models.FLAVORS``).
 
-        Forward time = forward FLOPs / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight
-        gradients ``w`` are one matmul per weight matmul of the forward (attention's score and value products have
-        no weights: their backward is all input gradient); memory is the stored activations per micro-batch in GiB. Layers are split evenly over stages (earlier stages get the
-        remainder); the LM/value head is charged to the last stage.
+        Forward time = forward FLOPs (:func:`fusedrl.models.figures.stage_forward_flops`, sequences of ``seq_len``
+        tokens) / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight gradients ``w`` are one
+        matmul per weight matmul of the forward (attention's score and value products have no weights: their
+        backward is all input gradient); memory is the stored activations per micro-batch in GiB
+        (:func:`~fusedrl.models.figures.layer_activation_bytes`). Layers are split evenly over stages (earlier stages
+        get the remainder); the LM/value head is charged to the last stage.
         """
-        from fusedrl.models import resolve_flavor  # here: the planner alone imports no model code
+        from fusedrl.models import figures, resolve_flavor  # here: the planner alone imports no model code
 
-        def stages(flavor: str | ModelFlavor, n: int, vocab_out: bool) -> StageCosts:
+        def stages(flavor: str | ModelFlavor, n: int, role: str) -> StageCosts:
             cfg = resolve_flavor(flavor)
             if cfg.num_layers < n:
                 raise ValueError(f"{cfg.describe()} has {cfg.num_layers} layers, fewer than its {n} pipeline stages")
-            tokens = tokens_per_microbatch
-            seq = seq_len or min(tokens, cfg.max_seq_len)
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            attn_params = cfg.embed_dim * (2 * q + 2 * kv)
-            mlp_params = 3 * cfg.embed_dim * cfg.intermediate_dim
-            # 2 FLOPs per parameter per token, plus causal attention scores and values (QK^T and PV, halved).
-            layer_matmul_flops = 2 * tokens * (attn_params + mlp_params)
-            layer_flops = layer_matmul_flops + 2 * tokens * seq * q
-            # Stored activations per layer without recomputation: ~16 x dim + 2 x intermediate values per token.
-            layer_bytes = tokens * (16 * cfg.embed_dim + 2 * cfg.intermediate_dim) * bytes_per_activation
-            head_out = cfg.vocab_size if vocab_out else 1
-            layers = [cfg.num_layers // n + (1 if s < cfg.num_layers % n else 0) for s in range(n)]
-            f, w, mem = [], [], []
-            for s, k in enumerate(layers):
-                head_flops = 2 * tokens * cfg.embed_dim * head_out if s == n - 1 else 0
-                f.append((k * layer_flops + head_flops) / flops_per_second)
-                w.append((k * layer_matmul_flops + head_flops) / flops_per_second)
-                mem.append(k * layer_bytes / 2**30)
-            return StageCosts(tuple(f), tuple(2 * v for v in f), tuple(mem), tuple(w))
+            seq = seq_len or min(tokens_per_microbatch, cfg.max_seq_len)
+            flops = figures.stage_forward_flops(cfg, role, n, tokens_per_microbatch, tokens_per_microbatch * seq)
+            layer_bytes = figures.layer_activation_bytes(cfg, tokens_per_microbatch, bytes_per_activation)
+            layers = figures.stage_layer_counts(cfg.num_layers, n)
+            f = tuple(total / flops_per_second for total, _ in flops)
+            w = tuple(matmul / flops_per_second for _, matmul in flops)
+            return StageCosts(f, tuple(2 * v for v in f), tuple(k * layer_bytes / 2**30 for k in layers), w)
 
         return cls(
-            stages(actor_flavor, placement.num_stages(ACTOR), True),
-            stages(critic_flavor, placement.num_stages(CRITIC), False),
+            stages(actor_flavor, placement.num_stages(ACTOR), "policy"),
+            stages(critic_flavor, placement.num_stages(CRITIC), "value"),
             p2p_latency,
         )

@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = summary(plan, problem)
     if args.png:
-        from fusedrl.pipelining.viz import save_gantt_png
+        from fusedrl.pipelining.viz import save_gantt
 
-        save_gantt_png(
+        save_gantt(
             plan.result,
             args.png,
             title=(

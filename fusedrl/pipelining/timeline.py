@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
+from fusedrl.components.metrics import ChromeTrace, save_gantt_png
 from fusedrl.pipelining.ir import Action
+from fusedrl.pipelining.viz import COLORS, action_category
 
 
 @dataclass(frozen=True)
@@ -44,28 +45,34 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy(r) for r in self.ranks) / (len(self.ranks) * span)
 
-    def to_chrome_trace(self) -> dict:
-        """Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing): one row per rank."""
-        t0 = min((e.start for e in self.events), default=0.0)
-        trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"pp rank {r}"}} for r in self.ranks]
+    def to_chrome_trace(
+        self, trace: ChromeTrace | None = None, *, t0: float | None = None, pid: str | None = None
+    ) -> ChromeTrace:
+        """The intervals as Chrome/Perfetto trace spans (open in ui.perfetto.dev or chrome://tracing), added to ``trace``
+        (a new one by default), counted from ``t0`` seconds (default: the first start): one process per rank, or one
+        row per rank under the process ``pid``."""
+        trace = ChromeTrace() if trace is None else trace
+        t0 = min((e.start for e in self.events), default=0.0) if t0 is None else t0
+        for r in self.ranks:
+            if pid is None:
+                trace.name_process(r, f"pp rank {r}")
+            else:
+                trace.name_thread(pid, r, f"pp rank {r}")
         for e in self.events:
             a = e.action
-            trace.append(
-                {
-                    "name": f"{a.kind}{a.microbatch}",
-                    "cat": a.model,
-                    "ph": "X",
-                    "pid": e.rank,
-                    "tid": 0,
-                    "ts": (e.start - t0) * 1e6,
-                    "dur": (e.end - e.start) * 1e6,
-                    "args": {"action": str(a)},
-                }
+            trace.complete(
+                f"{a.model} {a.kind}{a.microbatch}",
+                e.start - t0,
+                e.end - e.start,
+                pid=e.rank if pid is None else pid,
+                tid=0 if pid is None else e.rank,
+                cat=action_category(a),
+                action=str(a),
             )
-        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+        return trace
 
     def save_chrome_trace(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace()))
+        self.to_chrome_trace().save(path)
 
     def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
         """All ranks of ``group`` get the union of their timelines (a collective: call it on every rank)."""
@@ -75,48 +82,10 @@ class Timeline:
 
     def save_png(self, path: str | Path, title: str = "") -> None:
         """Gantt chart of the timeline (needs matplotlib: ``pip install fusedrl[viz]``)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        colors = {("actor", "F"): "#4c8bd6", ("actor", "B"): "#1c4f91", ("critic", "F"): "#f0a04b", ("critic", "B"): "#b0601a"}
-        t0 = min((e.start for e in self.events), default=0.0)
-        fig, ax = plt.subplots(figsize=(12, 0.6 * len(self.ranks) + 1.2))
-        for e in self.events:
-            kind = "B" if e.action.kind in ("B", "I", "W") else "F"
-            ax.barh(
-                e.rank,
-                (e.end - e.start) * 1e3,
-                left=(e.start - t0) * 1e3,
-                height=0.8,
-                color=colors.get((e.action.model, kind), "gray"),
-                edgecolor="white",
-                linewidth=0.5,
-            )
-            ax.text(
-                (e.start - t0 + (e.end - e.start) / 2) * 1e3,
-                e.rank,
-                f"{e.action.microbatch}",
-                ha="center",
-                va="center",
-                fontsize=6,
-                color="white",
-            )
-        ax.set_yticks(self.ranks, [f"rank {r}" for r in self.ranks])
-        ax.invert_yaxis()
-        ax.set_xlabel("ms")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(
-            handles,
-            [f"{m} {k}" for m, k in colors],
-            ncol=4,
-            loc="lower right",
-            bbox_to_anchor=(1.0, 1.0),
-            fontsize=7,
-            frameon=False,
+        save_gantt_png(
+            self.to_chrome_trace(),
+            path,
+            COLORS,
+            title=title or f"measured timeline, bubble ratio {self.bubble_ratio():.1%}",
+            label=lambda e: e["name"].rsplit(" ", 1)[1][1:],  # the micro-batch index
         )
-        ax.set_title(title or f"measured timeline, bubble ratio {self.bubble_ratio():.1%}", loc="left", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)

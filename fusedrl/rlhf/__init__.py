@@ -20,7 +20,7 @@ from fusedrl.rlhf.losses import (
     token_logprobs,
     value_loss,
 )
-from fusedrl.rlhf.program import build_executor, pipeline_costs, plan_program, schedule_memory_limit
+from fusedrl.rlhf.program import TrainingExecutor, build_executor, pipeline_costs, plan_program, schedule_memory_limit
 from fusedrl.rlhf.reward_fn import RewardFn, RewardFunctionError, RuleReward, load_reward_fn, reward_fn_metrics
 from fusedrl.rlhf.rollout import build_controller, build_requests, build_scorer, generate_and_score, migration_metrics
 from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
@@ -51,6 +51,7 @@ __all__ = [
     "RuleReward",
     "Scorer",
     "ScoringModels",
+    "TrainingExecutor",
     "UpdateResult",
     "VALUE_STATS",
     "ValueLoss",

@@ -4,6 +4,7 @@ or sequential 1F1B, and the executor (with the PPO losses) built from the progra
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -44,8 +45,7 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
         seq_len=seq_len,
     )
-    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
-    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
+    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches // par.critic_replicas}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
@@ -90,8 +90,18 @@ def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
     return lower(schedule, placement, counts), method
 
 
-def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> None:
-    """Give ``layout`` its executor (collective). pp >= 2: plan one program for every minibatch (the cost model
+@dataclass(frozen=True)
+class TrainingExecutor:
+    """What runs one minibatch of ``layout``'s stages (:func:`build_executor`): its schedule, how that was planned, and
+    the Actor micro-batches per minibatch on each data-parallel shard (``cfg.microbatches``)."""
+
+    schedule: FusedPipelineSchedule | LocalSchedule
+    plan_method: str
+    microbatches: int
+
+
+def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> TrainingExecutor:
+    """The executor of ``layout`` (collective). pp >= 2: plan one program for every minibatch (the cost model
     uses the longest sequence) on rank 0, broadcast it, and run it with the fused executor over the pipeline
     group. pp = 1: the models train one after the other (``fusion.intra_stage`` has nothing to fuse)."""
     actor, critic = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
@@ -108,25 +118,19 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     )
     critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
     if layout.pp == 1:
-        layout.microbatches = cfg.ppo.minibatch_size // cfg.parallelism.dp_shard // cfg.ppo.microbatch_size
-        layout.schedule = LocalSchedule(
-            actor_spec,
-            critic_spec,
-            {ACTOR: layout.microbatches, CRITIC: layout.microbatches},
-            group=layout.pp_group,
-            device=device,
+        local = LocalSchedule(
+            actor_spec, critic_spec, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches}, group=layout.pp_group, device=device
         )
-        layout.plan_method = "none: pp = 1, Actor then Critic"
         if cfg.fusion.intra_stage and dist.get_rank() == 0:
             log.info(
                 "fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
                 "the Actor and the Critic train one after the other"
             )
-        return
+        return TrainingExecutor(local, "none: pp = 1, Actor then Critic", cfg.microbatches)
     holder: list[Any] = [None]
     if dist.get_rank() == 0:
         holder[0] = plan_program(cfg, cfg.sequence_budget)
     dist.broadcast_object_list(holder, src=0)
-    program, layout.plan_method = holder[0]
-    layout.schedule = FusedPipelineSchedule(program, actor_spec, critic_spec, group=layout.pp_group, device=device)
-    layout.microbatches = program.microbatches["actor"]
+    program, method = holder[0]
+    fused = FusedPipelineSchedule(program, actor_spec, critic_spec, group=layout.pp_group, device=device)
+    return TrainingExecutor(fused, method, program.microbatches[ACTOR])

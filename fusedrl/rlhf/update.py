@@ -18,6 +18,7 @@ from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
 from fusedrl.pipelining import Timeline, pipeline_forward
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import chunked_token_logprobs
+from fusedrl.rlhf.program import TrainingExecutor
 
 log = logging.getLogger("fusedrl.rlhf.update")
 
@@ -60,7 +61,7 @@ def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: i
 
 
 def train_minibatch(
-    layout: TrainingLayout, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
+    layout: TrainingLayout, executor: TrainingExecutor, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
 ) -> dict[str, torch.Tensor]:
     """Forward/backward of one global minibatch for both models through the fused executor.
 
@@ -72,14 +73,13 @@ def train_minibatch(
     shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]
     tokens_total = mb.response_mask.sum()
     # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
-    denom = (tokens_total / (layout.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
+    denom = (tokens_total / (executor.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
     actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
     if tis_cap > 0:
         assert shard.logprobs is not None and shard.engine_logprobs is not None, "tis_cap needs recomputed log-probs"
         actor_targets["tis_weight"] = (shard.logprobs - shard.engine_logprobs).exp().clamp(max=tis_cap) * shard.response_mask
     critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
-    assert layout.schedule is not None, "train_minibatch needs the layout's executor: call build_executor first"
-    result = layout.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
+    result = executor.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
     for model, keys in (("actor", (*POLICY_STATS, *FIRST_MINIBATCH_STATS)), ("critic", VALUE_STATS)):
         r = result[model]
@@ -111,7 +111,14 @@ def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> b
 
 
 def ppo_update(
-    cfg: JobConfig, layout: TrainingLayout, opt: Optimizers, exp: Experience, step: int, *, record: bool = False
+    cfg: JobConfig,
+    layout: TrainingLayout,
+    executor: TrainingExecutor,
+    opt: Optimizers,
+    exp: Experience,
+    step: int,
+    *,
+    record: bool = False,
 ) -> UpdateResult:
     """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model.
 
@@ -130,15 +137,15 @@ def ppo_update(
         for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
             if not mb.response_mask.any():  # every sample of it masked (ppo.truncated = "mask"): nothing to learn
                 continue
-            stats = train_minibatch(layout, mb, record=record, tis_cap=cfg.ppo.tis_cap)
+            stats = train_minibatch(layout, executor, mb, record=record, tis_cap=cfg.ppo.tis_cap)
             layout.tied.sum_gradients()
             if not first:
                 first = {k: stats[k] for k in FIRST_MINIBATCH_STATS}
             for k in (*POLICY_STATS, *VALUE_STATS):
                 sums[k] = sums[k] + stats[k] if k in sums else stats[k]
             if record:
-                assert layout.schedule is not None and layout.schedule.timeline is not None  # the step above recorded it
-                timeline = layout.schedule.timeline.gather(layout.pp_group)
+                assert executor.schedule.timeline is not None  # the step above recorded it
+                timeline = executor.schedule.timeline.gather(layout.pp_group)
                 bubbles.append(timeline.bubble_ratio())
             # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
             for name, stage, group, uncounted in (

@@ -162,7 +162,7 @@ class Trainer:
         if cfg.training.offload_frozen:  # in host memory until the first rollout
             self.frozen = HostCopies([m for m in (self.rollout.reference, self.rollout.reward) if m is not None])
             self.frozen.release()
-        build_executor(cfg, self.layout, self.device)
+        self.executor = build_executor(cfg, self.layout, self.device)
         texts = synthetic_prompts(cfg, self.task)
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=texts)
         # every rank of an instance generates the same prompts: the loader shards over instances
@@ -251,7 +251,7 @@ class Trainer:
             self.rollout.gen_tp,
             cfg.fusion.inter_stage,
             cfg.fusion.intra_stage,
-            self.layout.plan_method,
+            self.executor.plan_method,
             self.step + 1,
             cfg.training.steps,
         )
@@ -314,7 +314,7 @@ class Trainer:
             gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
         if exp.response_mask.any():
             with timers("training"):
-                update = ppo_update(cfg, self.layout, self.opt, exp, step, record=self.records_timeline(step))
+                update = ppo_update(cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step))
         else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
             update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
@@ -371,14 +371,8 @@ class Trainer:
         for e in rollout_trace.events:
             shifted = {**e, "ts": e["ts"] + offset} if "ts" in e else dict(e)
             merged.extend([{**shifted, "pid": f"rollout {e['pid']}"}])
-        for a in timeline.events if timeline is not None else ():
-            merged.complete(
-                f"{a.action.model} {a.action.kind}{a.action.microbatch}",
-                a.start - t0 / 1e6,
-                a.end - a.start,
-                pid="training (last minibatch)",
-                tid=f"pp rank {a.rank}",
-            )
+        if timeline is not None:
+            timeline.to_chrome_trace(merged, t0=t0 / 1e6, pid="training (last minibatch)")
         path = merged.save(self.out / "traces" / f"step_{step:06d}.json")
         log.info("trace of step %d written to %s", step, path)
 
