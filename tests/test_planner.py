@@ -18,10 +18,12 @@ from fusedrl.pipelining import (
     StageCosts,
     fused_schedule,
     greedy_order,
+    local_search,
     lower_bound,
     sequential_1f1b,
     simulate,
 )
+from fusedrl.pipelining import memory_pass as memory_pass_mod
 from fusedrl.pipelining import search as search_mod
 from fusedrl.pipelining.plan import main as plan_main
 
@@ -227,13 +229,13 @@ def _stage_orders(order, problem):
 def test_justify_order_valid_never_slower_within_memory(pp, pc, ma, mc, fc):
     placement, costs, _, _ = _problem(pp, pc, ma, mc, f_critic=fc, mem_critic=fc, p2p_latency=0.1)
     problem = Problem(placement, costs, ma, mc)
-    limit = 1.5 * search_mod.single_model_1f1b_peak(problem)
+    limit = 1.5 * local_search.single_model_1f1b_peak(problem)
     starts = [problem.to_order(sequential_1f1b(placement, ma, mc))]
     starts += [greedy_order(problem, limit, extra_in_flight=e, critic_weight=w) for e in (1, 4) for w in (1.0, 2.5)]
     for order in starts:
         if max(problem.peak_memory(order)) > limit + 1e-9:
             continue
-        out = search_mod.justify_order(problem, order, limit)
+        out = local_search.justify_order(problem, order, limit)
         res = simulate(problem.to_schedule(out), placement, costs, ma, mc)  # raises if invalid
         assert res.makespan <= problem.makespan(order) + 1e-9
         assert res.max_peak_memory <= limit + 1e-9
@@ -245,10 +247,10 @@ def test_justify_order_compacts_greedy_schedule():
     # numbers: greedy 162.6, justified 150.6 against a lower bound of 146.4, within the 24.0 memory limit).
     placement, costs, ma, mc = _problem(16, 16, 32, 32, f_critic=0.4, mem_critic=0.4)
     problem = Problem(placement, costs, ma, mc)
-    limit = 1.5 * search_mod.single_model_1f1b_peak(problem)
+    limit = 1.5 * local_search.single_model_1f1b_peak(problem)
     assert limit == pytest.approx(24.0)
     greedy = greedy_order(problem, limit, extra_in_flight=4)
-    out = search_mod.justify_order(problem, greedy, limit)
+    out = local_search.justify_order(problem, greedy, limit)
     assert problem.makespan(greedy) == pytest.approx(162.6)
     assert problem.makespan(out) < 0.95 * problem.makespan(greedy)
     assert lower_bound(placement, costs, ma, mc) <= problem.makespan(out) + 1e-9
@@ -261,7 +263,7 @@ def test_justify_order_respects_a_tight_memory_limit():
     problem = Problem(placement, costs, ma, mc)
     order = problem.to_order(sequential_1f1b(placement, ma, mc))
     limit = max(problem.peak_memory(order))
-    out = search_mod.justify_order(problem, order, limit)
+    out = local_search.justify_order(problem, order, limit)
     assert max(problem.peak_memory(out)) <= limit + 1e-9
     assert problem.makespan(out) < problem.makespan(order)  # it still fills the Actor's bubbles with the Critic
 
@@ -272,7 +274,7 @@ def test_time_reversed_greedy_is_a_valid_schedule_with_the_same_peak(pp, pc, ma,
         pp, pc, ma, mc, f_critic=fc, mem_critic=0.5, p2p_latency=0.1, b_actor=1.5, b_critic=2.5 * fc
     )
     problem = Problem(placement, costs, ma, mc)
-    reversal = search_mod._TimeReversal(problem)
+    reversal = local_search.TimeReversal(problem)
     rev = reversal.reversed
     assert rev.costs.actor.f == costs.actor.b and rev.costs.critic.b == costs.critic.f
     rev_order = greedy_order(rev, 1e9, extra_in_flight=1)
@@ -285,7 +287,7 @@ def test_time_reversed_greedy_is_a_valid_schedule_with_the_same_peak(pp, pc, ma,
 
 
 def test_same_seed_same_schedule(monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
     placement, costs, ma, mc = _problem(4, 2, 8, 4, f_critic=1.25, mem_critic=1.25)
     a = fused_schedule(placement, costs, ma, mc, budget_s=0.6, seed=3)
     b = fused_schedule(placement, costs, ma, mc, budget_s=0.6, seed=3)
@@ -420,7 +422,7 @@ def test_split_schedule_errors_are_named():
 
 @pytest.mark.parametrize("pp,pc,ma,mc,fc", CONFIGS)
 def test_split_search_is_valid_faster_and_bounded(pp, pc, ma, mc, fc, monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
     placement, costs, _, _ = _problem(pp, pc, ma, mc, f_critic=fc, mem_critic=fc, p2p_latency=0.1)
     fb = fused_schedule(placement, costs, ma, mc, budget_s=0.3, seed=1)
     plan = fused_schedule(placement, costs, ma, mc, budget_s=0.3, seed=1, split_backward=True)
@@ -439,7 +441,7 @@ def test_split_search_is_valid_faster_and_bounded(pp, pc, ma, mc, fc, monkeypatc
 
 
 def test_split_search_goes_below_the_fb_bound_where_fill_and_drain_force_idle_time(monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
     # pp=8, 8 micro-batches: the F/B bound (52.2) lies above every rank's work (43.2); splitting reaches its own bound
     placement, costs, ma, mc = _problem(8, 8, 8, 8, f_critic=0.8, mem_critic=0.8)
     plan = fused_schedule(placement, costs, ma, mc, budget_s=0.5, split_backward=True)
@@ -465,7 +467,7 @@ def test_split_order_keeps_work_and_memory_and_is_never_slower():
 def test_every_greedy_variant_and_justification_valid_on_the_split_problem():
     placement, costs, ma, mc = _problem(4, 2, 6, 3, f_critic=0.8, mem_critic=0.8, p2p_latency=0.1)
     split = Problem(placement, costs, ma, mc, split_backward=True)
-    limit = 1.5 * search_mod.single_model_1f1b_peak(split)
+    limit = 1.5 * local_search.single_model_1f1b_peak(split)
     bound = lower_bound(placement, costs, ma, mc, split_backward=True)
     for (extra, bias, active, pressure), balanced in search_mod.SPLIT_GREEDY_SETTINGS:
         weight = search_mod.balanced_critic_weight(split) if balanced else 1.0
@@ -475,14 +477,14 @@ def test_every_greedy_variant_and_justification_valid_on_the_split_problem():
         res = simulate(split.to_schedule(order), placement, costs, ma, mc)  # raises if invalid
         assert res.makespan >= bound - 1e-9
         if res.max_peak_memory <= limit + 1e-9:
-            out = search_mod.justify_order(split, order, limit)
+            out = local_search.justify_order(split, order, limit)
             justified = simulate(split.to_schedule(out), placement, costs, ma, mc)
             assert justified.makespan <= res.makespan + 1e-9 and justified.max_peak_memory <= limit + 1e-9
             assert all(seq == sorted(seq) for seq in _stage_orders(out, split).values())
 
 
 def test_split_lower_bound_below_exhaustive_optimum(monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
     # pp=2, one micro-batch per model, uneven costs and weight-gradient shares: try every valid per-rank order.
     placement = Placement(2)
     costs = CostModel.from_profile(
@@ -556,7 +558,7 @@ def test_cli_json_and_trace(tmp_path, capsys):
 
 
 def test_cli_split_backward_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
     trace = tmp_path / "t.json"
     argv = "--pp-actor 4 --pp-critic 2 --mb-actor 4 --mb-critic 2 --f-actor 5 --f-critic 4 --budget-s 0.3 --json"
     assert plan_main([*argv.split(), "--split-backward", "--trace", str(trace)]) == 0
@@ -613,18 +615,18 @@ def test_cli_bad_input_exits_with_message(capsys):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_memory_pass_lowers_the_peak_at_equal_makespan(monkeypatch, split):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
     placement, costs, ma, mc = _problem(4, 4, 8, 8)
     problem = Problem(placement, costs, ma, mc)
-    single = search_mod.single_model_1f1b_peak(problem)
+    single = local_search.single_model_1f1b_peak(problem)
     order = greedy_order(problem, 1.5 * single, extra_in_flight=search_mod.UNCAPPED)
-    order = search_mod.justify_order(problem, order, 1.5 * single)
+    order = local_search.justify_order(problem, order, 1.5 * single)
     if split:  # I and W actions: the memory is freed by W
         split_problem = Problem(placement, costs, ma, mc, split_backward=True)
         problem, order = split_problem, search_mod.split_order(problem, split_problem, order)
     makespan, peak = problem.makespan(order), max(problem.peak_memory(order))
     assert peak == pytest.approx(1.5 * single)
-    out = search_mod.memory_pass(problem, order, makespan, search_mod._Evaluator(problem, 0.5))
+    out = memory_pass_mod.memory_pass(problem, order, makespan, local_search.Evaluator(problem, 0.5))
     res = simulate(problem.to_schedule(out), placement, costs, ma, mc)  # raises if invalid
     assert res.makespan <= makespan + 1e-9
     assert res.max_peak_memory < peak - 1e-9
@@ -632,7 +634,7 @@ def test_memory_pass_lowers_the_peak_at_equal_makespan(monkeypatch, split):
 
 
 def test_memory_cap_holds_every_rank_within_it(monkeypatch):
-    monkeypatch.setattr(search_mod, "WALL_CLOCK_FACTOR", 1e6)
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
     placement, ma = Placement(4, 2), 8
     costs = CostModel.from_flavors(placement, "debug_large", "debug_large", tokens_per_microbatch=512)  # memory in GiB
     seq_peak = simulate(sequential_1f1b(placement, ma, ma // 2), placement, costs, ma, ma // 2).max_peak_memory

@@ -19,7 +19,7 @@ from typing import Any
 
 from fusedrl.pipelining import CostModel, Placement, fused_schedule
 from fusedrl.pipelining.bounds import rank_work_bound
-from fusedrl.pipelining.search import single_model_1f1b_peak
+from fusedrl.pipelining.local_search import single_model_1f1b_peak
 from fusedrl.pipelining.simulator import Problem
 
 PP = (4, 8, 16)

@@ -16,7 +16,8 @@ import sys
 
 from fusedrl.pipelining.cost import CostModel
 from fusedrl.pipelining.ir import Placement
-from fusedrl.pipelining.search import PlanResult, fused_schedule, single_model_1f1b_peak
+from fusedrl.pipelining.local_search import single_model_1f1b_peak
+from fusedrl.pipelining.search import PlanResult, fused_schedule
 from fusedrl.pipelining.simulator import Problem
 
 
