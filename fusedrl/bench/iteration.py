@@ -144,7 +144,7 @@ def training_layout(setting: Setting, gpu: Accelerator = H100_SXM) -> TrainingLa
 
 
 # ---------------------------------------------------------------------------------------------- rollout
-def rollout_stage(setting: Setting, gpu: Accelerator, workload: Workload, lengths: Sequence[int]) -> dict:
+def rollout_phase(setting: Setting, gpu: Accelerator, workload: Workload, lengths: Sequence[int]) -> dict:
     """Generation + scoring, unfused vs fused, each at its fastest instance size (bench.fusion's best vs best)."""
     a, c = setting.actor, setting.critic
     a_params, kv_bytes = params(a), kv_bytes_per_token(a, BF16)
@@ -257,7 +257,7 @@ def microbatches_per_pipeline(setting: Setting, layout: TrainingLayout, workload
     return per_replica
 
 
-def training_stage(
+def training_phase(
     setting: Setting,
     layout: TrainingLayout,
     gpu: Accelerator,
@@ -304,8 +304,8 @@ def iteration(
     layout = layout if layout is not None else training_layout(setting, gpu)
     microbatches_per_pipeline(setting, layout, workload)  # bad sizes fail before the rollout simulation
     lengths = lmsys_lengths(workload.batch, seed=workload.seed, max_len=workload.max_len)
-    rollout = rollout_stage(setting, gpu, workload, lengths)
-    training = training_stage(setting, layout, gpu, workload, lengths, budget_s, seed)
+    rollout = rollout_phase(setting, gpu, workload, lengths)
+    training = training_phase(setting, layout, gpu, workload, lengths, budget_s, seed)
     sync_u, sync_f = (weight_sync_s(setting, layout, gpu, rollout[k]) for k in ("unfused_tp", "fused_tp"))
     sync = dict(unfused_s=sync_u, fused_s=sync_f, speedup=sync_u / sync_f if sync_f else 1.0)  # 0 s at pp = 1
     unfused = sync_u + rollout["unfused_s"] + training["unfused_s"]
