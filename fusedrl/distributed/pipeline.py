@@ -60,7 +60,8 @@ class DecoderStage(nn.Module):
     packing).
 
     ``layers`` is keyed by the layer's index in the full model, so parameter names match the full
-    model's state dict (``layers.5.attn.q_proj.weight``).
+    model's state dict (``layers.5.attn.q_proj.weight``). ``hidden_dim`` is the model's embedding width: the last
+    dim of the activations between stages.
     """
 
     def __init__(
@@ -70,9 +71,11 @@ class DecoderStage(nn.Module):
         norm: nn.Module | None,
         output: nn.Module | None,
         max_seq_len: int,
+        hidden_dim: int,
         apply_head: bool = True,
     ) -> None:
         super().__init__()
+        self.hidden_dim = hidden_dim
         self.tok_embeddings = tok_embeddings
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
@@ -91,6 +94,14 @@ class DecoderStage(nn.Module):
         if self.output is not None:
             h = self.output(h).float() if self.apply_head else h.float()
         return h
+
+    @property
+    def output_dim(self) -> int:
+        """The last dim of this stage's output: the head's width on a last stage that applies it (the vocabulary of an
+        LM head, 1 for a value head), the hidden width on any other stage."""
+        if self.output is None or not self.apply_head:
+            return self.hidden_dim
+        return cast(nn.Linear, self.output).out_features
 
 
 def _output_module(model: TransformerDecoder) -> nn.Module:
@@ -135,6 +146,7 @@ def split_decoder(
             norm=model.norm if s == last else None,
             output=_output_module(model) if s == last else None,
             max_seq_len=model.max_seq_len,
+            hidden_dim=cast(nn.Embedding, model.tok_embeddings).embedding_dim,
             apply_head=apply_head,
         )
         for s, layer_range in enumerate(ranges)
