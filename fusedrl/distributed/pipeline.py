@@ -159,12 +159,15 @@ class TiedEmbeddings:
     (one all-reduce between the first and the last pipeline rank of each data-parallel / TP coordinate), so both
     copies get the full gradient, as the unsplit model's one parameter does, and stay equal under the same
     optimizer. Collective at construction: every rank of ``mesh`` builds it. Nothing to do unless the stage
-    model ties its embeddings and pp >= 2 (then ``param`` is None on every rank).
+    model ties its embeddings and pp >= 2 (then ``param`` is None on every rank). ``uncounted`` holds the last
+    stage's copy: a global gradient norm leaves it out (``clip_grad_norm(..., uncounted=)``), so that the shared
+    weight counts once, as the first stage's embedding.
     """
 
     def __init__(self, mesh: DeviceMesh, stage: DecoderStage, tied: bool) -> None:
         self.param: nn.Parameter | None = None
         self.group: dist.ProcessGroup | None = None
+        self.uncounted: list[nn.Parameter] = []
         if not tied or mesh["pp"].size() < 2:
             return
         for row in mesh_lines(mesh, "pp"):  # every rank creates every pair's group, in the same order
@@ -176,6 +179,7 @@ class TiedEmbeddings:
             self.param = cast(nn.Parameter, stage.tok_embeddings.weight)
         elif stage.output is not None:
             self.param = cast(nn.Parameter, stage.output.weight)
+            self.uncounted = [self.param]
 
     def sum_gradients(self) -> None:
         """Add the first and the last stage's gradients of the shared weight (call after backward, before clipping)."""
