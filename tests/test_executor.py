@@ -136,11 +136,7 @@ def _check_gradients(
     layered = sum(n for m, n in ((ACTOR, ma), (CRITIC, mc)) if transformer_layers(stages[m]))  # mc: per replica
     f = resolve_flavor(flavor)
     tied = TiedEmbeddings(mesh, stages[ACTOR], f.tie_word_embeddings) if device == "cpu" else None
-    dim = models[ACTOR].tok_embeddings.embedding_dim
-    specs = {
-        ACTOR: StageModule(stages[ACTOR], actor_loss, dim, f.vocab_size),
-        CRITIC: StageModule(stages[CRITIC], critic_loss, dim, 1),
-    }
+    specs = {ACTOR: StageModule(stages[ACTOR], actor_loss), CRITIC: StageModule(stages[CRITIC], critic_loss)}
 
     for kind in programs:
         for mod in list(stages.values()) + list(refs.values()):
@@ -258,6 +254,19 @@ def test_activation_checkpointing_gives_the_reference_gradients(rank_pools):
     rank_pools(4).run(_check_gradients, programs, 2, 2, 2, 2, 4, (SEQ,), None, "cpu", 1, "debug", True, timeout_s=240.0)
 
 
+def test_stage_module_takes_its_dims_from_the_decoder_stage():
+    """Activation shapes come from the stage: hidden width between stages, the head's width on a last stage that
+    applies it (vocabulary, 1 for a value head; the tied head too), the hidden width when the loss applies it."""
+    dims = lambda stage: (StageModule(stage, actor_loss).hidden_dim, StageModule(stage, actor_loss).output_dim)  # noqa: E731
+    for flavor in ("debug", "debug_qwen"):
+        first, last = split_decoder(build_model(flavor, "policy", device="meta"), 2)
+        assert dims(first) == (64, 64) and dims(last) == (64, 512)
+    assert dims(split_decoder(build_model("debug", "policy", device="meta"), 2, apply_head=False)[1]) == (64, 64)
+    assert dims(split_decoder(build_model("debug", "value", device="meta"), 1)[0]) == (64, 1)
+    with pytest.raises(ValueError, match="a Linear does not state its hidden_dim; pass hidden_dim="):
+        StageModule(torch.nn.Linear(2, 2), actor_loss)
+
+
 def test_misordered_program_is_rejected_before_running():
     placement, counts = Placement(2), {ACTOR: 2, CRITIC: 2}
     program = lower(sequential_1f1b(placement, 2, 2), placement, counts)
@@ -266,7 +275,7 @@ def test_misordered_program_is_rejected_before_running():
     i = next(i for i, (a, b) in enumerate(zip(progs[1], progs[1][1:])) if a.kind == b.kind == "RECV_F")
     progs[1][i], progs[1][i + 1] = progs[1][i + 1], progs[1][i]
     bad = LoweredProgram(placement, counts, progs)
-    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, 2, 2)
+    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, hidden_dim=2, output_dim=2)
     # raised before any communication: no process group is needed to reject it
     with pytest.raises(ProgramError, match=r"message #\d+ between ranks 0 and 1 differs"):
         FusedPipelineSchedule(bad, spec, spec)
@@ -277,7 +286,7 @@ def test_split_program_with_recomputed_layers_is_refused():
 
     stage = torch.nn.Sequential(torch.nn.Linear(2, 2))
     recompute_in_backward(stage[0])
-    spec = StageModule(stage, actor_loss, 2, 2)
+    spec = StageModule(stage, actor_loss, hidden_dim=2, output_dim=2)
     with pytest.raises(ValueError, match="splits backwards into I and W, which torch cannot run on layers recomputed"):
         FusedPipelineSchedule(_program("split_backward", 2, 2, 2), spec, spec)
 
@@ -303,7 +312,7 @@ def test_critic_replicas_give_the_reference_gradients(rank_pools, pp, dp, tp, cr
 def test_critic_replicas_without_hybrid_sharding_are_refused():
     placement = Placement(2, critic_stages=1)
     program = lower(sequential_1f1b(placement, 2, 1), placement, {ACTOR: 2, CRITIC: 1})
-    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, 2, 2)
+    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, hidden_dim=2, output_dim=2)
     with pytest.raises(ValueError, match="2 Critic replicas, but Critic parameter 'weight' is not replicated over them"):
         FusedPipelineSchedule(program, spec, spec)
 
@@ -344,7 +353,7 @@ def _chunked_head_gradients(program) -> None:
     a_stage = split_decoder(actor, 2, apply_head=False)[rank]
     c_stage = split_decoder(critic, 2)[1 - rank]
     loss = PolicyLoss(head=a_stage.output, chunk_positions=3) if rank == 1 else PolicyLoss()
-    ex = FusedPipelineSchedule(program, StageModule(a_stage, loss, 64, 64), StageModule(c_stage, ValueLoss(), 64, 1))
+    ex = FusedPipelineSchedule(program, StageModule(a_stage, loss), StageModule(c_stage, ValueLoss()))
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 512, (4, SEQ), generator=g)
     mask = (torch.rand(4, SEQ, generator=g) > 0.3).float()

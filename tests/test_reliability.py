@@ -146,14 +146,14 @@ def _ppo_step(
             "value_loss": value_loss.detach(),
         }
 
-    monkeypatch.setattr(rlhf.update, "train_minibatch", fake_minibatch)  # what ppo_update calls
+    monkeypatch.setattr(rlhf.update, "_forward_backward", fake_minibatch)  # what train_minibatch calls
     layout = SimpleNamespace(
         dp=1,
         pp_group=None,
         critic_group=None,
         actor_stage=actor,
         critic_stage=critic,
-        tied=SimpleNamespace(param=None, sum_gradients=lambda: None),
+        tied=SimpleNamespace(uncounted=[], sum_gradients=lambda: None),
     )
     opts = []
     for m in (actor, critic):

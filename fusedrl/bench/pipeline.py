@@ -100,7 +100,6 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
         model = build_model(REAL_FLAVOR, role)
         del model.layers[REAL_LAYERS[m] :]
         models[m] = model
-    dim = models[ACTOR].tok_embeddings.embedding_dim
     vocab = models[ACTOR].tok_embeddings.num_embeddings
     actor_stage = split_decoder(models[ACTOR], pp)[rank]
     critic_stage = split_decoder(models[CRITIC], critic_stages)[placement.stage_at(CRITIC, rank)[0]]
@@ -119,9 +118,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     }
     critic_t = {"returns": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
     executors = {
-        name: FusedPipelineSchedule(
-            program, StageModule(actor_stage, _ppo_actor_loss, dim, vocab), StageModule(critic_stage, _value_loss, dim, 1)
-        )
+        name: FusedPipelineSchedule(program, StageModule(actor_stage, _ppo_actor_loss), StageModule(critic_stage, _value_loss))
         for name, program in programs.items()
     }
     samples: dict[str, list[float]] = {name: [] for name in programs}

@@ -55,7 +55,8 @@ class DecoderStage(nn.Module):
     packing).
 
     ``layers`` is keyed by the layer's index in the full model, so parameter names match the full
-    model's state dict (``layers.5.attn.q_proj.weight``).
+    model's state dict (``layers.5.attn.q_proj.weight``). ``hidden_dim`` is the model's embedding width: the last
+    dim of the activations between stages.
     """
 
     def __init__(
@@ -65,9 +66,11 @@ class DecoderStage(nn.Module):
         norm: nn.Module | None,
         output: nn.Module | None,
         max_seq_len: int,
+        hidden_dim: int,
         apply_head: bool = True,
     ) -> None:
         super().__init__()
+        self.hidden_dim = hidden_dim
         self.tok_embeddings = tok_embeddings
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
@@ -86,6 +89,14 @@ class DecoderStage(nn.Module):
         if self.output is not None:
             h = self.output(h).float() if self.apply_head else h.float()
         return h
+
+    @property
+    def output_dim(self) -> int:
+        """The last dim of this stage's output: the head's width on a last stage that applies it (the vocabulary of an
+        LM head, 1 for a value head), the hidden width on any other stage."""
+        if self.output is None or not self.apply_head:
+            return self.hidden_dim
+        return cast(nn.Linear, self.output).out_features
 
 
 def _output_module(model: TransformerDecoder) -> nn.Module:
@@ -130,6 +141,7 @@ def split_decoder(
             norm=model.norm if s == last else None,
             output=_output_module(model) if s == last else None,
             max_seq_len=model.max_seq_len,
+            hidden_dim=cast(nn.Embedding, model.tok_embeddings).embedding_dim,
             apply_head=apply_head,
         )
         for s, layer_range in enumerate(ranges)
@@ -142,12 +154,15 @@ class TiedEmbeddings:
     (one all-reduce between the first and the last pipeline rank of each data-parallel / TP coordinate), so both
     copies get the full gradient, as the unsplit model's one parameter does, and stay equal under the same
     optimizer. Collective at construction: every rank of ``mesh`` builds it. Nothing to do unless the stage
-    model ties its embeddings and pp >= 2 (then ``param`` is None on every rank).
+    model ties its embeddings and pp >= 2 (then ``param`` is None on every rank). ``uncounted`` holds the last
+    stage's copy: a global gradient norm leaves it out (``clip_grad_norm(..., uncounted=)``), so that the shared
+    weight counts once, as the first stage's embedding.
     """
 
     def __init__(self, mesh: DeviceMesh, stage: DecoderStage, tied: bool) -> None:
         self.param: nn.Parameter | None = None
         self.group: dist.ProcessGroup | None = None
+        self.uncounted: list[nn.Parameter] = []
         if not tied or mesh["pp"].size() < 2:
             return
         for row in mesh_lines(mesh, "pp"):  # every rank creates every pair's group, in the same order
@@ -159,6 +174,7 @@ class TiedEmbeddings:
             self.param = cast(nn.Parameter, stage.tok_embeddings.weight)
         elif stage.output is not None:
             self.param = cast(nn.Parameter, stage.output.weight)
+            self.uncounted = [self.param]
 
     def sum_gradients(self) -> None:
         """Add the first and the last stage's gradients of the shared weight (call after backward, before clipping)."""

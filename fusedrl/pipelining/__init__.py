@@ -4,7 +4,7 @@ Read it top to bottom: :mod:`.ir` (actions, placement: Actor stages in rank orde
 :mod:`.cost` (per-stage times and activation memory), :mod:`.simulator` (makespan, bubbles, peak memory of a
 schedule), :mod:`.bounds` (a lower bound on any schedule's makespan), :mod:`.search` (sequential 1F1B, the
 greedy fused scheduler and the local search), :mod:`.lowering` (SEND/RECV insertion and the static
-verifier), :mod:`.executor` (runs a lowered program with torch ``PipelineStage`` objects of both models),
+verifier), :mod:`.shared` (one program for every rank: planned on one, shared, lowered everywhere), :mod:`.executor` (runs a lowered program with torch ``PipelineStage`` objects of both models),
 :mod:`.forward` (one model's forward-only pass through its stages: PPO's log-prob recomputation),
 :mod:`.timeline` (a recorded step's measured timeline).
 """
@@ -23,6 +23,7 @@ from fusedrl.pipelining.forward import pipeline_forward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, ProgramError, lower, verify_program
 from fusedrl.pipelining.search import PlanResult, fused_schedule, greedy_order, sequential_1f1b
+from fusedrl.pipelining.shared import plan_and_share
 from fusedrl.pipelining.simulator import Problem, ScheduleError, SimResult, TimelineEntry, simulate
 from fusedrl.pipelining.timeline import TimedAction, Timeline
 
@@ -57,6 +58,7 @@ __all__ = [
     "Timeline",
     "lower",
     "pipeline_forward",
+    "plan_and_share",
     "run_emulated",
     "verify_program",
 ]

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from fusedrl.distributed import DecoderStage
 from fusedrl.distributed.compat import pipeline_stage_on_ranks, prepare_static_stage, recomputes_in_backward
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Action
 from fusedrl.pipelining.lowering import (
@@ -91,21 +92,37 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, M
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
 
 
-@dataclass
 class StageModule:
-    """This rank's stage of one model and how its activations look.
+    """This rank's stage of one model, its loss and how its activations look.
 
     Activations between stages are ``[micro_batch, seq, hidden_dim]`` in ``activation_dtype`` (the compute
     dtype: bfloat16 under an FSDP2 bf16 mixed-precision policy); the last stage returns float32
-    ``[micro_batch, seq, output_dim]`` (vocabulary for a policy, 1 for a value model); the first stage takes the
-    token ids ``[micro_batch, seq]``.
+    ``[micro_batch, seq, output_dim]`` (the vocabulary for a policy that applies its LM head, the hidden width for
+    one whose loss applies it, 1 for a value model); the first stage takes the token ids ``[micro_batch, seq]``.
+    A :class:`~fusedrl.distributed.DecoderStage` (``split_decoder``) states both dims itself; any other module needs
+    them passed.
     """
 
-    module: nn.Module
-    loss_fn: LossFn
-    hidden_dim: int
-    output_dim: int
-    activation_dtype: torch.dtype = torch.float32
+    def __init__(
+        self,
+        module: nn.Module,
+        loss_fn: LossFn,
+        activation_dtype: torch.dtype = torch.float32,
+        *,
+        hidden_dim: int | None = None,
+        output_dim: int | None = None,
+    ) -> None:
+        self.module, self.loss_fn, self.activation_dtype = module, loss_fn, activation_dtype
+        self.hidden_dim: int = _stage_dim(module, "hidden_dim", hidden_dim)
+        self.output_dim: int = _stage_dim(module, "output_dim", output_dim)
+
+
+def _stage_dim(module: nn.Module, name: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    if isinstance(module, DecoderStage):  # also once FSDP2 or TP parallelized it (the class stays a subclass)
+        return getattr(module, name)
+    raise ValueError(f"StageModule: a {type(module).__name__} does not state its {name}; pass {name}=")
 
 
 @dataclass

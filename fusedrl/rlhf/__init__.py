@@ -1,6 +1,7 @@
 """PPO pieces: the experience batch, scoring (neural and rule-based rewards), KL-shaped rewards, GAE, whitening and
 PPO losses, and the steps of an iteration a custom loop can call: the rollout (requests, scorer, migration
-controller, generation + scoring), the advantages, the training program and executor, and the PPO update."""
+controller, generation + scoring), the advantages, the training program and executor, and the PPO update (one
+minibatch update on any training layout, and epochs x minibatches of them)."""
 
 from fusedrl.rlhf.advantages import compute_advantages, gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
 from fusedrl.rlhf.experience import Experience
@@ -28,11 +29,13 @@ from fusedrl.rlhf.update import (
     FIRST_MINIBATCH_STATS,
     POLICY_STATS,
     VALUE_STATS,
+    MinibatchResult,
     Optimizers,
     UpdateResult,
     build_optimizers,
     logprob_gap,
     pad_to_bucket,
+    ppo_minibatches,
     ppo_update,
     recompute_enabled,
     recompute_logprobs,
@@ -43,6 +46,7 @@ __all__ = [
     "DEFAULT_LOGITS_BUDGET_BYTES",
     "Experience",
     "FIRST_MINIBATCH_STATS",
+    "MinibatchResult",
     "Optimizers",
     "POLICY_STATS",
     "PolicyLoss",
@@ -80,6 +84,7 @@ __all__ = [
     "pipeline_costs",
     "plan_program",
     "policy_loss",
+    "ppo_minibatches",
     "ppo_update",
     "recompute_enabled",
     "recompute_logprobs",

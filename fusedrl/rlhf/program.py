@@ -1,11 +1,11 @@
 """The training program of one PPO minibatch: the planner's costs for the job's layout, the fused schedule search
-or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0."""
+or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0 and shared."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,12 @@ from fusedrl.pipelining import (
     LocalSchedule,
     LoweredProgram,
     Placement,
+    PlanResult,
+    Schedule,
     StageModule,
     fused_schedule,
     lower,
+    plan_and_share,
     sequential_1f1b,
     simulate,
 )
@@ -45,7 +48,8 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
         seq_len=seq_len,
     )
-    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches // par.critic_replicas}
+    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
+    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
@@ -67,27 +71,31 @@ def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
     return cap
 
 
-def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
-    """The lowered program of one minibatch: the fused schedule search (intra_stage) or sequential 1F1B.
-
-    Planned on the caller's rank only; broadcast it so that every pipeline rank runs the same program.
-    """
+def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
+    """The schedule of one minibatch: the fused schedule search (intra_stage) or sequential 1F1B."""
     placement, costs, counts = pipeline_costs(cfg, seq_len)
-    if cfg.fusion.intra_stage:
-        plan = fused_schedule(
-            placement,
-            costs,
-            counts[ACTOR],
-            counts[CRITIC],
-            budget_s=cfg.fusion.schedule_search_budget_s,
-            seed=cfg.job.seed,
-            memory_limit=schedule_memory_limit(cfg, seq_len),
-            split_backward=cfg.fusion.split_backward,
-        )
-        schedule, method = plan.schedule, plan.method
-    else:
-        schedule, method = sequential_1f1b(placement, counts[ACTOR], counts[CRITIC]), "sequential_1f1b"
-    return lower(schedule, placement, counts), method
+    if not cfg.fusion.intra_stage:
+        return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
+    return fused_schedule(
+        placement,
+        costs,
+        counts[ACTOR],
+        counts[CRITIC],
+        budget_s=cfg.fusion.schedule_search_budget_s,
+        seed=cfg.job.seed,
+        memory_limit=schedule_memory_limit(cfg, seq_len),
+        split_backward=cfg.fusion.split_backward,
+    )
+
+
+def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
+    """The lowered program of one minibatch and how it was planned, on the caller's rank only (a process without
+    peers: ``bench.memory``); :func:`build_executor` plans it on rank 0 and shares it (``plan_and_share``)."""
+    placement, _, counts = pipeline_costs(cfg, seq_len)
+    plan = _plan(cfg, seq_len)
+    if isinstance(plan, PlanResult):
+        return lower(plan.schedule, placement, counts), plan.method
+    return lower(plan, placement, counts), "sequential_1f1b"
 
 
 @dataclass(frozen=True)
@@ -101,22 +109,17 @@ class TrainingExecutor:
 
 
 def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device) -> TrainingExecutor:
-    """The executor of ``layout`` (collective). pp >= 2: plan one program for every minibatch (the cost model
-    uses the longest sequence) on rank 0, broadcast it, and run it with the fused executor over the pipeline
-    group. pp = 1: the models train one after the other (``fusion.intra_stage`` has nothing to fuse)."""
-    actor, critic = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
+    """The executor of ``layout`` (collective). pp >= 2: plan one program for every minibatch (the cost model uses
+    the longest sequence) on rank 0, share it with every rank (``plan_and_share``), and run it with the fused
+    executor over the pipeline group. pp = 1: the models train one after the other (``fusion.intra_stage`` has
+    nothing to fuse)."""
     compute = DTYPES[cfg.training.mixed_precision_param]
     # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
     # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)
-    actor_spec = StageModule(
-        layout.actor_stage,
-        PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature),
-        actor.embed_dim,
-        actor.embed_dim,
-        compute,
-    )
-    critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), critic.embed_dim, 1, compute)
+    policy_loss = PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature)
+    actor_spec = StageModule(layout.actor_stage, policy_loss, compute)
+    critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), compute)
     if layout.pp == 1:
         local = LocalSchedule(
             actor_spec, critic_spec, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches}, group=layout.pp_group, device=device
@@ -127,10 +130,8 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
                 "the Actor and the Critic train one after the other"
             )
         return TrainingExecutor(local, "none: pp = 1, Actor then Critic", cfg.microbatches)
-    holder: list[Any] = [None]
-    if dist.get_rank() == 0:
-        holder[0] = plan_program(cfg, cfg.sequence_budget)
-    dist.broadcast_object_list(holder, src=0)
-    program, method = holder[0]
+    # shared by the whole job: every data-parallel replica runs the same program (their FSDP2 collectives follow it)
+    placement, _, counts = pipeline_costs(cfg, cfg.sequence_budget)
+    program, found = plan_and_share(lambda: _plan(cfg, cfg.sequence_budget), placement, counts)
     fused = FusedPipelineSchedule(program, actor_spec, critic_spec, group=layout.pp_group, device=device)
-    return TrainingExecutor(fused, method, program.microbatches[ACTOR])
+    return TrainingExecutor(fused, found.method if found is not None else "sequential_1f1b", program.microbatches[ACTOR])

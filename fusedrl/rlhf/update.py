@@ -1,9 +1,11 @@
-"""The PPO update of one iteration: the optimizers, one minibatch through the training executor, epochs x
-minibatches with clipping and the non-finite skip, and the recomputed old log-probs with their gap to the engine's."""
+"""The PPO update of one iteration: the optimizers, the iteration's minibatches, one update per minibatch on any
+training layout (sharding, loss denominators, the tied embedding's gradient sum, clipping, the non-finite skip), epochs x
+minibatches, and the recomputed old log-probs with their gap to the engine's."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -60,17 +62,16 @@ def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: i
     return Optimizers(actor, critic, schedule(actor), schedule(critic))
 
 
-def train_minibatch(
+def _forward_backward(
     layout: TrainingLayout, executor: TrainingExecutor, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
 ) -> dict[str, torch.Tensor]:
-    """Forward/backward of one global minibatch for both models through the fused executor.
+    """Forward/backward of one global minibatch for both models through the layout's executor.
 
-    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage; the
-    caller sums them over minibatches and reduces them over ranks once per iteration). The losses use
+    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage). The losses use
     ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch. ``tis_cap`` > 0
     weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs ``mb.engine_logprobs``).
     """
-    shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]
+    shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
     tokens_total = mb.response_mask.sum()
     # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
     denom = (tokens_total / (executor.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
@@ -89,6 +90,94 @@ def train_minibatch(
     return out
 
 
+def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> bool:
+    """Whether any rank saw a non-finite gradient norm or loss: one small all-reduce, so that every rank
+    takes the same decision (the gradient norms are already global; the losses live on last stages)."""
+    device = norms[0].device
+    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss"))])
+    bad = (~torch.isfinite(local)).any().to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+@dataclass
+class MinibatchResult:
+    """One update (:func:`train_minibatch`) on this rank."""
+
+    # this rank's last-stage POLICY_STATS, FIRST_MINIBATCH_STATS and VALUE_STATS as 0-dim device tensors, zeros on ranks
+    # without a last stage: a figure's minibatch mean is their sum over all ranks / (dp * tp), read once per iteration
+    stats: dict[str, torch.Tensor]
+    grad_norm_actor: torch.Tensor  # global norms before clipping, identical on every rank
+    grad_norm_critic: torch.Tensor
+    skipped: bool  # a non-finite loss or gradient norm: no optimizer stepped (identical on every rank)
+
+
+def ppo_minibatches(cfg: JobConfig, exp: Experience, step: int) -> Iterator[Experience]:
+    """The global minibatches of iteration ``step``'s PPO update, in the trainer's order: ``ppo.epochs`` shuffles of
+    ``exp`` into ``ppo.minibatch_size`` samples, seeded by (job.seed, step, epoch), without the minibatches whose
+    every response is masked (``ppo.truncated = "mask"``: nothing to learn). Every rank gets the same ones."""
+    for epoch in range(cfg.ppo.epochs):
+        g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
+        yield from (mb for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g) if mb.response_mask.any())
+
+
+def train_minibatch(
+    cfg: JobConfig,
+    layout: TrainingLayout,
+    executor: TrainingExecutor,
+    opt: Optimizers,
+    mb: Experience,
+    *,
+    step: int,
+    record: bool = False,
+) -> MinibatchResult:
+    """One PPO update of both models on a global minibatch ``mb`` (every rank passes the same one), on any training
+    layout: pp >= 1 (the fused executor, or :class:`~fusedrl.pipelining.LocalSchedule` at pp = 1) x dp_shard x tp,
+    tied embeddings, Critic replicas. Collective over every rank of the job. In order:
+
+    1. this rank's data-parallel shard of ``mb`` runs forward and backward through ``executor``
+       (:func:`~fusedrl.rlhf.build_executor`), each loss divided so that the gradient is the token mean over the
+       whole minibatch (``ppo.tis_cap``: weighted by the truncated importance ratio);
+    2. a tied embedding split over pipeline stages gets the sum of its first- and last-stage gradients;
+    3. each model's gradients are clipped to ``optimizer.grad_clip`` by their global norm (over pipeline stages and
+       shards; the Critic's over one replica; the tied head counted once);
+    4. a non-finite loss or gradient norm on any rank skips the optimizer steps on every rank (logged), or raises
+       ``FloatingPointError`` under ``training.nan_policy = "stop"``;
+    5. both optimizers step, gradients are zeroed, both LR schedules step (also after a skipped update).
+
+    ``step`` is the iteration, for messages; ``record``: record the executor's timeline
+    (``executor.schedule.timeline``).
+    """
+    stats = _forward_backward(layout, executor, mb, record=record, tis_cap=cfg.ppo.tis_cap)
+    layout.tied.sum_gradients()
+    norms = []
+    # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
+    for stage, group, uncounted in (
+        (layout.actor_stage, layout.pp_group, layout.tied.uncounted),
+        (layout.critic_stage, layout.critic_group, []),
+    ):
+        params = list(stage.parameters())
+        if cfg.optimizer.grad_clip > 0:
+            norms.append(clip_grad_norm(params, cfg.optimizer.grad_clip, group, uncounted=uncounted))
+        else:
+            norms.append(grad_norm([p for p in params if all(p is not q for q in uncounted)], pp_group=group))
+    skipped = _skip_update(norms, stats)
+    if not skipped:
+        for optimizer in (opt.actor, opt.critic):
+            optimizer.step()
+    elif cfg.training.nan_policy == "stop":
+        raise FloatingPointError(
+            f"step {step}: non-finite loss or gradient norm (actor {float(norms[0])}, critic {float(norms[1])}); "
+            'stopping (training.nan_policy = "stop")'
+        )
+    elif dist.get_rank() == 0:
+        log.warning("step %d: skipped an update: non-finite loss or gradient norm", step)
+    for optimizer, sched in ((opt.actor, opt.actor_lr), (opt.critic, opt.critic_lr)):
+        optimizer.zero_grad(set_to_none=True)
+        sched.step()
+    return MinibatchResult(stats, norms[0], norms[1], skipped)
+
+
 @dataclass
 class UpdateResult:
     """One iteration's PPO update on this rank."""
@@ -98,16 +187,6 @@ class UpdateResult:
     updates: int
     figures: dict[str, float]  # identical on every rank: gradient norms, skipped updates, learning rates
     timeline: Timeline | None  # the last minibatch's pipeline timeline of all ranks, on recorded iterations
-
-
-def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> bool:
-    """Whether any rank saw a non-finite gradient norm or loss: one small all-reduce, so that every rank
-    takes the same decision (the gradient norms are already global; the losses live on last stages)."""
-    device = norms[0].device
-    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss"))])
-    bad = (~torch.isfinite(local)).any().to(torch.int32).reshape(1)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bool(bad.item())
 
 
 def ppo_update(
@@ -120,7 +199,7 @@ def ppo_update(
     *,
     record: bool = False,
 ) -> UpdateResult:
-    """PPO epochs x minibatches with gradient clipping and one optimizer step per minibatch per model.
+    """PPO epochs x minibatches (:func:`ppo_minibatches`), one :func:`train_minibatch` update each.
 
     ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
     (the metrics then carry ``bubble_ratio``)."""
@@ -128,52 +207,22 @@ def ppo_update(
     first: dict[str, torch.Tensor] = {}
     bubbles: list[float] = []
     timeline: Timeline | None = None
-    skipped, updates = 0, 0
     norms: dict[str, list[torch.Tensor]] = {"actor": [], "critic": []}
-    # a tied LM head on the last stage holds the first stage's embedding gradient: counted once, on the first stage
-    tied_head = [layout.tied.param] if layout.tied.param is not None and layout.actor_stage.output is not None else []
-    for epoch in range(cfg.ppo.epochs):
-        g = torch.Generator().manual_seed(cfg.job.seed * 1_000_003 + step * 1009 + epoch)
-        for mb in exp.minibatches(cfg.ppo.minibatch_size, generator=g):
-            if not mb.response_mask.any():  # every sample of it masked (ppo.truncated = "mask"): nothing to learn
-                continue
-            stats = train_minibatch(layout, executor, mb, record=record, tis_cap=cfg.ppo.tis_cap)
-            layout.tied.sum_gradients()
-            if not first:
-                first = {k: stats[k] for k in FIRST_MINIBATCH_STATS}
-            for k in (*POLICY_STATS, *VALUE_STATS):
-                sums[k] = sums[k] + stats[k] if k in sums else stats[k]
-            if record:
-                assert executor.schedule.timeline is not None  # the step above recorded it
-                timeline = executor.schedule.timeline.gather(layout.pp_group)
-                bubbles.append(timeline.bubble_ratio())
-            # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
-            for name, stage, group, uncounted in (
-                ("actor", layout.actor_stage, layout.pp_group, tied_head),
-                ("critic", layout.critic_stage, layout.critic_group, []),
-            ):
-                params = list(stage.parameters())
-                if cfg.optimizer.grad_clip > 0:
-                    norms[name].append(clip_grad_norm(params, cfg.optimizer.grad_clip, group, uncounted=uncounted))
-                else:
-                    counted = [p for p in params if all(p is not q for q in uncounted)]
-                    norms[name].append(grad_norm(counted, pp_group=group))
-            if not _skip_update([norms["actor"][-1], norms["critic"][-1]], stats):
-                for optimizer in (opt.actor, opt.critic):
-                    optimizer.step()
-            elif cfg.training.nan_policy == "stop":
-                raise FloatingPointError(
-                    f"step {step}: non-finite loss or gradient norm (actor {float(norms['actor'][-1])}, "
-                    f'critic {float(norms["critic"][-1])}); stopping (training.nan_policy = "stop")'
-                )
-            else:
-                skipped += 1
-                if dist.get_rank() == 0:
-                    log.warning("step %d: skipped an update: non-finite loss or gradient norm", step)
-            for optimizer, sched in ((opt.actor, opt.actor_lr), (opt.critic, opt.critic_lr)):
-                optimizer.zero_grad(set_to_none=True)
-                sched.step()
-            updates += 1
+    skipped, updates = 0, 0
+    for mb in ppo_minibatches(cfg, exp, step):
+        result = train_minibatch(cfg, layout, executor, opt, mb, step=step, record=record)
+        if not first:
+            first = {k: result.stats[k] for k in FIRST_MINIBATCH_STATS}
+        for k in (*POLICY_STATS, *VALUE_STATS):
+            sums[k] = sums[k] + result.stats[k] if k in sums else result.stats[k]
+        if record:
+            assert executor.schedule.timeline is not None  # the step above recorded it
+            timeline = executor.schedule.timeline.gather(layout.pp_group)
+            bubbles.append(timeline.bubble_ratio())
+        norms["actor"].append(result.grad_norm_actor)
+        norms["critic"].append(result.grad_norm_critic)
+        skipped += result.skipped
+        updates += 1
     figures = {
         "grad_norm_actor": float(torch.stack(norms["actor"]).mean()),
         "grad_norm_critic": float(torch.stack(norms["critic"]).mean()),
