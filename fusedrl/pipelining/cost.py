@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fusedrl.pipelining.activations import stage_activation_bytes
 from fusedrl.pipelining.ir import ACTOR, CRITIC, MODELS, Placement
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ class CostModel:
         seq_len: int | None = None,
         flops_per_second: float = 1e14,
         bytes_per_activation: int = 2,
+        tp: int = 1,
+        recompute: bool = False,
         p2p_latency: float = 0.0,
     ) -> CostModel:
         """Estimate costs from the two architectures (:class:`fusedrl.models.ModelFlavor`, or names of
@@ -149,8 +152,10 @@ class CostModel:
 
         Forward time = forward FLOPs / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight
         gradients ``w`` are one matmul per weight matmul of the forward (attention's score and value products have
-        no weights: their backward is all input gradient); memory is the stored activations per micro-batch in GiB. Layers are split evenly over stages (earlier stages get the
-        remainder); the LM/value head is charged to the last stage.
+        no weights: their backward is all input gradient); memory is the stored activations per micro-batch in GiB
+        (:func:`fusedrl.pipelining.activations.stage_activation_bytes` in a compute dtype of ``bytes_per_activation``
+        bytes, attention and MLP split over ``tp``, with ``recompute``: activation checkpointing). Layers are split
+        evenly over stages (earlier stages get the remainder); the LM/value head is charged to the last stage.
         """
         from fusedrl.models import resolve_flavor  # here: the planner alone imports no model code
 
@@ -166,8 +171,6 @@ class CostModel:
             # 2 FLOPs per parameter per token, plus causal attention scores and values (QK^T and PV, halved).
             layer_matmul_flops = 2 * tokens * (attn_params + mlp_params)
             layer_flops = layer_matmul_flops + 2 * tokens * seq * q
-            # Stored activations per layer without recomputation: ~16 x dim + 2 x intermediate values per token.
-            layer_bytes = tokens * (16 * cfg.embed_dim + 2 * cfg.intermediate_dim) * bytes_per_activation
             head_out = cfg.vocab_size if vocab_out else 1
             layers = [cfg.num_layers // n + (1 if s < cfg.num_layers % n else 0) for s in range(n)]
             f, w, mem = [], [], []
@@ -175,7 +178,11 @@ class CostModel:
                 head_flops = 2 * tokens * cfg.embed_dim * head_out if s == n - 1 else 0
                 f.append((k * layer_flops + head_flops) / flops_per_second)
                 w.append((k * layer_matmul_flops + head_flops) / flops_per_second)
-                mem.append(k * layer_bytes / 2**30)
+                role, c = ("policy" if vocab_out else "value"), bytes_per_activation
+                held = stage_activation_bytes(
+                    cfg, k, first=s == 0, last=s == n - 1, role=role, tokens=tokens, itemsize=c, tp=tp, recompute=recompute
+                )
+                mem.append(held / 2**30)
             return StageCosts(tuple(f), tuple(2 * v for v in f), tuple(mem), tuple(w))
 
         return cls(
