@@ -25,6 +25,7 @@ LAYERS = [
     {"rlhf"},
     {"tasks"},
     {"trainer"},
+    {"memory"},
     {"train"},
     {"testing"},
     {"bench"},

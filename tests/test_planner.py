@@ -639,7 +639,7 @@ def test_memory_cap_holds_every_rank_within_it(monkeypatch):
     costs = CostModel.from_flavors(placement, "debug_large", "debug_large", tokens_per_microbatch=512)  # memory in GiB
     seq_peak = simulate(sequential_1f1b(placement, ma, ma // 2), placement, costs, ma, ma // 2).max_peak_memory
     default = fused_schedule(placement, costs, ma, ma // 2, budget_s=0.3)
-    for cap in (seq_peak, (seq_peak + default.memory_limit) / 2):
+    for cap in (seq_peak, (seq_peak + default.result.max_peak_memory) / 2):
         assert default.result.max_peak_memory > cap  # the cap binds
         plan = fused_schedule(placement, costs, ma, ma // 2, budget_s=0.3, memory_limit=cap)
         assert plan.memory_limit == cap

@@ -293,7 +293,7 @@ def test_a_function_alone_passes_the_config_checks(monkeypatch):
 
 
 def test_memory_estimate_counts_no_reward_model_when_the_function_scores_alone():
-    from fusedrl.bench import memory
+    from fusedrl import memory
     from fusedrl.config import load_config
 
     def estimate(*overrides: str):

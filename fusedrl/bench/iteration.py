@@ -34,8 +34,8 @@ from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
 from fusedrl.models import ModelFlavor
 from fusedrl.models.figures import (
     kv_bytes_per_token,
-    layer_activation_bytes,
     layer_matmul_params,
+    stage_activation_bytes,
     stage_forward_flops,
     stage_layer_counts,
 )
@@ -224,9 +224,15 @@ def training_costs(
     rate = layout.tp * gpu.flops_per_s * MFU
 
     def stages(model: ModelFlavor, n: int, role: str) -> dict[str, list[float]]:
-        layer_gib = layer_activation_bytes(model, tokens, BF16) / layout.tp / 2**30
         f = [total / rate for total, _ in stage_forward_flops(model, role, n, tokens, squares)]
-        return {"f": f, "b": [2 * x for x in f], "mem": [k * layer_gib for k in stage_layer_counts(model.num_layers, n)]}
+        mem = [
+            stage_activation_bytes(
+                model, k, first=s == 0, last=s == n - 1, role=role, tokens=round(tokens), itemsize=BF16, tp=layout.tp
+            )
+            / 2**30
+            for s, k in enumerate(stage_layer_counts(model.num_layers, n))
+        ]
+        return {"f": f, "b": [2 * x for x in f], "mem": mem}
 
     hidden = max(setting.actor.embed_dim, setting.critic.embed_dim)
     p2p = P2P_LATENCY_S + tokens * hidden * BF16 / layout.tp / gpu.link_bytes_per_s

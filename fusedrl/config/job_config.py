@@ -241,7 +241,8 @@ class FusionSection:
     )
     schedule_memory_gib: float | None = _key(
         None,
-        "Cap on the stored activations per pipeline rank (GiB, the cost model's estimate without recomputation) that the "
+        "Cap on the stored activations per pipeline rank (GiB, as the memory estimate counts them: "
+        "`fusedrl.models.figures`) that the "
         "fused schedule search may use; unset: 1.5 x one model's 1F1B peak. Refused below what sequential 1F1B needs.",
         positive,
     )

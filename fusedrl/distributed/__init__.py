@@ -19,7 +19,7 @@ from fusedrl.distributed.parallel_dims import (
     select_device,
 )
 from fusedrl.distributed.pipeline import DecoderStage, TiedEmbeddings, split_decoder, stage_layer_ranges
-from fusedrl.distributed.reshard import ReshardPlan, plan_reshard, reshard
+from fusedrl.distributed.reshard import ReshardPlan, plan_from_boxes, plan_reshard, reshard
 from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import VOCAB_MODULES, apply_tp
 
@@ -46,6 +46,7 @@ __all__ = [
     "group_devices",
     "init_distributed",
     "mesh_lines",
+    "plan_from_boxes",
     "plan_reshard",
     "reshard",
     "select_device",

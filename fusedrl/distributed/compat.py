@@ -6,6 +6,8 @@ changes.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,9 +78,15 @@ def recomputes_in_backward(module: nn.Module) -> bool:
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """A process group that performs no communication (torch's test-only "fake" backend), for building the
-    real layouts of a large job on the meta device in one process (``python -m fusedrl.bench.memory``)."""
+    real layouts of a large job on the meta device in one process (``fusedrl.memory``), one rank after the other.
+
+    DTensor's sharding-propagation caches are emptied first: their keys ignore the rank, so a cached output spec
+    would carry the previous rank's mesh (and mesh coordinate) into this rank's FSDP2 parameters."""
+    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
@@ -112,3 +120,104 @@ def allow_recompiles(graphs: int) -> None:
     """Let one compiled function hold at least ``graphs`` graphs (dynamo's ``recompile_limit``, 8 by default) before
     it falls back to eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+
+def stage_receive_buffers(stage: PipelineStage) -> list[torch.Tensor]:
+    """The activation and gradient receive buffers a ``PipelineStage`` preallocated (its ``args_recv_info`` /
+    ``grad_recv_info`` tables; no public accessor)."""
+    out: list[torch.Tensor] = []
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        out.extend(i.buffer for i in infos if getattr(i, "buffer", None) is not None)
+    return out
+
+
+def fsdp_unsharded_grads(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 has accumulated on the ``fully_shard``-ed modules under ``module`` (backwards
+    run without gradient sync keep them until the reduction; FSDP2 has no public accessor). Read-only."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for p in getattr(group, "fsdp_params", ()):
+            grad = p.unsharded_accumulated_grad
+            if grad is None and hasattr(p, "_unsharded_param"):
+                grad = p._unsharded_param.grad
+            if grad is not None:
+                out.append(grad)
+    return out
+
+
+def tensor_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage holding ``t``'s data: a DTensor's local shard, the inner tensor of a functional collective's
+    not yet waited result (``AsyncCollectiveTensor.elem``, not waited on here); None for meta tensors, opaque layouts
+    (oneDNN-packed weights) and other storage-less subclasses."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.elem
+    if t.is_meta or t.layout != torch.strided or (type(t) is not torch.Tensor and not isinstance(t, nn.Parameter)):
+        return None
+    return t.untyped_storage()
+
+
+class TransientTensors:
+    """Peak bytes of the transient tensors that torch ops create on this thread while it is entered: storages
+    created and freed inside, counted from the tensors themselves (a ``TorchDispatchMode`` sees every op's outputs,
+    a finalizer on each new storage sees its release). Storages still alive at the exit (caches, results) are left
+    out. Allocator scratch, kernel workspaces and other threads' allocations (gloo's per-collective buffers) are no
+    tensors and never count, so the figure depends on the ops alone, not on thread scheduling."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {id(s) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and (s := tensor_storage(a))}
+                for t in tree_leaves(out):  # views and in-place results alias an input: nothing new
+                    if isinstance(t, torch.Tensor) and (s := tensor_storage(t)) is not None and id(s) not in inputs:
+                        tracker._created(s)
+                return out
+
+        self._mode = _Mode()
+        self._events: list[tuple[int, int]] = []  # (storage key, +bytes / -bytes) in order
+        self._live: set[int] = set()
+        self._next = self._first = 0  # storage keys; this region's start at self._first
+        self.peak = 0
+
+    def _created(self, storage: torch.UntypedStorage) -> None:
+        if not storage.nbytes() or id(storage) in self._live:
+            return
+        key, nbytes = self._next, storage.nbytes()
+        self._next += 1
+        self._live.add(id(storage))
+        self._events.append((key, nbytes))
+        weakref.finalize(storage, self._freed, key, id(storage), nbytes)
+
+    def _freed(self, key: int, ident: int, nbytes: int) -> None:
+        self._live.discard(ident)
+        self._events.append((key, -nbytes))
+
+    def __enter__(self) -> TransientTensors:
+        self._events, self._live, self._first, self.peak = [], set(), self._next, 0
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+        events, self._events = self._events, []
+        freed = {key for key, n in events if n < 0 and key >= self._first}  # a late release of an earlier region's
+        running = 0
+        for key, n in events:
+            if key in freed:
+                running += n
+                self.peak = max(self.peak, running)

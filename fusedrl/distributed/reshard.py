@@ -13,7 +13,7 @@ time, so a rank never holds more than one layer's worth of transfer buffers beyo
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +114,13 @@ def plan_reshard(
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
+    return plan_from_boxes(everyone, dist.get_rank(group) if dist.is_initialized() else 0, group)
+
+
+def plan_from_boxes(everyone: Sequence[tuple[dict, dict]], me: int, group: dist.ProcessGroup | None = None) -> ReshardPlan:
+    """:func:`plan_reshard` from every rank's boxes, already gathered: per rank ``({name: (shape, box)} of its
+    sources, {name: (shape, box, dtype)} of its destinations)``; ``me``: this rank's index in ``everyone`` (the memory
+    estimate plans a job's sync from boxes it computed, in one process)."""
     owners: dict[str, dict[Box, list[int]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for rank, (sources, _) in enumerate(everyone):
@@ -142,7 +149,6 @@ def plan_reshard(
                 problems.append(f"{name}: the source shards cover {covered} of the {box.numel} elements rank {rank} needs")
     if problems:
         raise ValueError("cannot reshard: " + "; ".join(problems[:5]) + "; both layouts must hold the same model")
-    me = dist.get_rank(group) if dist.is_initialized() else 0
     units = [by_unit[k] for k in sorted(by_unit)]
     return ReshardPlan(
         units, wire, group, {n: b for n, (_, b) in everyone[me][0].items()}, {n: b for n, (_, b, _) in everyone[me][1].items()}
@@ -150,9 +156,15 @@ def plan_reshard(
 
 
 @torch.no_grad()
-def reshard(plan: ReshardPlan, src: Mapping[str, torch.Tensor], dst: Mapping[str, torch.Tensor]) -> int:
+def reshard(
+    plan: ReshardPlan,
+    src: Mapping[str, torch.Tensor],
+    dst: Mapping[str, torch.Tensor],
+    on_unit: Callable[[list[torch.Tensor]], None] | None = None,
+) -> int:
     """Run ``plan`` (collective over its group): fill this rank's ``dst`` shards from the ranks holding the
-    sources. Returns the bytes this rank received from other ranks."""
+    sources. Returns the bytes this rank received from other ranks. ``on_unit``: called with each unit's send
+    blocks and receive buffers before they go on the wire (``fusedrl.memory`` measures them)."""
     me = dist.get_rank(plan.group) if dist.is_initialized() else 0
     received = 0
     for unit in plan.units:
@@ -170,6 +182,8 @@ def reshard(plan: ReshardPlan, src: Mapping[str, torch.Tensor], dst: Mapping[str
                 buf = torch.empty(t.box.sizes, dtype=plan.wire_dtype[t.name], device=out.device)
                 ops.append(dist.P2POp(dist.irecv, buf, group=plan.group, group_peer=t.src))
                 incoming.append((t, buf))
+        if on_unit is not None:
+            on_unit([op.tensor for op in ops])
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

@@ -448,6 +448,11 @@ class GenerationEngine:
             kv_dtype=kv_dtype,
         )
 
+    @property
+    def kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's slot cache buffers (k, v), each ``[max_slots, max_len + 1, kv_heads, head_dim]``."""
+        return [self._forward.cache(i) for i in range(len(self.model.layers))]
+
     # ---------------------------------------------------------------- model / weights
     def _build(self) -> None:
         model = self.source_model

@@ -43,14 +43,15 @@ class WeightSync:
         stages = stages if isinstance(stages, list) else [stages]
         self.engine = target if isinstance(target, GenerationEngine) else None
         module = target.source_model if isinstance(target, GenerationEngine) else target
-        self._src = {n: p for stage in stages for n, p in stage.named_parameters()}
-        self._dst = dict(module.named_parameters())
-        self.plan = plan_reshard(self._src, self._dst, group)
+        # full-model names to this rank's tensors of the training stages and of the rollout copy
+        self.sources = {n: p for stage in stages for n, p in stage.named_parameters()}
+        self.targets = dict(module.named_parameters())
+        self.plan = plan_reshard(self.sources, self.targets, group)
 
     @torch.no_grad()
     def sync(self) -> WeightSyncStats:
         start = time.perf_counter()
-        received = reshard(self.plan, self._src, self._dst)
+        received = reshard(self.plan, self.sources, self.targets)
         if self.engine is not None:
             self.engine.weights_updated()
         return WeightSyncStats(seconds=time.perf_counter() - start, bytes=received)

@@ -1,8 +1,11 @@
-"""Derived figures of a :class:`ModelFlavor`, one definition each: forward FLOPs, KV-cache and activation bytes per
-token, and the even split of its layers over pipeline stages (its parameter count is ``ModelFlavor.num_params``).
+"""Derived figures of a :class:`ModelFlavor`, one definition each: forward FLOPs, KV-cache bytes per token, the even
+split of its layers over pipeline stages, and the activation memory a training micro-batch holds on a stage from its
+forward to its backward (its parameter count is ``ModelFlavor.num_params``).
 
-The planner's cost model, the rollout simulator's roofline costs, the layouts' stage splitting and the benchmarks
-all call these, so a changed formula changes every estimate at once.
+The planner's cost model (hence the search's memory limit and memory pass), the memory estimate
+(:mod:`fusedrl.memory`), the rollout simulator's roofline costs, the layouts' stage splitting and the benchmarks all
+call these, so a changed formula changes every estimate at once; ``docs/memory.md`` derives the activation terms and
+``tests/test_memory.py`` checks the per-layer figure against autograd's saved tensors.
 """
 
 from __future__ import annotations
@@ -44,12 +47,6 @@ def stage_forward_flops(
     return out
 
 
-def layer_activation_bytes(flavor: ModelFlavor, tokens: float, bytes_per_value: float) -> float:
-    """Activations one decoder layer stores between a micro-batch's forward and backward without recomputation:
-    about 16 x hidden + 2 x intermediate values per token."""
-    return tokens * (16 * flavor.embed_dim + 2 * flavor.intermediate_dim) * bytes_per_value
-
-
 def kv_bytes_per_token(flavor: ModelFlavor, bytes_per_value: int) -> int:
     """KV-cache bytes one token holds: a key and a value of every KV head in every layer."""
     return flavor.num_layers * 2 * flavor.num_kv_heads * flavor.head_dim * bytes_per_value
@@ -65,3 +62,54 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> list[int]:
         )
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+LOSS_BYTES_PER_TOKEN = 36
+"""Small per-token tensors a PPO loss saves (masks, ratios, clipped values)."""
+
+
+def layer_activation_bytes(f: ModelFlavor, tokens: int, itemsize: int, tp: int = 1) -> int:
+    """Autograd's saved bytes of one transformer layer's forward over ``tokens`` tokens in a compute dtype of
+    ``itemsize`` bytes, its attention and MLP split over ``tp`` ranks: per token two RMSNorms' float32 input copy
+    and normalized value plus their output, q and k / v expanded to the query heads, the SDPA output and its float32
+    log-sum-exp, the MLP's four intermediates and 8 bytes of ``rstd``."""
+    d, h = f.embed_dim, f.num_heads
+    q = h * f.head_dim
+    per_token = 2 * (8 * d + itemsize * d) + itemsize * (4 * q // tp + 4 * f.intermediate_dim // tp) + 8 + 4 * (h // tp)
+    return tokens * per_token
+
+
+def stage_activation_bytes(
+    f: ModelFlavor,
+    layers: int,
+    *,
+    first: bool,
+    last: bool,
+    role: str,
+    tokens: int,
+    itemsize: int,
+    tp: int = 1,
+    head_in_loss: bool = True,
+    recompute: bool = False,
+) -> int:
+    """Bytes one in-flight micro-batch of ``tokens`` tokens holds on a training stage of ``layers`` layers (a
+    policy's full logits excluded: they are transients of its loss).
+
+    ``role``: ``policy`` or ``value``. ``head_in_loss``: a policy's last stage returns its final hidden states
+    (float32) and the policy loss applies the LM head in checkpointed chunks, as the trainer builds it
+    (``split_decoder(..., apply_head=False)``, ``PolicyLoss(head=...)``). ``recompute``
+    (``training.activation_checkpointing = "full"``): a layer keeps only its input."""
+    d, c = f.embed_dim, itemsize
+    total = layers * (c * tokens * d if recompute else layer_activation_bytes(f, tokens, c, tp))
+    if first:
+        total += 8 * tokens  # token ids saved by the embedding
+    elif c == 4 and layers:
+        total -= 4 * tokens * d  # the first norm's float32 input is the receive buffer itself
+    if not last:
+        return total + tokens * c * d  # the stage output, held by PipelineStage until its backward
+    total += tokens * (8 * d + LOSS_BYTES_PER_TOKEN)  # the final norm's float32 tensors; the loss's own
+    if role == "value":
+        return total + tokens * (c * d + c + 4)  # normed input saved by the value head; its output, float32 copy
+    if head_in_loss:  # float32 hidden output (held) and the loss's compute-dtype copy (the checkpoint's input)
+        return total + tokens * (4 * d + (c * d if c != 4 else 0))
+    return total + tokens * c * d  # normed input saved by the LM head

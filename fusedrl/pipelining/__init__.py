@@ -17,6 +17,7 @@ from fusedrl.pipelining.executor import (
     LocalSchedule,
     ModelStepResult,
     StageModule,
+    StepObserver,
     run_emulated,
 )
 from fusedrl.pipelining.forward import pipeline_forward
@@ -54,6 +55,7 @@ __all__ = [
     "ModelStepResult",
     "ProgramError",
     "StageModule",
+    "StepObserver",
     "TimedAction",
     "Timeline",
     "lower",

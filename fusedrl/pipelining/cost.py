@@ -142,6 +142,8 @@ class CostModel:
         seq_len: int | None = None,
         flops_per_second: float = 1e14,
         bytes_per_activation: int = 2,
+        tp: int = 1,
+        recompute: bool = False,
         p2p_latency: float = 0.0,
     ) -> CostModel:
         """Estimate costs from the two architectures (:class:`fusedrl.models.ModelFlavor`, or names of
@@ -151,8 +153,9 @@ class CostModel:
         tokens) / ``flops_per_second`` (seconds), backward = 2 x forward, of which the weight gradients ``w`` are one
         matmul per weight matmul of the forward (attention's score and value products have no weights: their
         backward is all input gradient); memory is the stored activations per micro-batch in GiB
-        (:func:`~fusedrl.models.figures.layer_activation_bytes`). Layers are split evenly over stages (earlier stages
-        get the remainder); the LM/value head is charged to the last stage.
+        (:func:`fusedrl.models.figures.stage_activation_bytes` in a compute dtype of ``bytes_per_activation`` bytes,
+        attention and MLP split over ``tp``, with ``recompute``: activation checkpointing). Layers are split evenly
+        over stages (earlier stages get the remainder); the LM/value head is charged to the last stage.
         """
         from fusedrl.models import figures, resolve_flavor  # here: the planner alone imports no model code
 
@@ -162,11 +165,25 @@ class CostModel:
                 raise ValueError(f"{cfg.describe()} has {cfg.num_layers} layers, fewer than its {n} pipeline stages")
             seq = seq_len or min(tokens_per_microbatch, cfg.max_seq_len)
             flops = figures.stage_forward_flops(cfg, role, n, tokens_per_microbatch, tokens_per_microbatch * seq)
-            layer_bytes = figures.layer_activation_bytes(cfg, tokens_per_microbatch, bytes_per_activation)
             layers = figures.stage_layer_counts(cfg.num_layers, n)
+            mem = tuple(
+                figures.stage_activation_bytes(
+                    cfg,
+                    k,
+                    first=s == 0,
+                    last=s == n - 1,
+                    role=role,
+                    tokens=tokens_per_microbatch,
+                    itemsize=bytes_per_activation,
+                    tp=tp,
+                    recompute=recompute,
+                )
+                / 2**30
+                for s, k in enumerate(layers)
+            )
             f = tuple(total / flops_per_second for total, _ in flops)
             w = tuple(matmul / flops_per_second for _, matmul in flops)
-            return StageCosts(f, tuple(2 * v for v in f), tuple(k * layer_bytes / 2**30 for k in layers), w)
+            return StageCosts(f, tuple(2 * v for v in f), mem, w)
 
         return cls(
             stages(actor_flavor, placement.num_stages(ACTOR), "policy"),

@@ -134,6 +134,29 @@ class ModelStepResult:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class StepObserver:
+    """Watches :meth:`FusedPipelineSchedule.step` from outside (``fusedrl.memory`` measures with it): the executor
+    calls these around its step, each compute action and each model's gradient reduction. No-ops here."""
+
+    def step_started(self) -> None:
+        pass
+
+    def forward_started(self, model: str, microbatch: int) -> None:
+        pass
+
+    def forward_finished(self, model: str, microbatch: int, stage: PipelineStage, output: Any) -> None:
+        """After the stage's forward (and on its last stage the loss); ``output``: the stage's output."""
+
+    def backward_finished(self, model: str, microbatch: int, released: bool) -> None:
+        """``released``: the micro-batch's last backward action on this stage (B, or W when split) has run."""
+
+    def reduce_started(self, model: str, stage: PipelineStage) -> None:
+        pass
+
+    def step_finished(self) -> None:
+        pass
+
+
 class FusedPipelineSchedule:
     """Trains the Actor and the Critic on the same pipeline ranks with one lowered program.
 
@@ -188,6 +211,12 @@ class FusedPipelineSchedule:
         self.timeline: Timeline | None = None  # of the last step, when it was recorded
         self._steps = compile_rank_program(program, self.rank)
         self._stages: OrderedDict[tuple, PipelineStage] = OrderedDict()  # least recently used first
+        self.observer: StepObserver | None = None
+
+    @property
+    def stages(self) -> dict[tuple, PipelineStage]:
+        """The cached stages by ``(model, micro-batches, input shape, input dtype)``, least recently used first."""
+        return dict(self._stages)
 
     def _stage(self, model: str, mb_input: torch.Tensor) -> PipelineStage:
         """``model``'s stage for micro-batches shaped like ``mb_input``: cached per shape, at most
@@ -264,8 +293,18 @@ class FusedPipelineSchedule:
         stats: dict[str, list[Mapping[str, torch.Tensor | float]]] = {m: [] for m in MODELS}
         pending_loss: dict[tuple[str, int], torch.Tensor] = {}
         backwards = {m: 0 for m in MODELS}
+        watch = self.observer or StepObserver()
+        split_backward = {m: any(a.kind == "W" for a in self.program.programs[self.rank] if a.model == m) for m in MODELS}
 
         def compute(a: Action) -> None:
+            if a.kind == "F":
+                watch.forward_started(a.model, a.microbatch)
+                watch.forward_finished(a.model, a.microbatch, stages[a.model], run(a))
+            else:
+                run(a)
+                watch.backward_finished(a.model, a.microbatch, a.kind == ("W" if split_backward[a.model] else "B"))
+
+        def run(a: Action) -> Any:
             st, m = stages[a.model], a.model
             n_mb = self.program.microbatches[m]
             if a.kind == "F":
@@ -276,7 +315,8 @@ class FusedPipelineSchedule:
                     pending_loss[(m, a.microbatch)] = loss / n_mb
                     losses[m].append(loss.detach())
                     stats[m].append(mb_stats)
-            elif a.kind in ("B", "I"):
+                return out
+            if a.kind in ("B", "I"):
                 if a.kind == "B":
                     backwards[m] += 1
                 st.backward_one_chunk(
@@ -298,11 +338,14 @@ class FusedPipelineSchedule:
                 RECV_B: st.get_bwd_recv_ops,
             }[a.kind](a.microbatch)
 
+        watch.step_started()
         self.timeline = run_rank_program(
             self._steps, self.rank, compute, comm_ops, group=self.group, record=record, device=self.device
         )
         for m in MODELS:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
+            watch.reduce_started(m, stages[m])
             stages[m].perform_reduce_grad(1)  # losses were already divided by M
+        watch.step_finished()
         return {m: _summarize(losses[m], stats[m]) for m in MODELS}
 
 

@@ -36,7 +36,8 @@ log = logging.getLogger("fusedrl.rlhf.program")
 
 
 def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, dict[str, int]]:
-    """The planner's placement, cost model (times in seconds, activation memory in GiB) and micro-batches per model
+    """The planner's placement, cost model (times in seconds, activation memory in GiB: what the memory estimate
+    counts per micro-batch, :func:`fusedrl.models.figures.stage_activation_bytes`) and micro-batches per model
     for one minibatch of sequences of ``seq_len`` tokens on each data-parallel shard (the Critic's: per replica, an
     equal share of the Actor's count)."""
     par = cfg.parallelism
@@ -47,6 +48,9 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         model_flavor(cfg, "critic"),
         tokens_per_microbatch=cfg.ppo.microbatch_size * seq_len,
         seq_len=seq_len,
+        bytes_per_activation=DTYPES[cfg.training.mixed_precision_param].itemsize,
+        tp=par.tp,
+        recompute=cfg.training.activation_checkpointing == "full",
     )
     n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
     return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
