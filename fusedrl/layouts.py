@@ -96,7 +96,7 @@ class RolloutLayout:
 
     ``group`` holds one rank per instance (the ranks of this rank's TP index: request states travel there),
     ``control_group`` the same ranks on gloo, ``instance_group`` this instance's ranks (gloo; None when
-    gen_tp = 1). See :class:`fusedrl.fusion.MigrationController`.
+    gen_tp = 1). See :class:`fusedrl.rollout_fusion.MigrationController`.
     """
 
     mesh: DeviceMesh

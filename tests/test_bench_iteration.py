@@ -6,9 +6,9 @@ import math
 import pytest
 
 from fusedrl.bench import iteration as it
-from fusedrl.fusion.workload import lmsys_lengths
 from fusedrl.hardware import H100_SXM, MFU
 from fusedrl.models import ModelFlavor
+from fusedrl.rollout_fusion.workload import lmsys_lengths
 
 SMALL = it.Workload(batch=64, minibatch=16, microbatch=2, max_len=256)
 

@@ -5,8 +5,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fusedrl.fusion import MigrationController
-from fusedrl.fusion.plan import (
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.models import build_model
+from fusedrl.rlhf import Experience, Scorer, ScoringModels
+from fusedrl.rollout_fusion import MigrationController
+from fusedrl.rollout_fusion.plan import (
     InstanceStats,
     MigrationPlan,
     MovedRequest,
@@ -16,7 +19,7 @@ from fusedrl.fusion.plan import (
     choose_kept,
     verify_plan,
 )
-from fusedrl.fusion.simulator import (
+from fusedrl.rollout_fusion.simulator import (
     DEFAULT_FRACTIONS,
     STATS_LAG,
     RolloutConfig,
@@ -27,10 +30,7 @@ from fusedrl.fusion.simulator import (
     simulate_rollout,
     split_round_robin,
 )
-from fusedrl.fusion.workload import lmsys_lengths
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.models import build_model
-from fusedrl.rlhf import Experience, Scorer, ScoringModels
+from fusedrl.rollout_fusion.workload import lmsys_lengths
 
 # ------------------------------------------------------------------------------------------------ plans
 

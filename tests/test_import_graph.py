@@ -21,7 +21,7 @@ LAYERS = [
     {"components"},
     {"pipelining", "generation"},
     {"layouts"},
-    {"fusion"},
+    {"rollout_fusion"},
     {"rlhf"},
     {"tasks"},
     {"trainer"},

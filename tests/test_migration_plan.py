@@ -2,7 +2,7 @@
 
 import pytest
 
-from fusedrl.fusion.plan import (
+from fusedrl.rollout_fusion.plan import (
     InstanceStats,
     MigrationPlan,
     MovedRequest,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusedrl.fusion.workload import LengthDistribution, lmsys_lengths
+from fusedrl.rollout_fusion.workload import LengthDistribution, lmsys_lengths
 
 
 def test_heavy_tail_and_mean():

@@ -30,8 +30,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fusedrl.fusion import MigrationController, RolloutResult
-from fusedrl.fusion.simulator import (
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.hardware import A100_SXM_80GB, H100_SXM
+from fusedrl.models import FLAVORS, ModelFlavor, build_model
+from fusedrl.models.figures import kv_bytes_per_token
+from fusedrl.rlhf import Scorer, ScoringModels
+from fusedrl.rollout_fusion import MigrationController, RolloutResult
+from fusedrl.rollout_fusion.simulator import (
     RolloutConfig,
     RolloutCosts,
     RolloutTimes,
@@ -41,12 +46,7 @@ from fusedrl.fusion.simulator import (
     simulate_rollout,
     split_round_robin,
 )
-from fusedrl.fusion.workload import lmsys_lengths
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.hardware import A100_SXM_80GB, H100_SXM
-from fusedrl.models import FLAVORS, ModelFlavor, build_model
-from fusedrl.models.figures import kv_bytes_per_token
-from fusedrl.rlhf import Scorer, ScoringModels
+from fusedrl.rollout_fusion.workload import lmsys_lengths
 from fusedrl.testing import run_multirank
 
 PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT = 512, 2048, 70  # LMSYS-Chat-1M: 69.5 prompt tokens on average

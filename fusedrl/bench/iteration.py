@@ -28,8 +28,6 @@ from typing import Any
 
 from fusedrl.bench.fusion import BF16, GPU_MEMORY_FOR_MODELS, LLAMA1, PAPER_BATCH, PAPER_MAX_LEN, PAPER_PROMPT, best_vs_best
 from fusedrl.config import microbatch_count
-from fusedrl.fusion.simulator import RolloutConfig, RolloutCosts, best_migration, simulate_rollout, split_round_robin
-from fusedrl.fusion.workload import lmsys_lengths
 from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
 from fusedrl.models import ModelFlavor
 from fusedrl.models.figures import (
@@ -40,6 +38,8 @@ from fusedrl.models.figures import (
     stage_layer_counts,
 )
 from fusedrl.pipelining import ACTOR, CRITIC, CostModel, Placement, fused_schedule
+from fusedrl.rollout_fusion.simulator import RolloutConfig, RolloutCosts, best_migration, simulate_rollout, split_round_robin
+from fusedrl.rollout_fusion.workload import lmsys_lengths
 
 GPUS_PER_NODE = 8
 ROLLOUT_TP = (1, 2, 4, 8)  # generation instance sizes tried (within one node), as in bench.fusion

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fusedrl.components import PromptBatch, Tokenizer
 from fusedrl.config import JobConfig
-from fusedrl.fusion import MigrationController, RolloutResult
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.layouts import RolloutLayout
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.reward_fn import RewardFn, RuleReward, load_reward_fn
 from fusedrl.rlhf.scoring import Scorer, ScoringModels
+from fusedrl.rollout_fusion import MigrationController, RolloutResult
 
 
 def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:

@@ -46,15 +46,6 @@ import torch.distributed as dist
 from fusedrl.components.metrics import ChromeTrace
 from fusedrl.config import FusionSection
 from fusedrl.distributed import group_devices
-from fusedrl.fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
-from fusedrl.fusion.simulator import (
-    DEFAULT_FRACTIONS,
-    STATS_LAG,
-    RolloutConfig,
-    RolloutCosts,
-    SimRequest,
-    best_migration,
-)
 from fusedrl.generation import (
     GenerationEngine,
     PendingSend,
@@ -65,6 +56,15 @@ from fusedrl.generation import (
     isend_states,
     recv_states,
     send_states,
+)
+from fusedrl.rollout_fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
+from fusedrl.rollout_fusion.simulator import (
+    DEFAULT_FRACTIONS,
+    STATS_LAG,
+    RolloutConfig,
+    RolloutCosts,
+    SimRequest,
+    best_migration,
 )
 
 log = logging.getLogger(__name__)

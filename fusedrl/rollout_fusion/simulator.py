@@ -1,7 +1,7 @@
 """Simulator of the rollout (generation + scoring), unfused (decode everything, then score) vs fused
 (at a threshold, migrate the tail onto a few instances and score on the freed ones).
 
-It mirrors what :class:`fusedrl.fusion.MigrationController` does: checks every ``check_interval`` decode
+It mirrors what :class:`fusedrl.rollout_fusion.MigrationController` does: checks every ``check_interval`` decode
 steps while fused, each deciding on the statistics of the check ``STATS_LAG`` before (an instance waits only for
 one that many intervals behind), the same plan (:mod:`.plan`), transfers in one global order with blocking
 send/receive, scoring in length-sorted micro-batches, tail samples streamed round-robin to each kept
@@ -21,8 +21,8 @@ from typing import Any, Literal
 import torch
 
 from fusedrl.buckets import round_up
-from fusedrl.fusion.plan import InstanceStats, MovedRequest, build_plan, choose_kept
 from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
+from fusedrl.rollout_fusion.plan import InstanceStats, MovedRequest, build_plan, choose_kept
 
 STATS_LAG = 2  # a check decides on the statistics all-gathered this many checks earlier (see MigrationController)
 TOKEN_BYTES = 12  # a finished sample on the wire: int64 token + float32 log-prob per token (metadata aside)
