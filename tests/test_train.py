@@ -259,7 +259,7 @@ BAD_CONFIGS = [
         "the 2 Critic replicas split each minibatch's 1 micro-batches per data-parallel shard evenly",
     ),
     (["--job.task="], 'data.format = "synthetic" takes its prompts from the task, but job.task is unset'),
-    (["--job.task=fusedrl.tasks.debug:ASSET_FLAVOR"], "fusedrl.tasks.debug has a str under 'ASSET_FLAVOR', not a fusedrl"),
+    (["--job.task=fusedrl.tasks.debug:ASSET_FLAVOR"], "job.task = 'fusedrl.tasks.debug:ASSET_FLAVOR' is a str, not a fusedrl"),
     (["--job.task=no_such_module:TASK"], "job.task = 'no_such_module:TASK': cannot import module 'no_such_module'"),
     (
         ["--job.task=", "--model.reward_fn=task"],

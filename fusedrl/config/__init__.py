@@ -27,6 +27,7 @@ from fusedrl.config.loader import (
     ConfigError,
     InputError,
     config_to_toml,
+    import_object,
     load_config,
     validate_config,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "StartupCheck",
     "TrainingSection",
     "config_to_toml",
+    "import_object",
     "load_config",
     "microbatch_count",
     "run_checks",

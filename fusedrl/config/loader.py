@@ -8,6 +8,7 @@ line naming the key, where its value came from (the file or ``command line``) an
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import os
 import tomllib
@@ -409,3 +410,26 @@ def config_to_toml(cfg: JobConfig) -> str:
                 continue
             lines.append(f"{key} = {format_value(getattr(obj, key))}")
     return "\n".join(lines) + "\n"
+
+
+def import_object(path: str) -> object:
+    """The object a config value names as ``"package.module:attribute"`` (a dotted attribute path after the colon is
+    followed), such as ``model.reward_fn`` or ``job.task``. Raises ValueError (one line) when the path is malformed,
+    the module cannot be imported or the attribute is missing."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f'{path!r} is not an import path "package.module:attribute"')
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
+        text = " ".join(str(e).split())[:300]
+        raise ValueError(
+            f"cannot import module {module_name!r} ({type(e).__name__}{': ' + text if text else ''}); check the module "
+            "path and that its package is installed or on PYTHONPATH"
+        ) from None
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            where = ":".join((module_name, ".".join(attr.split(".")[:i]))) if i else f"module {module_name!r}"
+            raise ValueError(f"{where} has no attribute {part!r}; check the name after the colon")
+        obj = getattr(obj, part)
+    return obj

@@ -19,18 +19,17 @@ the sample's value is NaN (its score then gets no term from the function) and a 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
 
 from fusedrl.components import Tokenizer
-from fusedrl.config import ConfigError, Startup
+from fusedrl.config import ConfigError, Startup, import_object
 from fusedrl.generation import RequestResult
 from fusedrl.rlhf.experience import Experience
 
@@ -48,28 +47,14 @@ class RewardFunctionError(RuntimeError):
 
 
 def load_reward_fn(path: str) -> RewardFn:
-    """The callable named by ``"package.module:function"`` (a dotted attribute path after the colon is followed).
+    """The callable named by ``"package.module:function"`` (:func:`fusedrl.config.import_object`).
 
     Raises ValueError (one line) when the path is malformed, the module cannot be imported, the attribute is
     missing or it is not callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f'{path!r} is not an import path "package.module:function"')
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
-        raise ValueError(
-            f"cannot import module {module_name!r} ({_one_line(e)}); check the module path and that "
-            "its package is installed or on PYTHONPATH"
-        ) from None
-    for i, part in enumerate(attr.split(".")):
-        if not hasattr(obj, part):
-            where = ":".join((module_name, ".".join(attr.split(".")[:i]))) if i else f"module {module_name!r}"
-            raise ValueError(f"{where} has no attribute {part!r}; check the name after the colon")
-        obj = getattr(obj, part)
+    obj = import_object(path)
     if not callable(obj):
         raise ValueError(f"{path} is a {type(obj).__name__}, not a callable; name a function")
-    return obj
+    return cast(RewardFn, obj)
 
 
 def check_reward(startup: Startup) -> None:

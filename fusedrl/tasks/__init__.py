@@ -10,13 +10,12 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fusedrl.components import Tokenizer
-from fusedrl.config import ConfigError, JobConfig, Startup
+from fusedrl.config import ConfigError, JobConfig, Startup, import_object
 from fusedrl.rlhf import Experience, RewardFn
 
 EvalHook = Callable[[Experience, Tokenizer], dict[str, float]]
@@ -58,20 +57,14 @@ def load_task(path: str | None) -> Task | None:
     Raises ConfigError (one line) when it cannot be imported or is not a Task."""
     if not path:
         return None
-    module_name, _, attr = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
-        raise ConfigError(
-            f"job.task = {path!r}: cannot import module {module_name!r} ({' '.join(str(e).split())}); check the module "
-            "path and that its package is installed or on PYTHONPATH"
-        ) from None
-    task = getattr(module, attr, None)
+        task = import_object(path)
+    except ValueError as e:
+        raise ConfigError(f"job.task = {path!r}: {e}") from None
     if not isinstance(task, Task):
-        found = "nothing" if task is None else f"a {type(task).__name__}"
         raise ConfigError(
-            f"job.task = {path!r}: {module_name} has {found} under {attr!r}, not a fusedrl.tasks.Task; name a Task "
-            "object (e.g. fusedrl.tasks.debug:TASK)"
+            f"job.task = {path!r} is a {type(task).__name__}, not a fusedrl.tasks.Task; name a Task object "
+            "(e.g. fusedrl.tasks.debug:TASK)"
         )
     return task
 
