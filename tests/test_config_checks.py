@@ -80,6 +80,26 @@ def test_a_users_check_runs_after_fusedrls(monkeypatch):
     assert ran == ["my_component 4"]
 
 
+def test_a_duplicate_or_broken_registration_is_one_line_never_a_silent_replacement(monkeypatch):
+    """A package registering one of fusedrl's names would replace its check; a registered module that cannot be
+    imported would end every run with a traceback: both are one-line input errors naming the fix."""
+    found = list(entry_points(group=registry.GROUP))
+
+    class Plugin:
+        name, value, dist = "models", "other_package.checks:check", None
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'other_package'")
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*found, Plugin()])
+    with pytest.raises(InputError, match=r"^two startup checks are registered as 'models' .*rename or uninstall") as e:
+        registry.registered_checks()
+    assert "other_package.checks:check" in str(e.value) and "\n" not in str(e.value)
+    Plugin.name = "other_component"
+    with pytest.raises(InputError, match=r"^the startup check 'other_component' .* cannot be loaded .*fix or uninstall"):
+        registry.registered_checks()
+
+
 def test_the_trainer_and_the_config_cli_run_the_same_checks(monkeypatch):
     from fusedrl import train
     from fusedrl.config import __main__ as cli

@@ -30,6 +30,7 @@ def _run_doc_loop() -> list[dict]:
     return doc_function("ppo_loop")(PROMPTS, iterations=2)
 
 
+@pytest.mark.slow
 def test_custom_loop_from_the_docs_trains():
     ranks = run_multirank(_run_doc_loop, 2, timeout_s=240.0)
     for history in ranks:
@@ -76,13 +77,12 @@ LAYOUT_CONFIG = [
 
 def _layout_loop_and_trainer(out: str, actor_path: str) -> tuple[list[dict], list[dict]]:
     from fusedrl.config import load_config
-    from fusedrl.tasks import debug
     from fusedrl.train import run
 
     def cfg(name: str):
         return load_config([*LAYOUT_CONFIG, f"--model.actor_path={actor_path}", f"--job.output_dir={out}/{name}"])
 
-    loop = doc_function("ppo_loop_on_layouts")(cfg("loop"), debug.sample_prompts(1024, cfg("loop").job.seed))
+    loop = doc_function("ppo_loop_on_layouts")(cfg("loop"))
     return loop, run(cfg("trainer"))
 
 

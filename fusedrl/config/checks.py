@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 from fusedrl.config.job_config import JobConfig
@@ -66,7 +66,14 @@ def registered_checks() -> list[tuple[str, StartupCheck]]:
     """(name, function) of every check of the entry-point group, fusedrl's in :data:`ORDER`, then the others by
     name. Raises InputError when fusedrl's own are not all registered (a source tree without installed metadata, or
     metadata older than the code): checks are never skipped silently."""
-    found = {ep.name: ep for ep in entry_points(group=GROUP)}
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=GROUP):
+        if ep.name in found:  # one would silently replace the other
+            raise InputError(
+                f"two startup checks are registered as {ep.name!r} under the entry-point group {GROUP!r} "
+                f"({_origin(found[ep.name])} and {_origin(ep)}); rename or uninstall one of them"
+            )
+        found[ep.name] = ep
     missing = [name for name in ORDER if name not in found]
     if missing:
         what = "no startup checks are" if len(missing) == len(ORDER) else f"the startup checks {', '.join(missing)} are not"
@@ -76,7 +83,22 @@ def registered_checks() -> list[tuple[str, StartupCheck]]:
         )
     rank = {name: i for i, name in enumerate(ORDER)}
     names = sorted(found, key=lambda name: (rank.get(name, len(ORDER)), name))
-    return [(name, found[name].load()) for name in names]
+    checks = []
+    for name in names:
+        try:
+            checks.append((name, found[name].load()))
+        except Exception as e:  # noqa: BLE001 - a registered module may fail to import in any way
+            raise InputError(
+                f"the startup check {name!r} ({_origin(found[name])}) cannot be loaded ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}); fix or uninstall the package that registers it"
+            ) from None
+    return checks
+
+
+def _origin(ep: EntryPoint) -> str:
+    """``value`` of an entry point and the distribution that registers it."""
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} from {dist.name}" if dist is not None else ep.value
 
 
 def run_checks(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> None:

@@ -189,8 +189,17 @@ class GenerationSection:
 
     max_new_tokens: int = _key(256, "Most tokens generated per response.", at_least(1))
     temperature: float = _key(1.0, "Sampling temperature; 0 is greedy decoding.", at_least(0.0))
-    top_p: float = _key(1.0, "Nucleus sampling mass in (0, 1]; 1.0 disables it.", _top_p)
-    top_k: int = _key(0, "Keep only the k most likely tokens; 0 disables it.", at_least(0))
+    top_p: float = _key(
+        1.0,
+        "Nucleus sampling mass in (0, 1]; 1.0 disables it. The engine samples with it, but PPO training refuses it (its "
+        "log-probs would not be the policy's): for generation-only uses of the engine.",
+        _top_p,
+    )
+    top_k: int = _key(
+        0,
+        "Keep only the k most likely tokens; 0 disables it. Like top_p, for generation-only uses: PPO training refuses it.",
+        at_least(0),
+    )
     stop_token_ids: list[int] = _key(
         [], "Extra token ids that end a response, besides the tokenizer's end-of-sequence ids.", each(at_least(0))
     )

@@ -423,10 +423,13 @@ def import_object(path: str) -> object:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
         text = " ".join(str(e).split())[:300]
-        raise ValueError(
-            f"cannot import module {module_name!r} ({type(e).__name__}{': ' + text if text else ''}); check the module "
-            "path and that its package is installed or on PYTHONPATH"
-        ) from None
+        absent = isinstance(e, ModuleNotFoundError) and e.name is not None and f"{module_name}.".startswith(f"{e.name}.")
+        if absent:  # the module itself (or a package of its path) is not there
+            raise ValueError(
+                f"cannot import module {module_name!r} ({text}); check the module path and that its package is "
+                "installed or on PYTHONPATH"
+            ) from None
+        raise ValueError(f"importing module {module_name!r} raised {type(e).__name__}: {text}; fix that module") from None
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             where = ":".join((module_name, ".".join(attr.split(".")[:i]))) if i else f"module {module_name!r}"

@@ -29,6 +29,7 @@ from fusedrl.memory.estimate import Estimate
 from fusedrl.memory.formulas import ROLLOUT_MODELS, decode_step_bytes, itemsize, prefill_bytes, scoring_bytes
 from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, StepObserver
 from fusedrl.rlhf import build_scorer
+from fusedrl.tasks import task_reward_fn
 from fusedrl.trainer import Trainer
 
 TOLERANCE = 0.10
@@ -164,7 +165,7 @@ def _rollout(cfg: JobConfig, trainer: Trainer) -> dict[str, Any]:
     got["prefill"], got["decode"] = first.peak, decode.peak
     while engine.has_work():
         results += engine.step()
-    scorer = build_scorer(cfg, trainer.rollout, trainer.tokenizer)
+    scorer = build_scorer(cfg, trainer.rollout, trainer.tokenizer, task_reward_fn(cfg, trainer.task))
     if scorer.models.reward is not None:  # the rule-based reward is no scoring model's transient
         scorer = dataclasses.replace(scorer, reward_fn=None)
     width = max(r.num_tokens for r in results)

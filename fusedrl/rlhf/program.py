@@ -52,8 +52,7 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         tp=par.tp,
         recompute=cfg.training.activation_checkpointing == "full",
     )
-    n_mb = cfg.ppo.minibatch_size // par.dp_shard // cfg.ppo.microbatch_size
-    return placement, costs, {ACTOR: n_mb, CRITIC: n_mb // par.critic_replicas}
+    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches // par.critic_replicas}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:

@@ -68,7 +68,7 @@ from fusedrl.rlhf import (
     recompute_logprobs,
     reward_fn_metrics,
 )
-from fusedrl.tasks import Task, load_task, synthetic_prompts, task_reward_fn
+from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
 
 log = logging.getLogger("fusedrl.trainer")
 
@@ -141,14 +141,14 @@ def reduce_iteration(
 class Trainer:
     """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised.
 
-    ``task`` (default: the one ``job.task`` names) gives the prompts of ``data.format = "synthetic"``, the reward
-    function of ``model.reward_fn = "task"`` and an evaluation, called with each iteration's scored batch (every
+    The task that ``job.task`` names (the same object the startup checks and ``prepare`` read) gives the prompts of
+    ``data.format = "synthetic"``, the reward function of ``model.reward_fn = "task"`` and an evaluation, called with each iteration's scored batch (every
     rank holds it) after the timed phases; its figures join the iteration's metrics.
     """
 
-    def __init__(self, cfg: JobConfig, task: Task | None = None) -> None:
+    def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        self.task = task if task is not None else load_task(cfg.job.task)
+        self.task = load_task(cfg.job.task)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
