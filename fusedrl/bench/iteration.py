@@ -32,7 +32,6 @@ from fusedrl.hardware import DECODE_BW_UTIL, H100_SXM, MFU, Accelerator
 from fusedrl.models import ModelFlavor
 from fusedrl.models.figures import (
     kv_bytes_per_token,
-    layer_matmul_params,
     stage_activation_bytes,
     stage_forward_flops,
     stage_layer_counts,
@@ -54,13 +53,6 @@ STAGES = ("weight_sync", "rollout", "training", "total")
 
 
 LLAMA_13B, LLAMA_33B, LLAMA_65B = LLAMA1["13B"], LLAMA1["33B"], LLAMA1["65B"]
-
-
-def params(model: ModelFlavor) -> int:
-    """This model's size of every LLaMA: the layers' weight matrices, the embedding and an LM head (norms left out, the
-    Critic counted with an LM head too), as docs/fusion.md's figures were made; ``ModelFlavor.num_params`` (every
-    parameter, the value head) would move the optimizer step by 0.3% and the speedups in their fourth digit."""
-    return model.num_layers * layer_matmul_params(model) + 2 * model.vocab_size * model.embed_dim
 
 
 @dataclass(frozen=True)
@@ -123,7 +115,7 @@ def training_layout(setting: Setting, gpu: Accelerator = H100_SXM) -> TrainingLa
     """tp = one node; pp = the fewest stages (a power of two dividing the node count) at which each GPU's share of the
     model state (trained Actor and Critic, frozen Reference and Reward in bf16) fits in ``MODEL_STATE_SHARE`` of its
     memory; the Critic gets the divisor of pp whose stages come closest in size to the Actor's; dp = the rest."""
-    a, c = params(setting.actor), params(setting.critic)
+    a, c = setting.actor.num_params("policy"), setting.critic.num_params("value")
     tp = min(GPUS_PER_NODE, setting.gpus)
     if setting.gpus % tp:
         raise ValueError(f"{setting.name}: {setting.gpus} GPUs is not a whole number of {GPUS_PER_NODE}-GPU nodes")
@@ -147,7 +139,7 @@ def training_layout(setting: Setting, gpu: Accelerator = H100_SXM) -> TrainingLa
 def rollout_phase(setting: Setting, gpu: Accelerator, workload: Workload, lengths: Sequence[int]) -> dict:
     """Generation + scoring, unfused vs fused, each at its fastest instance size (bench.fusion's best vs best)."""
     a, c = setting.actor, setting.critic
-    a_params, kv_bytes = params(a), kv_bytes_per_token(a, BF16)
+    a_params, kv_bytes = a.num_params("policy"), kv_bytes_per_token(a, BF16)
     rows: list[dict[str, Any]] = []
     for tp in ROLLOUT_TP:
         usable = tp * gpu.hbm_bytes * GPU_MEMORY_FOR_MODELS
@@ -155,7 +147,7 @@ def rollout_phase(setting: Setting, gpu: Accelerator, workload: Workload, length
             continue
         costs = RolloutCosts.for_models(
             actor_params=a_params,
-            scorer_params=a_params + 2 * params(c),  # Reference + Reward + Critic
+            scorer_params=a_params + 2 * c.num_params("value"),  # Reference + Reward + Critic
             kv_bytes_per_token=kv_bytes,
             gpus_per_instance=tp,
             actor_layers=a.num_layers,
@@ -204,7 +196,7 @@ def rollout_phase(setting: Setting, gpu: Accelerator, workload: Workload, length
 def weight_sync_s(setting: Setting, layout: TrainingLayout, gpu: Accelerator, rollout_tp: int) -> float:
     """Actor and Critic weights into the rollout layout: each GPU receives its TP shard of every layer its node does not
     hold as a training stage, over its own inter-node link (intra-node resharding over NVLink is left out)."""
-    a, c = params(setting.actor), params(setting.critic)
+    a, c = setting.actor.num_params("policy"), setting.critic.num_params("value")
     remote = a * (layout.pp - 1) / layout.pp + c * (layout.pp_critic - 1) / layout.pp_critic
     return BF16 * remote / rollout_tp / gpu.link_bytes_per_s
 
@@ -245,7 +237,9 @@ def training_costs(
 def optimizer_step_s(setting: Setting, layout: TrainingLayout, gpu: Accelerator) -> float:
     """Per minibatch, the same with or without fusion: ring all-reduce of fp32 gradients over the dp replicas, then
     the Adam step (memory bound) over each GPU's parameters."""
-    shard = params(setting.actor) / (layout.tp * layout.pp) + params(setting.critic) / (layout.tp * layout.pp_critic)
+    shard = setting.actor.num_params("policy") / (layout.tp * layout.pp) + setting.critic.num_params("value") / (
+        layout.tp * layout.pp_critic
+    )
     all_reduce = 2 * (layout.dp - 1) / layout.dp * 4 * shard / gpu.link_bytes_per_s
     return all_reduce + ADAM_BYTES_PER_PARAM * shard / (gpu.hbm_bytes_per_s * DECODE_BW_UTIL)
 
