@@ -426,8 +426,8 @@ def import_object(path: str) -> object:
         absent = isinstance(e, ModuleNotFoundError) and e.name is not None and f"{module_name}.".startswith(f"{e.name}.")
         if absent:  # the module itself (or a package of its path) is not there
             raise ValueError(
-                f"cannot import module {module_name!r} ({text}); check the module path and that its package is "
-                "installed or on PYTHONPATH"
+                f"cannot import module {module_name!r} ({type(e).__name__}: {text}); check the module path and that its "
+                "package is installed or on PYTHONPATH"
             ) from None
         raise ValueError(f"importing module {module_name!r} raised {type(e).__name__}: {text}; fix that module") from None
     for i, part in enumerate(attr.split(".")):
