@@ -199,10 +199,26 @@ def test_bench_gap_is_float_rounding_for_a_float32_engine_only():
     model = build_model("debug").eval()
     init_rope_buffers(model)
     gap = measure_gap(model, samples=2, new_tokens=6, temperature=0.7)
-    assert gap["fp32"]["fp32"]["max_abs"] < 1e-5
-    assert gap["fp32"]["fp32"]["ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    assert gap["fp32"]["fp32"]["logprob_diff_max"] < 1e-5
+    assert gap["fp32"]["fp32"]["importance_ratio_min"] == pytest.approx(1.0, abs=1e-5)
     for engine in ("bf16", "bf16_head_fp32", "int8"):
-        assert gap[engine]["fp32"]["max_abs"] > 1e-4, engine
+        assert gap[engine]["fp32"]["logprob_diff_max"] > 1e-4, engine
+
+
+def test_logprob_gap_counts_response_tokens_only():
+    """The trainer's and bench.logprobs' one gap: differences and ratios over the masked tokens alone."""
+    from fusedrl.rlhf import logprob_gap
+
+    engine = torch.tensor([[0.0, -1.0, -2.0], [5.0, -0.5, -0.5]])
+    trainer = torch.tensor([[0.0, -1.5, -2.0], [-5.0, -0.25, -0.5]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])  # prompt tokens (the 10-nat gap) and padding left out
+    gap = logprob_gap(engine, trainer, mask)
+    assert gap["logprob_diff_mean"] == pytest.approx((0.5 + 0.0 + 0.25) / 3)
+    assert gap["logprob_diff_max"] == pytest.approx(0.5)
+    assert gap["importance_ratio_min"] == pytest.approx(math.exp(-0.5))
+    assert gap["importance_ratio_max"] == pytest.approx(math.exp(0.25))
+    assert gap["importance_ratio_mean"] == pytest.approx((math.exp(-0.5) + 1 + math.exp(0.25)) / 3)
+    assert logprob_gap(engine, trainer, torch.zeros_like(mask))["importance_ratio_min"] == 1.0
 
 
 # ---------------------------------------------------------------------------- through the trainer

@@ -35,6 +35,7 @@ from fusedrl.config import ConfigError, load_config
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.generation.engine import Quantize
 from fusedrl.models import build_model, cast_parameters, from_pretrained, init_rope_buffers
+from fusedrl.rlhf import logprob_gap
 from fusedrl.rlhf.losses import token_logprobs
 
 
@@ -77,17 +78,6 @@ def trainer_copies(model: nn.Module) -> dict[str, nn.Module]:
     return {"fp32": model, "bf16": bf16_copy(model), "bf16_head_fp32": bf16_copy(model, float32_head=True)}
 
 
-def gap(engine_lp: torch.Tensor, train_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    diff = (train_lp - engine_lp)[mask]
-    ratio = diff.exp()
-    return {
-        "mean_abs": float(diff.abs().mean()),
-        "max_abs": float(diff.abs().max()),
-        "ratio_min": float(ratio.min()),
-        "ratio_max": float(ratio.max()),
-    }
-
-
 def measure_gap(model: nn.Module, samples: int, new_tokens: int, temperature: float, prompt_len: int = 16) -> dict:
     vocab = cast(nn.Embedding, model.tok_embeddings).num_embeddings
     g = torch.Generator().manual_seed(0)
@@ -113,7 +103,7 @@ def measure_gap(model: nn.Module, samples: int, new_tokens: int, temperature: fl
         with torch.no_grad():
             for trainer_name, trainer in trainers.items():
                 train_lp = token_logprobs(trainer(tokens), tokens, temperature)
-                out[name][trainer_name] = gap(engine_lp, train_lp, mask)
+                out[name][trainer_name] = logprob_gap(engine_lp, train_lp, mask)
     return out
 
 
@@ -173,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     for engine, by_trainer in result["gap"].items():
         for trainer, g in by_trainer.items():
             print(
-                f"{engine:<16}{trainer:<16}{g['mean_abs']:>13.2e}{g['max_abs']:>12.2e}{g['ratio_min']:>11.4f}{g['ratio_max']:>11.4f}"
+                f"{engine:<16}{trainer:<16}{g['logprob_diff_mean']:>13.2e}{g['logprob_diff_max']:>12.2e}"
+                f"{g['importance_ratio_min']:>11.4f}{g['importance_ratio_max']:>11.4f}"
             )
     if args.config:
         try:

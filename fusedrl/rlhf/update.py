@@ -280,11 +280,16 @@ def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, 
 
 def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's log-probs of the sampled tokens are from the training forward's, over the response
-    tokens: mean and largest absolute difference, and the mean importance ratio ``pi_train / pi_engine``."""
-    diff = (trainer - engine) * mask
-    tokens = mask.sum().clamp_min(1)
+    tokens (``mask``): mean and largest absolute difference, and the mean, smallest and largest importance ratio
+    ``pi_train / pi_engine`` (what ``ppo.tis_cap`` truncates). No response token: zeros and ratios of 1."""
+    diff = (trainer - engine)[mask.bool()]
+    if diff.numel() == 0:
+        diff = torch.zeros(1, dtype=trainer.dtype, device=trainer.device)
+    ratio = diff.exp()
     return {
-        "logprob_diff_mean": float(diff.abs().sum() / tokens),
+        "logprob_diff_mean": float(diff.abs().mean()),
         "logprob_diff_max": float(diff.abs().max()),
-        "importance_ratio_mean": float((diff.exp() * mask).sum() / tokens),
+        "importance_ratio_mean": float(ratio.mean()),
+        "importance_ratio_min": float(ratio.min()),
+        "importance_ratio_max": float(ratio.max()),
     }
