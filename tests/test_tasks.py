@@ -26,7 +26,9 @@ def test_configs_name_their_task_and_its_parts_are_used():
 
 def test_a_task_without_the_part_a_key_needs_is_refused_in_one_line():
     cfg = load_config(["--job.config_file", str(ROOT / "train_configs/debug_ppo.toml"), "--model.reward_fn=task"])
-    with pytest.raises(ConfigError, match=r"^data.format = \"synthetic\" takes .* the task 'arithmetic' gives no prompts") as e:
+    with pytest.raises(
+        ConfigError, match=r"^data.format = \"synthetic\" takes .* the task 'arithmetic' has no prompts; set --job.task"
+    ) as e:
         synthetic_prompts(cfg, arithmetic.TASK)
     assert "\n" not in str(e.value)
     assert task_reward_fn(cfg, debug.TASK) is debug.reward_fn

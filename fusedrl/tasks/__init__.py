@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fusedrl.components import Tokenizer
 from fusedrl.config import ConfigError, JobConfig, Startup, import_object
@@ -89,26 +90,34 @@ def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> l
     Raises ConfigError when the task gives no prompts."""
     if cfg.data.format != "synthetic":
         return None
-    if task is None or task.prompts is None:
-        what = "job.task is unset" if task is None else f"the task {task.name!r} gives no prompts"
-        raise ConfigError(
-            f'data.format = "synthetic" takes its prompts from the task, but {what}; set --job.task to a task with '
-            "prompts (e.g. fusedrl.tasks.debug:TASK) or give a dataset (data.format, data.path)"
-        )
-    return task.prompts(count, cfg.job.seed)
+    prompts = _part(
+        task,
+        "prompts",
+        'data.format = "synthetic" takes its prompts from the task',
+        "set --job.task to a task with prompts (e.g. fusedrl.tasks.debug:TASK) or give a dataset (data.format, data.path)",
+    )
+    return prompts(count, cfg.job.seed)
 
 
 def task_reward_fn(cfg: JobConfig, task: Task | None) -> RewardFn | None:
     """The task's reward function when ``model.reward_fn = "task"`` (None otherwise); ConfigError if it has none."""
     if cfg.model.reward_fn != "task":
         return None
-    if task is None or task.reward_fn is None:
-        what = "job.task is unset" if task is None else f"the task {task.name!r} has no reward function"
-        raise ConfigError(
-            f'model.reward_fn = "task" scores with the task\'s reward function, but {what}; set --job.task to a task '
-            'with one or name a function: --model.reward_fn="package.module:function"'
-        )
-    return task.reward_fn
+    return _part(
+        task,
+        "reward_fn",
+        'model.reward_fn = "task" scores with the task\'s reward function',
+        'set --job.task to a task with one or name a function: --model.reward_fn="package.module:function"',
+    )
+
+
+def _part(task: Task | None, name: str, need: str, fix: str) -> Any:
+    """``task``'s part ``name``; ConfigError ``"<need>, but <what is missing>; <fix>"`` when there is none."""
+    value = getattr(task, name) if task is not None else None
+    if value is None:
+        what = "job.task is unset" if task is None else f"the task {task.name!r} has no {name}"
+        raise ConfigError(f"{need}, but {what}; {fix}")
+    return value
 
 
 __all__ = ["EvalHook", "Task", "TaskAssets", "check_task", "load_task", "synthetic_prompts", "task_reward_fn"]
