@@ -1,5 +1,8 @@
 """The job's two layouts of the four PPO models, built on the meta device and materialized shard by shard.
 
+A critic-free advantage estimator (``ppo.advantage_estimator`` other than gae) builds no Critic in either layout, and
+a job without a KL term (``ppo.kl_coef = ppo.kl_loss_coef = 0``) no Reference.
+
 - **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
   rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2
   over ``dp_shard``, with a mixed-precision policy (``training.mixed_precision_*``: compute in bf16, float32 master
@@ -83,7 +86,7 @@ class TrainingLayout:
     dp: int
     tp: int
     actor_stage: DecoderStage
-    critic_stage: DecoderStage
+    critic_stage: DecoderStage | None  # None with a critic-free advantage estimator (ppo.advantage_estimator)
     tied: TiedEmbeddings  # sums the Actor's embedding and LM-head gradients when pipeline stages split them
     critic_index: int
     critic_replicas: int
@@ -104,8 +107,8 @@ class RolloutLayout:
     instances: int
     gen_tp: int
     actor: nn.Module  # the engine's Actor, refreshed by weight sync
-    critic: nn.Module  # the scoring Critic, refreshed by weight sync
-    reference: nn.Module
+    critic: nn.Module | None  # the scoring Critic, refreshed by weight sync; None with a critic-free estimator
+    reference: nn.Module | None  # None without a KL term (ppo.kl_coef = ppo.kl_loss_coef = 0)
     reward: nn.Module | None  # None with model.reward = "none"
     group: dist.ProcessGroup
     control_group: dist.ProcessGroup
@@ -145,8 +148,13 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
             module.to_empty(device=device)
         return module
 
-    actor_flavor, critic_flavor = model_flavor(cfg, "actor"), model_flavor(cfg, "critic")
+    actor_flavor = model_flavor(cfg, "actor")
     actor = stage(actor_flavor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
+    tied = TiedEmbeddings(mesh, actor, actor_flavor.tie_word_embeddings)
+    parts = (mesh, mesh.get_group("pp"), pp_rank, mesh["dp_shard"].get_local_rank(), dims.pp, dims.dp_shard, dims.tp, actor)
+    if cfg.ppo.critic_free:
+        return TrainingLayout(*parts, None, tied, 0, 1, mesh.get_group("pp"))
+    critic_flavor = model_flavor(cfg, "critic")
     c = dims.pp_critic
     critic_index, _ = Placement(dims.pp, c).stage_at(CRITIC, pp_rank)
     if dims.critic_replicas > 1:
@@ -156,22 +164,7 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     else:
         critic = stage(critic_flavor, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
         critic_group = mesh.get_group("pp")
-    tied = TiedEmbeddings(mesh, actor, actor_flavor.tie_word_embeddings)
-    return TrainingLayout(
-        mesh,
-        mesh.get_group("pp"),
-        pp_rank,
-        mesh["dp_shard"].get_local_rank(),
-        dims.pp,
-        dims.dp_shard,
-        dims.tp,
-        actor,
-        critic,
-        tied,
-        critic_index,
-        dims.critic_replicas,
-        critic_group,
-    )
+    return TrainingLayout(*parts, critic, tied, critic_index, dims.critic_replicas, critic_group)
 
 
 def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: bool = True) -> RolloutLayout:
@@ -201,8 +194,8 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
         dims.num_gen_instances,
         dims.gen_tp,
         actor=model(model_flavor(cfg, "actor"), "policy", t.rollout_dtype),
-        critic=model(model_flavor(cfg, "critic"), "value", t.rollout_dtype),
-        reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype),
+        critic=None if cfg.ppo.critic_free else model(model_flavor(cfg, "critic"), "value", t.rollout_dtype),
+        reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype) if cfg.ppo.uses_reference else None,
         reward=model(model_flavor(cfg, "reward"), "value", t.frozen_dtype) if m.uses_reward_model else None,
         group=group,
         control_group=control,
@@ -233,8 +226,10 @@ def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: Roll
     actor_flavor = model_flavor(cfg, "actor")
     actor = _source(cfg, actor_flavor, "policy", m.actor_path, offset=0)
     actor(training.actor_stage)
-    _source(cfg, model_flavor(cfg, "critic"), "value", m.critic_path, offset=1)(training.critic_stage)
-    (_source(cfg, actor_flavor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
+    if training.critic_stage is not None:
+        _source(cfg, model_flavor(cfg, "critic"), "value", m.critic_path, offset=1)(training.critic_stage)
+    if rollout.reference is not None:
+        (_source(cfg, actor_flavor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
     if rollout.reward is not None:
         _source(cfg, model_flavor(cfg, "reward"), "value", m.reward_path, offset=2)(rollout.reward)
 

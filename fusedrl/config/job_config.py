@@ -188,6 +188,12 @@ class GenerationSection:
     """[generation]: rollout sampling and the decode engine."""
 
     max_new_tokens: int = _key(256, "Most tokens generated per response.", at_least(1))
+    n: int = _key(
+        1,
+        "Samples per prompt (a group; grpo and rloo need >= 2); each sampled from its own seed, so fusion and migration "
+        "change no sample.",
+        at_least(1),
+    )
     temperature: float = _key(1.0, "Sampling temperature; 0 is greedy decoding.", at_least(0.0))
     top_p: float = _key(
         1.0,
@@ -291,9 +297,14 @@ class ParallelismSection:
 
 @dataclass
 class PPOSection:
-    """[ppo]: batch sizes and PPO hyper-parameters."""
+    """[ppo]: batch sizes, the advantage estimator and the clipped policy loss (PPO's, which GRPO, RLOO, REINFORCE++
+    and DAPO share; docs/algorithms.md)."""
 
-    batch_size: int = _key(64, "Prompts (= samples) per PPO iteration, across all ranks.", at_least(1))
+    batch_size: int = _key(
+        64,
+        "Samples per iteration, across all ranks: batch_size / generation.n prompts, each sampled generation.n times.",
+        at_least(1),
+    )
     minibatch_size: int = _key(32, "Samples per optimizer step, across all ranks; must divide batch_size.", at_least(1))
     microbatch_size: int = _key(
         4,
@@ -301,15 +312,51 @@ class PPOSection:
         at_least(1),
     )
     epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))
-    clip_eps: float = _key(0.2, "Policy ratio clip range: ratios are clipped to [1 - clip_eps, 1 + clip_eps].", positive)
-    value_clip_eps: float = _key(0.2, "Value clip range around the old values; 0 disables value clipping.", at_least(0.0))
-    kl_coef: float = _key(0.05, "Weight of the per-token KL penalty against the Reference in the reward.", at_least(0.0))
-    kl_estimator: Literal["k1", "k2", "k3"] = _key(
-        "k1", "Per-token KL estimator: k1 (log-ratio), k2 (half its square) or k3 (unbiased, non-negative)."
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = _key(
+        "gae",
+        "gae: PPO with a Critic (GAE on its values); critic-free, no Critic built: grpo (score minus its group's mean, "
+        "divided by the group's std with grpo_std_norm), rloo (score minus the mean of the other samples of its group), "
+        "reinforce_pp (KL-shaped return, normalised over the batch).",
     )
-    gamma: float = _key(1.0, "Discount factor of GAE, in [0, 1].", unit_interval)
+    grpo_std_norm: bool = _key(True, "grpo: divide by the group's score std (false: Dr.GRPO's unnormalised group-mean baseline).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _key(
+        "token-mean",
+        "How per-token policy losses make one minibatch loss: token-mean (over all its response tokens), "
+        "seq-mean-token-mean (each sequence's token mean, averaged over sequences) or seq-mean-token-sum-norm "
+        "(each sequence's token sum / generation.max_new_tokens, averaged: Dr.GRPO).",
+    )
+    clip_eps: float = _key(0.2, "Policy ratio clip range: ratios are clipped to [1 - clip_eps, 1 + clip_eps].", positive)
+    clip_eps_low: float | None = _key(
+        None, "Lower clip range (ratios >= 1 - clip_eps_low); unset: clip_eps. DAPO's asymmetric clipping.", positive
+    )
+    clip_eps_high: float | None = _key(
+        None, "Upper clip range (ratios <= 1 + clip_eps_high); unset: clip_eps. DAPO uses 0.28 with clip_eps_low 0.2.", positive
+    )
+    value_clip_eps: float = _key(0.2, "Value clip range around the old values; 0 disables value clipping.", at_least(0.0))
+    kl_coef: float = _key(0.05, "Weight of the per-token KL penalty against the Reference in the reward; 0: none.", at_least(0.0))
+    kl_loss_coef: float = _key(
+        0.0,
+        "Weight of the KL to the Reference as a policy-loss term (GRPO's); 0: none. With kl_coef = kl_loss_coef = 0 no "
+        "Reference is built.",
+        at_least(0.0),
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = _key(
+        "k1",
+        "Per-token KL estimator of both KL terms: k1 (log-ratio), k2 (half its square) or k3 (unbiased, non-negative).",
+    )
+    gamma: float = _key(1.0, "Discount factor of GAE and of reinforce_pp's returns, in [0, 1].", unit_interval)
     lam: float = _key(0.95, "GAE lambda, in [0, 1].", unit_interval)
-    whiten_advantages: bool = _key(True, "Normalise advantages to zero mean and unit variance over the whole batch.")
+    whiten_advantages: bool = _key(
+        True, "gae: normalise advantages to zero mean and unit variance over the whole batch (reinforce_pp always does)."
+    )
+    dynamic_sampling: bool = _key(
+        False,
+        "DAPO's dynamic sampling (grpo / rloo): drop groups whose scores are all equal and generate more prompts until "
+        "the batch is full or dynamic_sampling_max_rounds rounds ran (then the dropped groups fill it, counted).",
+    )
+    dynamic_sampling_max_rounds: int = _key(
+        4, "Most generation rounds per iteration with dynamic_sampling (the first included).", at_least(1)
+    )
     entropy_coef: float = _key(0.0, "Weight of the entropy bonus in the policy loss.", at_least(0.0))
     recompute_logprobs: bool | Literal["auto"] = _key(
         "auto",
@@ -331,6 +378,29 @@ class PPOSection:
     truncation_penalty: float = _key(
         1.0, 'Subtracted from a truncated response\'s score with truncated = "penalty".', at_least(0.0)
     )
+    overlong_buffer: int = _key(
+        0,
+        "DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer loses "
+        "overlong_penalty x (its excess / overlong_buffer) from its score; 0 disables it.",
+        at_least(0),
+    )
+    overlong_penalty: float = _key(1.0, "Largest soft overlong punishment (at max_new_tokens).", at_least(0.0))
+
+    @property
+    def critic_free(self) -> bool:
+        """Whether the advantage estimator needs no Critic (every one but gae)."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a KL term (in the reward or in the loss) needs the Reference."""
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(low, high)``: ratios are clipped to ``[1 - low, 1 + high]``."""
+        low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+        return low, self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
 
 @dataclass

@@ -301,6 +301,7 @@ def validate_config(cfg: JobConfig) -> None:
             setattr(obj, key, value)
     _check_batches(cfg)
     _check_split_backward(cfg)
+    _check_algorithm(cfg)
     if cfg.data.format != "synthetic" and cfg.data.path is None:
         raise ConfigError(
             f'data.path ({source_of(cfg, "data.path")}): is unset but data.format = "{cfg.data.format}" '
@@ -322,6 +323,43 @@ def _check_split_backward(cfg: JobConfig) -> None:
             f'{where}: torch cannot split the backward of layers recomputed in it (training.activation_checkpointing = "'
             f'{cfg.training.activation_checkpointing}"); set --training.activation_checkpointing=none or '
             "--fusion.split_backward=false"
+        )
+
+
+CRITIC_KEYS = ("model.critic", "model.critic_path", "parallelism.pp_critic", "optimizer.critic_lr", "ppo.value_clip_eps")
+"""Keys that only a Critic reads: set with a critic-free estimator they are refused (the Critic is never built)."""
+
+
+def _check_algorithm(cfg: JobConfig) -> None:
+    """The advantage estimator against the group size, the Critic's keys and DAPO's options."""
+    ppo, n = cfg.ppo, cfg.generation.n
+    est = f"ppo.advantage_estimator = {ppo.advantage_estimator!r} ({source_of(cfg, 'ppo.advantage_estimator')})"
+    if ppo.advantage_estimator in ("grpo", "rloo") and n < 2:
+        raise ConfigError(
+            f"{est}: compares the samples of a prompt's group, but generation.n = {n} ({source_of(cfg, 'generation.n')}); "
+            "set --generation.n=2 or more (e.g. 8)"
+        )
+    if ppo.critic_free:
+        for key in CRITIC_KEYS:
+            if source_of(cfg, key) != DEFAULT:
+                raise ConfigError(
+                    f"{key} ({source_of(cfg, key)}): {est} trains no Critic; remove the key, or use "
+                    "--ppo.advantage_estimator=gae (PPO with a Critic)"
+                )
+    if ppo.batch_size % n:
+        raise ConfigError(
+            f"ppo.batch_size = {ppo.batch_size} ({source_of(cfg, 'ppo.batch_size')}): must be a multiple of "
+            f"generation.n = {n} (whole groups of samples per prompt); choose one of {n}, {2 * n}, {4 * n}, ..."
+        )
+    if ppo.dynamic_sampling and ppo.advantage_estimator not in ("grpo", "rloo"):
+        raise ConfigError(
+            f"ppo.dynamic_sampling = true ({source_of(cfg, 'ppo.dynamic_sampling')}): drops groups of equal scores, "
+            f"which only grpo and rloo compare ({est}); set --ppo.advantage_estimator=grpo or --ppo.dynamic_sampling=false"
+        )
+    if ppo.overlong_buffer >= cfg.generation.max_new_tokens:
+        raise ConfigError(
+            f"ppo.overlong_buffer = {ppo.overlong_buffer} ({source_of(cfg, 'ppo.overlong_buffer')}): must be below "
+            f"generation.max_new_tokens = {cfg.generation.max_new_tokens} (the punished span ends there); lower it"
         )
 
 

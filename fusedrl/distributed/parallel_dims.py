@@ -150,9 +150,15 @@ def check_parallelism(startup: Startup) -> None:
     check_dims(cfg, world_size)
     par = cfg.parallelism
     instances = world_size // par.gen_tp
-    if cfg.ppo.batch_size % instances:
+    n = cfg.generation.n
+    if (cfg.ppo.batch_size // n) % instances:
+        prompts = (
+            f"ppo.batch_size / generation.n = {cfg.ppo.batch_size} / {n} prompts"
+            if n > 1
+            else f"ppo.batch_size = {cfg.ppo.batch_size}"
+        )
         raise ConfigError(
-            f"ppo.batch_size = {cfg.ppo.batch_size}: must be a multiple of the number of generation instances "
+            f"{prompts}: must be a multiple of the number of generation instances "
             f"{instances} (world size {world_size} / parallelism.gen_tp {par.gen_tp}; each instance generates an "
             "equal share of the prompts)"
         )

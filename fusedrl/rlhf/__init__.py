@@ -1,12 +1,25 @@
-"""PPO pieces: the experience batch, scoring (neural and rule-based rewards), KL-shaped rewards, GAE, whitening and
-PPO losses, and the steps of an iteration a custom loop can call: the rollout (requests, scorer, migration
+"""PPO and critic-free RL pieces: the experience batch, scoring (neural and rule-based rewards), KL-shaped rewards, the
+advantage estimators (GAE, GRPO, RLOO, REINFORCE++), whitening and the clipped policy loss (with its aggregation modes
+and KL loss), and the steps of an iteration a custom loop can call: the rollout (requests, scorer, migration
 controller, generation + scoring), the advantages, the training program and executor, and the PPO update (one
 minibatch update on any training layout, and epochs x minibatches of them)."""
 
-from fusedrl.rlhf.advantages import compute_advantages, gae, kl_estimate, kl_shaped_rewards, masked_mean_var, whiten
+from fusedrl.rlhf.advantages import (
+    compute_advantages,
+    discounted_returns,
+    gae,
+    group_advantages,
+    kl_shaped_rewards,
+    masked_mean_var,
+    overlong_penalty,
+    sample_groups,
+    whiten,
+    zero_variance_groups,
+)
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import (
     DEFAULT_LOGITS_BUDGET_BYTES,
+    KLLoss,
     PolicyLoss,
     ValueLoss,
     chunked_policy_loss,
@@ -14,6 +27,7 @@ from fusedrl.rlhf.losses import (
     chunked_token_logprobs_entropy,
     explained_variance,
     head_vocab_size,
+    kl_estimate,
     logits_chunk_positions,
     policy_loss,
     shift_to_tokens,
@@ -34,6 +48,7 @@ from fusedrl.rlhf.update import (
     UpdateResult,
     build_optimizers,
     logprob_gap,
+    loss_weights,
     pad_to_bucket,
     ppo_minibatches,
     ppo_update,
@@ -43,6 +58,13 @@ from fusedrl.rlhf.update import (
 )
 
 __all__ = [
+    "loss_weights",
+    "zero_variance_groups",
+    "sample_groups",
+    "overlong_penalty",
+    "group_advantages",
+    "discounted_returns",
+    "KLLoss",
     "DEFAULT_LOGITS_BUDGET_BYTES",
     "Experience",
     "FIRST_MINIBATCH_STATS",

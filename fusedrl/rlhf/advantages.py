@@ -1,4 +1,5 @@
-"""KL-shaped rewards, GAE and advantage whitening over masked, right-padded sequences.
+"""KL-shaped rewards, the advantage estimators (GAE; critic-free GRPO, RLOO, REINFORCE++) and whitening over masked,
+right-padded sequences.
 
 All per-token tensors are ``[B, S]`` and aligned with the tokens (see :mod:`fusedrl.rlhf.experience`);
 ``mask`` is 1 on response tokens. Results are 0 outside the mask.
@@ -11,26 +12,7 @@ import torch.distributed as dist
 
 from fusedrl.config import JobConfig
 from fusedrl.rlhf.experience import Experience
-from fusedrl.rlhf.losses import explained_variance
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
-
-    ``k1 = log p - log q`` (unbiased, can be negative); ``k2 = (log p - log q)^2 / 2`` (biased, always >= 0,
-    low variance; its gradient is that of the reverse KL's); ``k3 = (r - 1) - log r`` with ``r = q / p``
-    (unbiased, always >= 0, lower variance; J. Schulman, "Approximating KL divergence").
-    """
-    if estimator == "k1":
-        return logprobs - ref_logprobs
-    if estimator == "k2":
-        return 0.5 * (logprobs - ref_logprobs) ** 2
-    if estimator == "k3":
-        log_ratio = ref_logprobs - logprobs
-        return torch.expm1(log_ratio) - log_ratio
-    raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+from fusedrl.rlhf.losses import explained_variance, kl_estimate
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -120,38 +102,127 @@ def whiten(
     return out * mask.to(x.dtype)
 
 
-def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dict[str, float]]:
-    """KL-shaped per-token rewards, GAE, and whitening over the whole batch (every rank holds it).
+def group_advantages(
+    scores: torch.Tensor, groups: torch.Tensor, estimator: str, std_norm: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """One advantage per sample ``[B]`` from its score and its group's (``groups``: the group id of each sample).
 
-    Responses that hit ``max_new_tokens`` follow ``ppo.truncated``: "score" treats them as finished, "penalty"
-    subtracts ``ppo.truncation_penalty`` from their score, "mask" keeps them out of every loss (their rewards and
-    advantages are computed, then their response mask is cleared; whitening is over the rest). With every
-    response masked the batch has no token left: the caller skips the update."""
+    ``grpo``: ``(s - mean_g) / (std_g + eps)`` with the group's unbiased std (Bessel-corrected, as GRPO's paper), or
+    ``s - mean_g`` without ``std_norm`` (Dr.GRPO); ``rloo``: ``s - mean of the other samples of its group``
+    ``= n / (n - 1) * (s - mean_g)``. A group of one sample gets 0."""
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"group_advantages: unknown estimator {estimator!r}; valid: grpo, rloo")
+    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    s = scores.to(torch.float64)
+    total = torch.zeros(len(counts), dtype=s.dtype).index_add_(0, inverse, s)
+    n = counts.to(s.dtype)[inverse]
+    mean = total[inverse] / n
+    centred = s - mean
+    if estimator == "rloo":
+        adv = torch.where(n > 1, centred * n / (n - 1).clamp_min(1), torch.zeros_like(s))
+    else:
+        sq = torch.zeros(len(counts), dtype=s.dtype).index_add_(0, inverse, centred * centred)[inverse]
+        std = (sq / (n - 1).clamp_min(1)).sqrt()
+        adv = centred / (std + eps) if std_norm else centred
+        adv = torch.where(n > 1, adv, torch.zeros_like(s))
+    return adv.to(scores.dtype)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t+1}`` over each row's response tokens (0 outside ``mask``)."""
+    mask = mask.to(token_rewards.dtype)
+    out = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
+        out[:, t] = running
+    return out
+
+
+def zero_variance_groups(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the sample's group has all scores equal (no learning signal for grpo / rloo)."""
+    _, inverse = torch.unique(groups, return_inverse=True)
+    values = scores.to(torch.float64)
+    size = int(inverse.max()) + 1
+    lo = torch.full((size,), torch.inf, dtype=values.dtype).scatter_reduce(0, inverse, values, "amin")
+    hi = torch.full((size,), -torch.inf, dtype=values.dtype).scatter_reduce(0, inverse, values, "amax")
+    return (lo == hi)[inverse]
+
+
+def sample_groups(exp: Experience, n: int) -> torch.Tensor:
+    """The group (prompt) of each sample: sample ids are ``prompt id * n + k`` (:func:`fusedrl.rlhf.build_requests`)."""
+    assert exp.sample_ids is not None, "grouping needs sample_ids (Scorer.score sets them)"
+    return exp.sample_ids // n
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment ``[B]``: 0 up to ``max_new_tokens - buffer`` tokens, then growing linearly to
+    ``penalty`` at ``max_new_tokens``."""
+    excess = (lengths.to(torch.float32) - (max_new_tokens - buffer)).clamp_min(0)
+    return penalty * excess / buffer
+
+
+def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dict[str, float]]:
+    """Per-token advantages of ``ppo.advantage_estimator`` over the whole batch (every rank holds it).
+
+    ``gae``: KL-shaped per-token rewards, GAE on the Critic's values, optional whitening. ``grpo`` / ``rloo``: each
+    sample's return (its score minus ``kl_coef`` x its summed KL) against its group's (:func:`group_advantages`), on
+    every response token. ``reinforce_pp``: the discounted KL-shaped return of each token, whitened over the batch.
+    The score first loses DAPO's soft overlong punishment (``ppo.overlong_buffer``). Responses that hit
+    ``max_new_tokens`` follow ``ppo.truncated``: "score" treats them as finished, "penalty" subtracts
+    ``ppo.truncation_penalty`` from their score, "mask" keeps them out of every loss (their advantages are computed,
+    then their response mask is cleared; whitening is over the rest). With every response masked the batch has no
+    token left: the caller skips the update."""
     ppo = cfg.ppo
     mask = exp.response_mask
-    assert exp.scores is not None and exp.logprobs is not None and exp.ref_logprobs is not None and exp.values is not None, (
-        "compute_advantages needs a scored batch (Scorer.score sets scores, logprobs, ref_logprobs and values)"
+    assert exp.scores is not None and exp.logprobs is not None, (
+        "compute_advantages needs a scored batch (Scorer.score sets scores and logprobs)"
     )
     finished = exp.finished if exp.finished is not None else torch.ones(exp.batch_size, dtype=torch.bool)
     if ppo.truncated == "penalty":
         exp.scores = exp.scores - ppo.truncation_penalty * (~finished).to(exp.scores.dtype)
-    exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, exp.ref_logprobs, mask, ppo.kl_coef, ppo.kl_estimator)
-    exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
+    if ppo.overlong_buffer > 0:
+        lengths = mask.sum(1)
+        exp.scores = exp.scores - overlong_penalty(
+            lengths, cfg.generation.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+        ).to(exp.scores.dtype)
+    ref = exp.ref_logprobs if exp.ref_logprobs is not None else exp.logprobs  # no Reference: no KL
+    exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, ref, mask, ppo.kl_coef, ppo.kl_estimator)
     stats = {
         "kl": (kl.sum(1)).mean().item(),  # per-sample KL to the Reference
         "kl_per_token": (kl.sum() / mask.sum()).item(),
         "reward_mean": exp.scores.mean().item(),
         "reward_std": exp.scores.std(unbiased=False).item(),
         "truncated_frac": 1.0 - finished.float().mean().item(),
-        # the old values' fit to the returns, over the whole batch (token-weighted; 0 for constant returns)
-        "explained_variance": explained_variance(exp.values, exp.returns, mask).item(),
     }
+    estimator = ppo.advantage_estimator
+    if estimator == "gae":
+        assert exp.values is not None, "gae needs the Critic's values (Scorer.score sets them with a Critic)"
+        exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, ppo.gamma, ppo.lam)
+        # the old values' fit to the returns, over the whole batch (token-weighted; 0 for constant returns)
+        stats["explained_variance"] = explained_variance(exp.values, exp.returns, mask).item()
+    elif estimator in ("grpo", "rloo"):
+        groups = sample_groups(exp, cfg.generation.n)
+        sample_return = exp.token_rewards.sum(1)
+        adv = group_advantages(sample_return, groups, estimator, ppo.grpo_std_norm)
+        exp.advantages = adv[:, None] * mask.to(adv.dtype)
+        exp.returns = sample_return[:, None] * mask.to(adv.dtype)
+        stats["zero_std_groups_frac"] = zero_variance_groups(exp.scores, groups).float().mean().item()
+    else:  # reinforce_pp
+        exp.returns = discounted_returns(exp.token_rewards, mask, ppo.gamma)
+        exp.advantages = exp.returns.clone()
     if ppo.truncated == "mask":
         exp.response_mask = mask = mask * finished[:, None].to(mask.dtype)
         exp.advantages, exp.returns = exp.advantages * mask, exp.returns * mask
     if not mask.any():
         return exp, stats | {"return_mean": 0.0, "return_std": 0.0}
-    if ppo.whiten_advantages:
+    if (estimator == "gae" and ppo.whiten_advantages) or estimator == "reinforce_pp":
         exp.advantages = whiten(exp.advantages, mask)
     ret_mean, ret_var, _ = masked_mean_var(exp.returns, mask)
-    return exp, stats | {"return_mean": ret_mean.item(), "return_std": ret_var.sqrt().item()}
+    adv_mean, adv_var, _ = masked_mean_var(exp.advantages, mask)
+    return exp, stats | {
+        "return_mean": ret_mean.item(),
+        "return_std": ret_var.sqrt().item(),
+        "advantage_mean": adv_mean.item(),
+        "advantage_std": adv_var.sqrt().item(),
+    }

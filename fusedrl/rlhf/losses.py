@@ -25,6 +25,7 @@ equal the unchunked functions on ``model(tokens)`` up to float32 rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,18 @@ DEFAULT_LOGITS_BUDGET_BYTES = 256 * 2**20
 
 Transient peak per chunk is a small multiple of it: the logits, their log-softmax, and (for the
 entropy) the probabilities; under autograd also their gradients during that chunk's backward."""
+
+ClipRange = float | tuple[float, float]
+"""A policy-ratio clip range: ``eps`` (ratios in ``[1 - eps, 1 + eps]``) or ``(low, high)`` (``[1 - low, 1 + high]``)."""
+
+
+@dataclass(frozen=True)
+class KLLoss:
+    """A KL-to-the-Reference term of the policy loss: ``coef`` x the aggregated per-token ``estimator`` (k1/k2/k3)."""
+
+    coef: float
+    estimator: str = "k3"
+
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 """An LM head: ``model.output`` of a decoder (``nn.Linear``, torchtune ``TiedLinear`` or any module
@@ -170,6 +183,26 @@ def chunked_token_logprobs_entropy(
     return logp, entropy
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
+
+    ``k1 = log p - log q`` (unbiased, can be negative); ``k2 = (log p - log q)^2 / 2`` (biased, always >= 0,
+    low variance; its gradient is that of the reverse KL's); ``k3 = (r - 1) - log r`` with ``r = q / p``
+    (unbiased, always >= 0, lower variance; J. Schulman, "Approximating KL divergence").
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    if estimator == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of ``x`` over ``mask`` divided by the mask's sum (or by ``denom[0]`` when given)."""
     total = (x * mask).sum()
@@ -187,16 +220,19 @@ def _require(targets: dict[str, torch.Tensor], names: tuple[str, ...], fn: str) 
 def policy_loss(
     logits: torch.Tensor,
     targets: dict[str, torch.Tensor],
-    clip_eps: float = 0.2,
+    clip_eps: ClipRange = 0.2,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
+    kl: KLLoss | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate (plus ``-entropy_coef * entropy``) from Actor ``logits`` ``[B, S, V]``.
+    """Clipped PPO surrogate (plus ``-entropy_coef * entropy`` and ``kl``'s term) from Actor ``logits`` ``[B, S, V]``.
 
     ``targets``: ``tokens``, ``response_mask``, ``logprobs`` (old), ``advantages`` (all ``[B, S]``),
-    optional ``loss_denom`` and ``tis_weight`` (a per-token factor on the surrogate: truncated importance
-    sampling). ``temperature`` must be the sampling temperature the old log-probs used.
-    See :func:`chunked_policy_loss` for the same loss from hidden states without full logits.
+    optional ``loss_denom``, ``loss_weight`` (per-token weights of the aggregation: the loss is their weighted sum
+    instead of the token mean; :func:`fusedrl.rlhf.loss_weights`), ``tis_weight`` (a per-token factor on the
+    surrogate: truncated importance sampling) and, with ``kl``, ``ref_logprobs``. ``clip_eps``: one range or
+    ``(low, high)`` (ratios clipped to ``[1 - low, 1 + high]``). ``temperature`` must be the sampling temperature the
+    old log-probs used. See :func:`chunked_policy_loss` for the same loss from hidden states without full logits.
     """
     _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "policy_loss")
     logp = token_logprobs(logits, targets["tokens"], temperature)
@@ -205,16 +241,17 @@ def policy_loss(
     else:
         with torch.no_grad():
             entropy = token_entropy(logits, temperature)
-    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef)
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl)
 
 
 def chunked_policy_loss(
     hidden: torch.Tensor,
     head: Head,
     targets: dict[str, torch.Tensor],
-    clip_eps: float = 0.2,
+    clip_eps: ClipRange = 0.2,
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
+    kl: KLLoss | None = None,
     *,
     budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     chunk_positions: int | None = None,
@@ -232,44 +269,60 @@ def chunked_policy_loss(
     )
     if entropy_coef == 0.0:
         entropy = entropy.detach()
-    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef)
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl)
 
 
 def _surrogate(
     logp: torch.Tensor,
     entropy: torch.Tensor,
     targets: dict[str, torch.Tensor],
-    clip_eps: float,
+    clip_eps: ClipRange,
     entropy_coef: float,
+    kl: KLLoss | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate from token-aligned new log-probs and entropies ``[B, S]``."""
+    low, high = (clip_eps, clip_eps) if isinstance(clip_eps, float | int) else clip_eps
     mask = targets["response_mask"].float()
     denom = targets.get("loss_denom")
+    weight = targets.get("loss_weight")
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:  # the loss's aggregation (stats stay token means)
+        return (per_token * weight.float()).sum() if weight is not None else masked_mean(per_token, mask, denom)
+
     log_ratio = (logp - targets["logprobs"].float()) * mask
     ratio = log_ratio.exp()
     adv = targets["advantages"].float()
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
     per_token = torch.maximum(unclipped, clipped)
     if "tis_weight" in targets:
         per_token = per_token * targets["tis_weight"].float()
-    pg_loss = masked_mean(per_token, mask, denom)
+    pg_loss = aggregate(per_token)
     loss = pg_loss
-    entropy_mean = masked_mean(entropy, mask, denom)
     if entropy_coef != 0.0:
-        loss = loss - entropy_coef * entropy_mean
+        loss = loss - entropy_coef * aggregate(entropy)
+    kl_tokens = None
+    if kl is not None:
+        _require(targets, ("ref_logprobs",), "policy_loss with a KL loss")
+        kl_tokens = kl_estimate(logp, targets["ref_logprobs"].float(), kl.estimator) * mask
+        loss = loss + kl.coef * aggregate(kl_tokens)
     with torch.no_grad():
         stats = {
             "policy_loss": pg_loss.detach(),
             "clip_frac": masked_mean((clipped > unclipped).float(), mask, denom),
+            # the clipped tokens on each side: ratio below 1 - low with a negative advantage, above 1 + high with a positive
+            "clip_frac_low": masked_mean(((ratio < 1.0 - low) & (adv < 0)).float(), mask, denom),
+            "clip_frac_high": masked_mean(((ratio > 1.0 + high) & (adv > 0)).float(), mask, denom),
             # k3 estimate of KL(old || new) on the sampled tokens
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, denom),
             "ratio_mean": masked_mean(ratio, mask, denom),
-            "entropy": entropy_mean.detach(),
+            "entropy": masked_mean(entropy, mask, denom).detach(),
             # how far the new log-probs are from the old ones (before the first update: trainer vs engine)
             "logprob_diff": masked_mean(log_ratio.abs(), mask, denom),
             "logprob_diff_max": log_ratio.abs().amax(),
         }
+        if kl_tokens is not None:
+            stats["kl_loss"] = masked_mean(kl_tokens, mask, denom)
     return loss, stats
 
 
@@ -334,32 +387,43 @@ class PolicyLoss:
 
     def __init__(
         self,
-        clip_eps: float = 0.2,
+        clip_eps: ClipRange = 0.2,
         entropy_coef: float = 0.0,
         temperature: float = 1.0,
         *,
+        kl: KLLoss | None = None,
         head: nn.Linear | None = None,
         chunk_positions: int | None = None,
     ) -> None:
-        if clip_eps <= 0:
+        if min((clip_eps,) if isinstance(clip_eps, float | int) else clip_eps) <= 0:
             raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.clip_eps, self.entropy_coef, self.temperature, self.head = clip_eps, entropy_coef, temperature, head
+        self.kl = kl
         self.chunk_positions = chunk_positions  # None: sized by DEFAULT_LOGITS_BUDGET_BYTES
 
     @classmethod
     def from_config(cls, section: PPOSection, head: nn.Linear | None = None, *, temperature: float = 1.0) -> PolicyLoss:
-        """``clip_eps`` and ``entropy_coef`` of ``[ppo]`` at the sampling ``temperature`` (``generation.temperature``:
-        the engine's old log-probs and the Reference's are of that distribution)."""
-        return cls(section.clip_eps, section.entropy_coef, temperature=temperature, head=head)
+        """The clip range, ``entropy_coef`` and KL loss (``kl_loss_coef`` > 0) of ``[ppo]`` at the sampling
+        ``temperature`` (``generation.temperature``: the engine's old log-probs and the Reference's are of that
+        distribution)."""
+        kl = KLLoss(section.kl_loss_coef, section.kl_estimator) if section.kl_loss_coef > 0 else None
+        return cls(section.clip_range, section.entropy_coef, temperature=temperature, kl=kl, head=head)
 
     def __call__(self, output: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.head is None:
-            return policy_loss(output, targets, self.clip_eps, self.entropy_coef, self.temperature)
+            return policy_loss(output, targets, self.clip_eps, self.entropy_coef, self.temperature, self.kl)
         hidden = output.to(self.head.weight.dtype)  # a float32 stage output into a bf16 (mixed-precision) head
         return chunked_policy_loss(
-            hidden, self.head, targets, self.clip_eps, self.entropy_coef, self.temperature, chunk_positions=self.chunk_positions
+            hidden,
+            self.head,
+            targets,
+            self.clip_eps,
+            self.entropy_coef,
+            self.temperature,
+            self.kl,
+            chunk_positions=self.chunk_positions,
         )
 
 

@@ -1,5 +1,6 @@
 """The training program of one PPO minibatch: the planner's costs for the job's layout, the fused schedule search
-or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0 and shared."""
+or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0 and shared.
+Without a Critic (a critic-free estimator) the program trains the Actor alone, with split-backward schedules."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, 
         tp=par.tp,
         recompute=cfg.training.activation_checkpointing == "full",
     )
-    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches // par.critic_replicas}
+    critic = 0 if cfg.ppo.critic_free else cfg.microbatches // par.critic_replicas
+    return placement, costs, {ACTOR: cfg.microbatches, CRITIC: critic}
 
 
 def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
@@ -74,8 +76,18 @@ def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
     return cap
 
 
+def single_model_split_backward(cfg: JobConfig) -> bool:
+    """Whether the schedule search splits backwards: ``fusion.split_backward``, and always for a single trained model
+    (a critic-free estimator: no Critic work fills 1F1B's bubbles, the weight gradients do) unless activation
+    checkpointing forbids it."""
+    if cfg.fusion.split_backward:
+        return True
+    return cfg.ppo.critic_free and cfg.training.activation_checkpointing == "none"
+
+
 def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
-    """The schedule of one minibatch: the fused schedule search (intra_stage) or sequential 1F1B."""
+    """The schedule of one minibatch: the fused schedule search (intra_stage; for the Actor alone a split-backward
+    search) or sequential 1F1B."""
     placement, costs, counts = pipeline_costs(cfg, seq_len)
     if not cfg.fusion.intra_stage:
         return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
@@ -87,7 +99,7 @@ def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
         budget_s=cfg.fusion.schedule_search_budget_s,
         seed=cfg.job.seed,
         memory_limit=schedule_memory_limit(cfg, seq_len),
-        split_backward=cfg.fusion.split_backward,
+        split_backward=single_model_split_backward(cfg),
     )
 
 
@@ -122,11 +134,14 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)
     policy_loss = PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature)
     actor_spec = StageModule(layout.actor_stage, policy_loss, compute)
-    critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), compute)
+    critic_spec = None
+    if layout.critic_stage is not None:
+        critic_spec = StageModule(layout.critic_stage, ValueLoss.from_config(cfg.ppo), compute)
     if layout.pp == 1:
-        local = LocalSchedule(
-            actor_spec, critic_spec, {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches}, group=layout.pp_group, device=device
-        )
+        counts = {ACTOR: cfg.microbatches, CRITIC: cfg.microbatches if critic_spec is not None else 0}
+        local = LocalSchedule(actor_spec, critic_spec, counts, group=layout.pp_group, device=device)
+        if critic_spec is None:
+            return TrainingExecutor(local, "none: pp = 1, the Actor alone", cfg.microbatches)
         if cfg.fusion.intra_stage and dist.get_rank() == 0:
             log.info(
                 "fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "

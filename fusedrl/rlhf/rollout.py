@@ -14,7 +14,9 @@ from fusedrl.rollout_fusion import MigrationController, RolloutResult
 
 
 def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:
-    """One request per prompt; ids are global sample ids, sampling seeded by (job.seed, step, id)."""
+    """``generation.n`` requests per prompt (its group), with ids ``prompt sample id x n + k`` (global, unique over the
+    run: prompt sample ids are positions in the prompt stream), sampling seeded by (job.seed, step, id): each sample
+    from its own seed, wherever it is decoded."""
     g = cfg.generation
     params = SamplingParams(
         temperature=g.temperature,
@@ -24,11 +26,13 @@ def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tupl
         stop_token_ids=tuple(dict.fromkeys((*stop_ids, *g.stop_token_ids))),
     )
     seed = cfg.job.seed * 1_000_003 + step
-    return [Request(sid, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids)]
+    n = g.n
+    return [Request(sid * n + k, ids, params, seed=seed) for sid, ids in zip(batch.sample_ids, batch.token_ids) for k in range(n)]
 
 
 def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer, task_reward: RewardFn | None = None) -> Scorer:
-    """Reference log-probs, Reward scores and Critic values of finished samples, on this rank's instance.
+    """Reference log-probs, Reward scores and Critic values of finished samples (of the models the rollout layout
+    holds), on this rank's instance.
 
     Log-probs are those of the sampling distribution, ``log_softmax(logits / generation.temperature)``, as the
     engine reports the sampled tokens' and the policy loss computes them. ``model.reward_fn`` adds its weighted value to

@@ -1,4 +1,5 @@
-"""Scoring of finished samples: Reference log-probs, Reward scores and Critic values, micro-batched.
+"""Scoring of finished samples: Reference log-probs, Reward scores and Critic values (those of the models the job
+has), micro-batched.
 
 Runs on any instance that holds the three models (the Reference and Reward are frozen and loaded
 once; the Critic is refreshed by the same weight sync as the Actor). Samples are sorted by length
@@ -91,11 +92,19 @@ def scoring_micro_batches(lengths: Sequence[int], max_rows: int, max_tokens: int
 @dataclass
 class ScoringModels:
     """``reference``: policy role (LM head); ``reward`` and ``critic``: value role (scalar head). ``reward`` is
-    None when a rule-based reward scores alone."""
+    None when a rule-based reward scores alone, ``critic`` with a critic-free advantage estimator, ``reference``
+    without a KL term: their fields of the scored batch stay None."""
 
-    reference: nn.Module
+    reference: nn.Module | None
     reward: nn.Module | None
-    critic: nn.Module
+    critic: nn.Module | None
+
+    def device(self) -> torch.device:
+        """Where the models are (the CPU when a rule-based reward scores alone)."""
+        for model in (self.reference, self.critic, self.reward):
+            if model is not None:
+                return next(model.parameters()).device
+        return torch.device("cpu")
 
 
 @dataclass
@@ -162,7 +171,7 @@ class Scorer:
         return exp
 
     def _score_micro_batch(self, samples: list[RequestResult]) -> Experience:
-        device = next(self.models.reference.parameters()).device
+        device = self.models.device()
         width = max(s.num_tokens for s in samples)
         tokens = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(samples), width)
@@ -175,17 +184,19 @@ class Scorer:
                 logprobs[row, p:n] = torch.tensor(list(s.logprobs))
         dev_tokens, dev_mask = tokens.to(device), mask.to(device)
         ref_model, critic, reward_model = self.models.reference, self.models.critic, self.models.reward
-        ref = (
-            chunked_token_logprobs(
+        ref = values = None
+        if ref_model is not None:
+            ref = chunked_token_logprobs(
                 decoder_hidden_states(ref_model, dev_tokens),
                 _head(ref_model),
                 dev_tokens,
                 self.temperature,
                 budget_bytes=self.logits_budget_bytes,
             )
-            * dev_mask
-        )
-        values = shift_to_tokens(_head(critic)(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float()) * dev_mask
+            ref = (ref * dev_mask).cpu()
+        if critic is not None:
+            values = shift_to_tokens(_head(critic)(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float())
+            values = (values * dev_mask).cpu()
         if reward_model is None:
             scores = torch.zeros(len(samples))
         else:
@@ -195,8 +206,8 @@ class Scorer:
             tokens=tokens,
             response_mask=mask,
             logprobs=logprobs,
-            ref_logprobs=ref.cpu(),
-            values=values.cpu(),
+            ref_logprobs=ref,
+            values=values,
             scores=scores.cpu(),
             sample_ids=torch.tensor([s.id for s in samples], dtype=torch.long),
             finished=torch.tensor([s.finish_reason == "stop" for s in samples]),

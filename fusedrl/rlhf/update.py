@@ -25,7 +25,7 @@ from fusedrl.rlhf.program import TrainingExecutor
 log = logging.getLogger("fusedrl.rlhf.update")
 
 
-POLICY_STATS = ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy")
+POLICY_STATS = ("policy_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "entropy")
 
 
 FIRST_MINIBATCH_STATS = ("approx_kl", "clip_frac", "ratio_mean", "logprob_diff", "logprob_diff_max")
@@ -44,48 +44,100 @@ def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
 @dataclass
 class Optimizers:
     actor: torch.optim.Optimizer
-    critic: torch.optim.Optimizer
+    critic: torch.optim.Optimizer | None  # None without a Critic (a critic-free advantage estimator)
     actor_lr: LRScheduler
-    critic_lr: LRScheduler
+    critic_lr: LRScheduler | None
+
+    def pairs(self) -> list[tuple[torch.optim.Optimizer, LRScheduler]]:
+        """(optimizer, LR schedule) of each trained model: the Actor's, then the Critic's when there is one."""
+        out = [(self.actor, self.actor_lr)]
+        if self.critic is not None and self.critic_lr is not None:
+            out.append((self.critic, self.critic_lr))
+        return out
+
+    def learning_rates(self) -> dict[str, float]:
+        lr = {"lr_actor": float(self.actor_lr.get_last_lr()[0])}
+        if self.critic_lr is not None:
+            lr["lr_critic"] = float(self.critic_lr.get_last_lr()[0])
+        return lr
 
 
 def build_optimizers(cfg: JobConfig, layout: TrainingLayout, updates_per_step: int) -> Optimizers:
-    """AdamW for both training stages (float32 state on the FSDP2 shards) and their LR schedules."""
+    """AdamW for the training stages (float32 state on the FSDP2 shards) and their LR schedules."""
     o, s = cfg.optimizer, cfg.lr_scheduler
-    actor = build_optimizer(layout.actor_stage, o.actor_lr, o.weight_decay)
-    critic = build_optimizer(layout.critic_stage, o.critic_lr, o.weight_decay)
     total = cfg.training.steps * updates_per_step
 
     def schedule(opt: torch.optim.Optimizer) -> LRScheduler:
         return build_lr_scheduler(opt, s.warmup_steps * updates_per_step, total, s.decay, s.min_ratio)
 
+    actor = build_optimizer(layout.actor_stage, o.actor_lr, o.weight_decay)
+    if layout.critic_stage is None:
+        return Optimizers(actor, None, schedule(actor), None)
+    critic = build_optimizer(layout.critic_stage, o.critic_lr, o.weight_decay)
     return Optimizers(actor, critic, schedule(actor), schedule(critic))
 
 
-def _forward_backward(
-    layout: TrainingLayout, executor: TrainingExecutor, mb: Experience, *, record: bool = False, tis_cap: float = 0.0
-) -> dict[str, torch.Tensor]:
-    """Forward/backward of one global minibatch for both models through the layout's executor.
+def loss_weights(mask: torch.Tensor, mode: str, max_new_tokens: int) -> torch.Tensor:
+    """Per-token weights ``[B, S]`` whose weighted sum of per-token losses is ``ppo.loss_agg_mode``'s loss of the whole
+    batch ``mask`` covers: ``token-mean`` 1 / (its response tokens); ``seq-mean-token-mean`` 1 / (the sequence's
+    tokens x the sequences); ``seq-mean-token-sum-norm`` 1 / (max_new_tokens x the sequences). Sequences without a
+    response token (masked) count for none. Computed over a whole minibatch, the loss is the same however it is
+    split into micro-batches and ranks."""
+    mask = mask.to(torch.float32)
+    lengths = mask.sum(1, keepdim=True)
+    sequences = (lengths > 0).sum().clamp_min(1)
+    if mode == "token-mean":
+        return mask / lengths.sum().clamp_min(1)
+    if mode == "seq-mean-token-mean":
+        return mask / lengths.clamp_min(1) / sequences
+    if mode == "seq-mean-token-sum-norm":
+        return mask / (max_new_tokens * sequences)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm")
 
-    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage). The losses use
-    ``loss_denom`` so that the accumulated gradient is the token mean over the whole minibatch. ``tis_cap`` > 0
-    weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs ``mb.engine_logprobs``).
+
+def _forward_backward(
+    cfg: JobConfig, layout: TrainingLayout, executor: TrainingExecutor, mb: Experience, *, record: bool = False
+) -> dict[str, torch.Tensor]:
+    """Forward/backward of one global minibatch for the trained models through the layout's executor.
+
+    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage). The policy loss
+    weighs each token by :func:`loss_weights` of the whole minibatch and the value loss divides by ``loss_denom``, so
+    that the accumulated gradient is ``ppo.loss_agg_mode``'s loss (the value loss's token mean) of the whole minibatch.
+    ``ppo.tis_cap`` > 0 weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs
+    ``mb.engine_logprobs``); ``ppo.kl_loss_coef`` > 0 passes the Reference's log-probs to the policy loss.
     """
-    shard = mb.split(mb.batch_size // layout.dp)[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
-    tokens_total = mb.response_mask.sum()
+    ppo = cfg.ppo
     # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
-    denom = (tokens_total / (executor.microbatches * layout.dp)).expand(shard.batch_size).contiguous()
-    actor_targets = {**shard.targets("tokens", "response_mask", "logprobs", "advantages"), "loss_denom": denom}
-    if tis_cap > 0:
+    scale = executor.microbatches * layout.dp
+    weights = loss_weights(mb.response_mask, ppo.loss_agg_mode, cfg.generation.max_new_tokens) * scale
+    rows = mb.batch_size // layout.dp
+    shard = mb.split(rows)[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
+    denom = (mb.response_mask.sum() / scale).expand(shard.batch_size).contiguous()
+    actor_targets = {
+        **shard.targets("tokens", "response_mask", "logprobs", "advantages"),
+        "loss_denom": denom,
+        "loss_weight": weights[layout.dp_rank * rows : (layout.dp_rank + 1) * rows],
+    }
+    if ppo.kl_loss_coef > 0:
+        actor_targets["ref_logprobs"] = shard.targets("ref_logprobs")["ref_logprobs"]
+    if ppo.tis_cap > 0:
         assert shard.logprobs is not None and shard.engine_logprobs is not None, "tis_cap needs recomputed log-probs"
-        actor_targets["tis_weight"] = (shard.logprobs - shard.engine_logprobs).exp().clamp(max=tis_cap) * shard.response_mask
-    critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
-    result = executor.schedule.step(shard.tokens, shard.tokens, actor_targets, critic_targets, record=record)
+        actor_targets["tis_weight"] = (shard.logprobs - shard.engine_logprobs).exp().clamp(max=ppo.tis_cap) * shard.response_mask
+    critic_targets = None
+    if layout.critic_stage is not None:
+        critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
+    critic_inputs = shard.tokens if critic_targets is not None else None
+    result = executor.schedule.step(shard.tokens, critic_inputs, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
-    for model, keys in (("actor", (*POLICY_STATS, *FIRST_MINIBATCH_STATS)), ("critic", VALUE_STATS)):
+    actor_keys = (*POLICY_STATS, *FIRST_MINIBATCH_STATS, *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
+    for model, keys in (("actor", actor_keys), ("critic", VALUE_STATS)):
+        if model not in result:
+            continue
         r = result[model]
         out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
-    if layout.critic_replicas > 1:  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
+    if (
+        layout.critic_replicas > 1 and "critic" in result
+    ):  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
         out.update({k: out[k] / layout.critic_replicas for k in VALUE_STATS})
     return out
 
@@ -94,7 +146,7 @@ def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> b
     """Whether any rank saw a non-finite gradient norm or loss: one small all-reduce, so that every rank
     takes the same decision (the gradient norms are already global; the losses live on last stages)."""
     device = norms[0].device
-    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss"))])
+    local = torch.stack([*norms, *(stats[k].to(device) for k in ("policy_loss", "value_loss") if k in stats)])
     bad = (~torch.isfinite(local)).any().to(torch.int32).reshape(1)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bool(bad.item())
@@ -108,7 +160,7 @@ class MinibatchResult:
     # without a last stage: a figure's minibatch mean is their sum over all ranks / (dp * tp), read once per iteration
     stats: dict[str, torch.Tensor]
     grad_norm_actor: torch.Tensor  # global norms before clipping, identical on every rank
-    grad_norm_critic: torch.Tensor
+    grad_norm_critic: torch.Tensor | None  # None without a Critic
     skipped: bool  # a non-finite loss or gradient norm: no optimizer stepped (identical on every rank)
 
 
@@ -148,14 +200,14 @@ def train_minibatch(
     ``step`` is the iteration, for messages; ``record``: record the executor's timeline
     (``executor.schedule.timeline``).
     """
-    stats = _forward_backward(layout, executor, mb, record=record, tis_cap=cfg.ppo.tis_cap)
+    stats = _forward_backward(cfg, layout, executor, mb, record=record)
     layout.tied.sum_gradients()
     norms = []
     # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
-    for stage, group, uncounted in (
-        (layout.actor_stage, layout.pp_group, layout.tied.uncounted),
-        (layout.critic_stage, layout.critic_group, []),
-    ):
+    trained = [(layout.actor_stage, layout.pp_group, layout.tied.uncounted)]
+    if layout.critic_stage is not None:
+        trained.append((layout.critic_stage, layout.critic_group, []))
+    for stage, group, uncounted in trained:
         params = list(stage.parameters())
         if cfg.optimizer.grad_clip > 0:
             norms.append(clip_grad_norm(params, cfg.optimizer.grad_clip, group, uncounted=uncounted))
@@ -163,19 +215,19 @@ def train_minibatch(
             norms.append(grad_norm([p for p in params if all(p is not q for q in uncounted)], pp_group=group))
     skipped = _skip_update(norms, stats)
     if not skipped:
-        for optimizer in (opt.actor, opt.critic):
+        for optimizer, _ in opt.pairs():
             optimizer.step()
     elif cfg.training.nan_policy == "stop":
+        shown = ", ".join(f"{name} {float(norm)}" for name, norm in zip(("actor", "critic"), norms))
         raise FloatingPointError(
-            f"step {step}: non-finite loss or gradient norm (actor {float(norms[0])}, critic {float(norms[1])}); "
-            'stopping (training.nan_policy = "stop")'
+            f'step {step}: non-finite loss or gradient norm ({shown}); stopping (training.nan_policy = "stop")'
         )
     elif dist.get_rank() == 0:
         log.warning("step %d: skipped an update: non-finite loss or gradient norm", step)
-    for optimizer, sched in ((opt.actor, opt.actor_lr), (opt.critic, opt.critic_lr)):
+    for optimizer, sched in opt.pairs():
         optimizer.zero_grad(set_to_none=True)
         sched.step()
-    return MinibatchResult(stats, norms[0], norms[1], skipped)
+    return MinibatchResult(stats, norms[0], norms[1] if len(norms) > 1 else None, skipped)
 
 
 @dataclass
@@ -213,23 +265,20 @@ def ppo_update(
         result = train_minibatch(cfg, layout, executor, opt, mb, step=step, record=record)
         if not first:
             first = {k: result.stats[k] for k in FIRST_MINIBATCH_STATS}
-        for k in (*POLICY_STATS, *VALUE_STATS):
-            sums[k] = sums[k] + result.stats[k] if k in sums else result.stats[k]
+        for k in (*POLICY_STATS, *VALUE_STATS, "kl_loss"):
+            if k in result.stats:
+                sums[k] = sums[k] + result.stats[k] if k in sums else result.stats[k]
         if record:
             assert executor.schedule.timeline is not None  # the step above recorded it
             timeline = executor.schedule.timeline.gather(layout.pp_group)
             bubbles.append(timeline.bubble_ratio())
         norms["actor"].append(result.grad_norm_actor)
-        norms["critic"].append(result.grad_norm_critic)
+        if result.grad_norm_critic is not None:
+            norms["critic"].append(result.grad_norm_critic)
         skipped += result.skipped
         updates += 1
-    figures = {
-        "grad_norm_actor": float(torch.stack(norms["actor"]).mean()),
-        "grad_norm_critic": float(torch.stack(norms["critic"]).mean()),
-        "skipped_updates": skipped,
-        "lr_actor": float(opt.actor_lr.get_last_lr()[0]),
-        "lr_critic": float(opt.critic_lr.get_last_lr()[0]),
-    }
+    figures: dict[str, float] = {f"grad_norm_{m}": float(torch.stack(v).mean()) for m, v in norms.items() if v}
+    figures.update({"skipped_updates": skipped, **opt.learning_rates()})
     if bubbles:
         figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
     return UpdateResult(sums, first, updates, figures, timeline)

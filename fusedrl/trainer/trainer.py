@@ -52,6 +52,7 @@ from fusedrl.generation import GenerationEngine, WeightSync
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
+    Experience,
     UpdateResult,
     build_controller,
     build_executor,
@@ -67,7 +68,10 @@ from fusedrl.rlhf import (
     recompute_enabled,
     recompute_logprobs,
     reward_fn_metrics,
+    sample_groups,
+    zero_variance_groups,
 )
+from fusedrl.rollout_fusion import RolloutResult
 from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
 
 log = logging.getLogger("fusedrl.trainer")
@@ -168,7 +172,7 @@ class Trainer:
         # every rank of an instance generates the same prompts: the loader shards over instances
         self.loader = PromptLoader(
             self.dataset,
-            cfg.ppo.batch_size // self.rollout.instances,
+            cfg.ppo.batch_size // cfg.generation.n // self.rollout.instances,
             rank=self.rollout.instance,
             world_size=self.rollout.instances,
             seed=cfg.job.seed,
@@ -183,7 +187,9 @@ class Trainer:
             seed=cfg.job.seed,
             kv_dtype=DTYPES[cfg.training.kv_cache_dtype],
         )
-        self.syncs = (WeightSync(self.layout.actor_stage, self.engine), WeightSync(self.layout.critic_stage, self.rollout.critic))
+        self.syncs = [WeightSync(self.layout.actor_stage, self.engine)]
+        if self.layout.critic_stage is not None and self.rollout.critic is not None:
+            self.syncs.append(WeightSync(self.layout.critic_stage, self.rollout.critic))
         self.controller = build_controller(
             cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer, task_reward_fn(cfg, self.task)), self.rollout
         )
@@ -193,15 +199,16 @@ class Trainer:
         # groups), so ranks holding different stages must not share names. Critic replicas of a stage share its
         # name: DCP writes one copy of their identical shards and every replica loads it.
         actor_name = f"actor_stage{self.layout.pp_rank}"
-        critic_name = f"critic_stage{self.layout.critic_index}"
-        self.ckpt = CheckpointManager.from_config(
-            cfg.checkpoint,
-            self.out,
-            {actor_name: self.layout.actor_stage, critic_name: self.layout.critic_stage},
-            {actor_name: self.opt.actor, critic_name: self.opt.critic},
-            {actor_name: self.opt.actor_lr, critic_name: self.opt.critic_lr},
-            {"data": self.loader},
+        modules, optimizers, schedules = (
+            {actor_name: self.layout.actor_stage},
+            {actor_name: self.opt.actor},
+            {actor_name: self.opt.actor_lr},
         )
+        if self.layout.critic_stage is not None and self.opt.critic is not None and self.opt.critic_lr is not None:
+            critic_name = f"critic_stage{self.layout.critic_index}"
+            modules[critic_name], optimizers[critic_name] = self.layout.critic_stage, self.opt.critic
+            schedules[critic_name] = self.opt.critic_lr
+        self.ckpt = CheckpointManager.from_config(cfg.checkpoint, self.out, modules, optimizers, schedules, {"data": self.loader})
         # rank 0 reads the folder once and its view decides: every rank resumes (or not) from the same step
         found = [self.ckpt.latest_step() if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
@@ -274,8 +281,56 @@ class Trainer:
         if self.rank == 0:
             log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
         updates = self.cfg.ppo.epochs * (self.cfg.ppo.batch_size // self.cfg.ppo.minibatch_size)
-        lr = {"lr_actor": float(self.opt.actor_lr.get_last_lr()[0]), "lr_critic": float(self.opt.critic_lr.get_last_lr()[0])}
-        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **lr}, None)
+        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **self.opt.learning_rates()}, None)
+
+    def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
+        """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times."""
+        batch = self.loader.next_batch()
+        requests = build_requests(self.cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
+        result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id)
+        timers.add("generation", result.decode_end_s)
+        timers.add("scoring", result.scoring_s)
+        timers.add("scoring_exposed", result.scoring_exposed_s)
+        return result, scored
+
+    def dynamic_sampling(self, step: int, first: Experience, timers: PhaseTimers) -> tuple[Experience, dict[str, float]]:
+        """DAPO's dynamic sampling: keep the groups whose scores differ, generating more prompt batches until
+        ``ppo.batch_size`` samples are kept or ``ppo.dynamic_sampling_max_rounds`` rounds ran; then the dropped
+        groups (in their order) fill the rest, counted. Every rank holds the same batches and takes the same
+        decisions. Returns the batch to train on and the counts."""
+        cfg = self.cfg
+        n, size = cfg.generation.n, cfg.ppo.batch_size
+        kept: list[Experience] = []
+        dropped: list[Experience] = []
+        rounds, batch = 1, first
+        while True:
+            flat = zero_variance_groups(batch.scores, sample_groups(batch, n))  # type: ignore[arg-type]
+            kept.append(batch.select(~flat))
+            dropped.append(batch.select(flat))
+            if sum(b.batch_size for b in kept) >= size or rounds == cfg.ppo.dynamic_sampling_max_rounds:
+                break
+            rounds += 1
+            _, batch = self.rollout_round(step, timers)
+        dropped_groups = sum(b.batch_size for b in dropped) // n
+        missing = max(0, size - sum(b.batch_size for b in kept))
+        if missing and self.rank == 0:
+            log.warning(
+                "step %d: dynamic sampling kept %d of %d samples after %d rounds (ppo.dynamic_sampling_max_rounds); "
+                "%d groups of equal scores fill the batch",
+                step,
+                size - missing,
+                size,
+                rounds,
+                missing // n,
+            )
+        parts = [b for b in (*kept, *dropped) if b.batch_size]
+        merged = Experience.concat(parts, pad_token_id=self.tokenizer.pad_id).select(slice(0, size))
+        stats = {
+            "dynamic_sampling_rounds": rounds,
+            "dynamic_sampling_dropped_groups": dropped_groups,
+            "dynamic_sampling_filled_groups": missing // n,
+        }
+        return merged, stats
 
     def records_timeline(self, step: int) -> bool:
         """Whether iteration ``step`` records pipeline timelines: traced steps and every
@@ -294,17 +349,16 @@ class Trainer:
                 sync.sync()
             if self.frozen is not None:
                 self.frozen.restore()
-        batch = self.loader.next_batch()
-        requests = build_requests(cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
         rollout_start = time.perf_counter()
-        result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id)
+        result, scored = self.rollout_round(step, timers)
+        sampling_stats: dict[str, float] = {}
+        trained = scored
+        if cfg.ppo.dynamic_sampling:
+            trained, sampling_stats = self.dynamic_sampling(step, scored, timers)
         if self.frozen is not None:
             self.frozen.release()
-        timers.add("generation", result.decode_end_s)
-        timers.add("scoring", result.scoring_s)
-        timers.add("scoring_exposed", result.scoring_exposed_s)
         with timers("advantages"):
-            exp, adv_stats = compute_advantages(cfg, scored)
+            exp, adv_stats = compute_advantages(cfg, trained)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
         gap = None
         if self.recompute:  # PPO's old log-probs from the training forward; the KL reward keeps the engine's
@@ -342,6 +396,7 @@ class Trainer:
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
         record.update(length_stats(lengths))
         record.update(adv_stats)
+        record.update(sampling_stats)
         record.update(update.figures)
         record.update(migration_metrics(result))
         record.update(reward_fn_metrics(scored))
