@@ -13,6 +13,8 @@ CONFIGS = [  # pp, critic stages, actor micro-batches, critic micro-batches (per
     (4, None, 4, 4),
     (4, 2, 4, 3),
     (8, None, 8, 6),
+    (2, None, 4, 0),  # critic-free: the Actor alone
+    (4, 2, 4, 0),
 ]
 
 
@@ -137,3 +139,16 @@ def test_consecutive_messages_with_one_peer_form_one_batch():
             assert batch == list(range(batch[0], batch[-1] + 1))  # consecutive positions, one peer
             assert len({peer_of(prog[i], placement) for i in batch}) == 1
     assert any(len(b) > 1 for r, prog in program.programs.items() for b in comm_batches(prog, placement))
+
+
+def test_a_critic_free_program_holds_no_critic_action():
+    placement = Placement(2)
+    counts = {ACTOR: 2, CRITIC: 0}
+    program = lower(sequential_1f1b(placement, 2, 0), placement, counts)
+    assert {a.model for p in program.programs.values() for a in p} == {ACTOR}
+    progs = {r: list(p) for r, p in program.programs.items()}
+    progs[1].append(Action(CRITIC, 0, 0, "F"))
+    with pytest.raises(ProgramError, match=r"rank 1 action #\d+ critic:F0\.mb0: micro-batch out of range \[0, 0\)"):
+        verify_program(progs, placement, counts)
+    with pytest.raises(ProgramError, match=r"microbatches has no entry for 'critic' \(0 for a Critic that does not train\)"):
+        lower(sequential_1f1b(placement, 2, 0), placement, {ACTOR: 2})

@@ -19,9 +19,11 @@ from fusedrl.pipelining import (
     fused_schedule,
     greedy_order,
     local_search,
+    lower,
     lower_bound,
     sequential_1f1b,
     simulate,
+    verify_program,
 )
 from fusedrl.pipelining import memory_pass as memory_pass_mod
 from fusedrl.pipelining import search as search_mod
@@ -681,3 +683,82 @@ def test_schedule_memory_cap_from_the_config(monkeypatch):
         run_checks(low, 4)  # the trainer's startup checks refuse it before any process group exists
     with pytest.raises(ConfigError, match="must be > 0"):
         load_config([*base, "--fusion.schedule_memory_gib=0"])
+
+
+# ---------------------------------------------------------------- critic-free: the Actor alone (mb_critic = 0)
+
+
+def _actor_alone(pp, stages_critic=None):
+    """pp = 2 uniform; pp = 4 with uneven per-stage costs and weight-gradient shares (the Critic's costs unused)."""
+    placement = Placement(pp, stages_critic)
+    if pp == 2:
+        return placement, CostModel.uniform(placement, 1.0, 1.0, p2p_latency=0.1)
+    profile = {"f": [1.2, 1.0, 1.0, 1.4], "b": [2.4, 2.0, 2.2, 2.6], "w": [1.0, 1.0, 0.8, 1.2], "mem": [1.0, 1.0, 1.0, 1.5]}
+    return placement, CostModel.from_profile({ACTOR: profile, CRITIC: {"f": [1.0] * placement.num_stages(CRITIC)}}, 0.1)
+
+
+@pytest.mark.parametrize("pp,ma,budget_s", [(2, 4, 0.0), (2, 4, 0.3), (4, 8, 0.0), (4, 8, 0.3)])
+def test_critic_free_split_schedule_is_valid_actor_only_and_beats_1f1b(pp, ma, budget_s, monkeypatch):
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)  # only the deterministic work budget may stop it
+    placement, costs = _actor_alone(pp)
+    seq_schedule = sequential_1f1b(placement, ma, 0)
+    assert {a.model for acts in seq_schedule.values() for a in acts} == {ACTOR}
+    seq = simulate(seq_schedule, placement, costs, ma, 0)
+    plan = fused_schedule(placement, costs, ma, 0, budget_s=budget_s, seed=1, split_backward=True)
+    actions = [a for acts in plan.schedule.values() for a in acts]
+    assert {a.model for a in actions} == {ACTOR}
+    assert {a.kind for a in actions} == {"F", "I", "W"} and len(actions) == 3 * pp * ma
+    res = simulate(plan.schedule, placement, costs, ma, 0)  # raises if invalid
+    program = lower(plan.schedule, placement, {ACTOR: ma, CRITIC: 0})  # raises unless the verifier accepts it
+    verify_program(program.programs, placement, {ACTOR: ma, CRITIC: 0})
+    assert res.makespan == pytest.approx(plan.makespan)
+    assert res.makespan < seq.makespan  # the weight backwards fill the bubbles that 1F1B leaves
+    assert plan.sequential_1f1b_makespan == pytest.approx(seq.makespan)
+    split_bound = lower_bound(placement, costs, ma, 0, split_backward=True)
+    assert plan.split_lower_bound == pytest.approx(split_bound)
+    assert split_bound <= res.makespan + 1e-9
+    assert lower_bound(placement, costs, ma, 0) <= seq.makespan + 1e-9
+    assert res.max_peak_memory <= plan.memory_limit + 1e-9
+
+
+def test_critic_free_fb_search_and_unused_critic_placement():
+    # the F/B search of the Actor alone: valid, bounded, never slower than 1F1B
+    placement, costs = _actor_alone(2)
+    plan = fused_schedule(placement, costs, 4, 0, budget_s=0.2)
+    assert simulate(plan.schedule, placement, costs, 4, 0).makespan == pytest.approx(plan.makespan)
+    assert lower_bound(placement, costs, 4, 0) - 1e-9 <= plan.makespan <= plan.sequential_1f1b_makespan + 1e-9
+    assert {a.model for acts in plan.schedule.values() for a in acts} == {ACTOR}
+    assert search_mod.balanced_critic_weight(Problem(placement, costs, 4, 0)) == 1.0
+    # a placement with Critic replicas: the Critic's stages stay unused
+    placement, costs = _actor_alone(4, stages_critic=2)
+    plan = fused_schedule(placement, costs, 8, 0, budget_s=0, split_backward=True)
+    assert {a.model for acts in plan.schedule.values() for a in acts} == {ACTOR}
+    lower(plan.schedule, placement, {ACTOR: 8, CRITIC: 0})
+
+
+def test_critic_free_errors_are_named():
+    placement, costs = _actor_alone(2)
+    with pytest.raises(ValueError, match=r">= 1 for the Actor and >= 0 for the Critic .*mb_actor=2, mb_critic=-1"):
+        Problem(placement, costs, 2, -1)
+    with pytest.raises(ValueError, match=r">= 1 for the Actor .*mb_actor=0, mb_critic=0"):
+        Problem(placement, costs, 0, 0)
+    schedule = sequential_1f1b(placement, 2, 1)  # one Critic micro-batch too many (its stage 1 on rank 0 comes first)
+    with pytest.raises(ScheduleError, match=r"critic:F1\.mb0: the Critic has 0 micro-batches \(the Actor trains alone\)"):
+        simulate(schedule, placement, costs, 2, 0)
+
+
+def test_cli_critic_free(capsys, monkeypatch):
+    monkeypatch.setattr(local_search, "WALL_CLOCK_FACTOR", 1e6)
+    argv = "--critic-free --pp-actor 4 --mb-actor 8 --f-actor 2 --budget-s 0.2 --json".split()
+    assert plan_main([*argv, "--split-backward"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["critic_free"] is True and out["split_backward"] is True
+    assert out["split_lower_bound"] <= out["makespan"] < out["sequential_1f1b_makespan"]
+    assert out["peak_memory_1f1b_single"] == pytest.approx(4.0)  # the Actor's stage 0 under 1F1B
+    assert plan_main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["makespan"] == pytest.approx(out["sequential_1f1b_makespan"])
+    assert plan_main([*argv, "--mb-critic", "2"]) == 2
+    assert "--critic-free plans the Actor alone: drop --mb-critic" in capsys.readouterr().err
+    assert plan_main("--pp-actor 2 --mb-actor 2 --f-actor 1".split()) == 2
+    assert "--mb-critic and --f-critic required (or --critic-free" in capsys.readouterr().err

@@ -201,7 +201,7 @@ def _check_actions(programs: Program, placement: Placement, microbatches: dict[s
     expected: set[Action] = set()
     for model in MODELS:
         if model not in microbatches:
-            raise ProgramError(f"microbatches has no entry for {model!r}")
+            raise ProgramError(f"microbatches has no entry for {model!r} (0 for a Critic that does not train)")
         replicas = placement.critic_replicas if model == CRITIC else 1
         for rep in range(replicas):
             for s in range(placement.num_stages(model)):

@@ -72,7 +72,8 @@ SPLIT_FB_SHARE = 0.25  # of the budget, for the F/B search whose best order the 
 
 
 def sequential_1f1b(placement: Placement, mb_actor: int, mb_critic: int) -> Schedule:
-    """Actor 1F1B, then Critic 1F1B on every rank (each Critic replica runs its own 1F1B on its ranks)."""
+    """Actor 1F1B, then Critic 1F1B on every rank (each Critic replica runs its own 1F1B on its ranks); with
+    ``mb_critic`` 0 the Actor's 1F1B alone."""
     schedule: Schedule = {r: [] for r in range(placement.pp)}
     pipelines = [(ACTOR, 0, mb_actor)] + [(CRITIC, r, mb_critic) for r in range(placement.critic_replicas)]
     for model, replica, m_count in pipelines:
@@ -113,11 +114,13 @@ class PlanResult:
 
 def balanced_critic_weight(problem: Problem) -> float:
     """Critic priority weight that puts both models' longest remaining paths on the same scale (a light Critic
-    otherwise always loses to the Actor and piles up at the end)."""
+    otherwise always loses to the Actor and piles up at the end). 1.0 when the Critic has no work (Actor alone)."""
     _, tails = problem.release_and_tail
     longest = {ACTOR: 0.0, CRITIC: 0.0}
     for t, a in zip(tails, problem.actions):
         longest[a.model] = max(longest[a.model], t)
+    if longest[CRITIC] == 0.0:
+        return 1.0
     return longest[ACTOR] / longest[CRITIC]
 
 
@@ -327,6 +330,10 @@ def fused_schedule(
     """Find a fused Actor+Critic schedule: greedy list scheduling with several priority settings (each result
     compacted by forward-backward justification), randomised restarts, simulated annealing and a memory pass.
     Never worse than sequential 1F1B (returned when nothing better is found).
+
+    ``mb_critic = 0``: no Critic, the Actor alone (critic-free training). There are then no Critic micro-batches to
+    fill the Actor's bubbles, so the F/B search returns 1F1B; with ``split_backward`` the weight backwards fill them
+    (zero-bubble style).
 
     ``split_backward``: the F/B search gets ``SPLIT_FB_SHARE`` of the budget, then every backward is split into an
     input backward I and a weight backward W and the search continues on that problem (``_split_search``); the

@@ -37,15 +37,19 @@ class StageActions(NamedTuple):
 class Problem:
     """A planning problem compiled to integer-indexed actions, shared by the simulator and the search.
 
-    ``mb_critic`` is the number of micro-batches of each Critic replica. ``split_backward``: every backward is an
-    input backward I followed (not necessarily at once) by a weight backward W instead of one B.
+    ``mb_critic`` is the number of micro-batches of each Critic replica; 0: no Critic (critic-free training, the
+    Actor alone; the placement's Critic stages stay unused). ``split_backward``: every backward is an input backward
+    I followed (not necessarily at once) by a weight backward W instead of one B.
     """
 
     def __init__(
         self, placement: Placement, costs: CostModel, mb_actor: int, mb_critic: int, split_backward: bool = False
     ) -> None:
-        if mb_actor < 1 or mb_critic < 1:
-            raise ValueError(f"micro-batch counts must be >= 1, got mb_actor={mb_actor}, mb_critic={mb_critic}")
+        if mb_actor < 1 or mb_critic < 0:
+            raise ValueError(
+                f"micro-batch counts must be >= 1 for the Actor and >= 0 for the Critic (0: no Critic, the Actor trains "
+                f"alone), got mb_actor={mb_actor}, mb_critic={mb_critic}"
+            )
         costs.check(placement)
         self.placement, self.costs = placement, costs
         self.mb_actor, self.mb_critic = mb_actor, mb_critic
@@ -84,6 +88,10 @@ class Problem:
                 self.streams[ranks[s]].append(StageActions(fwd[s], bwd[s], wgt[s]))
 
     def pipelines(self) -> list[tuple[str, int]]:
+        """``(model, replica)`` of every pipeline that has work: the Actor, then each Critic replica (none when
+        ``mb_critic`` is 0)."""
+        if self.mb_critic == 0:
+            return [(ACTOR, 0)]
         return [(ACTOR, 0)] + [(CRITIC, r) for r in range(self.placement.critic_replicas)]
 
     def microbatches(self, model: str) -> int:
@@ -240,6 +248,8 @@ class Problem:
                     )
                 i = self.index.get(action)
                 if i is None:
+                    if action.model == CRITIC and self.mb_critic == 0:
+                        raise ScheduleError(f"{action}: the Critic has 0 micro-batches (the Actor trains alone)")
                     raise ScheduleError(
                         f"{action}: no such action (model must be one of {', '.join(MODELS)}, stage/replica within the "
                         f"placement, micro-batch below {self.mb_actor} for the actor and {self.mb_critic} per critic replica)"
