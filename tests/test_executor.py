@@ -18,7 +18,15 @@ from fusedrl.distributed import (
     transformer_layers,
 )
 from fusedrl.models import build_model, flavor_from_hf_config, resolve_flavor
-from fusedrl.pipelining import FusedPipelineSchedule, LoweredProgram, ProgramError, StageModule, lower
+from fusedrl.pipelining import (
+    FusedPipelineSchedule,
+    LocalSchedule,
+    LoweredProgram,
+    ProgramError,
+    StageModule,
+    StepObserver,
+    lower,
+)
 from fusedrl.pipelining.cost import CostModel
 from fusedrl.pipelining.executor import STAGE_CACHE_SIZE
 from fusedrl.pipelining.ir import ACTOR, CRITIC, Placement
@@ -377,3 +385,103 @@ def _chunked_head_gradients(program) -> None:
 
 def test_chunked_lm_head_in_the_loss_gives_the_full_logits_gradients(rank_pools):
     rank_pools(2).run(_chunked_head_gradients, _program("fused", 2, 2, 2), timeout_s=120.0)
+
+
+# ---------------------------------------------------------------- critic-free: the Actor alone (critic=None)
+
+
+class _ModelsSeen(StepObserver):
+    def __init__(self) -> None:
+        self.models: list[str] = []
+
+    def forward_started(self, model, microbatch):
+        self.models.append(model)
+
+    def backward_finished(self, model, microbatch, released):
+        self.models.append(model)
+
+    def reduce_started(self, model, stage):
+        self.models.append(model)
+
+
+def _reference_actor(model, tokens, actor_t, m):
+    """Gradients of the whole model run locally, each micro-batch loss divided by ``m``; returns the mean loss."""
+    total = 0.0
+    for x, t in _micro(tokens, actor_t, m):
+        loss = actor_loss(model(x), t)[0] / m
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _critic_free_gradients(programs, ma):
+    """pp=2, the Actor alone: each program's gradients and loss are those of the whole model run locally."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("debug", "policy")
+    ref = copy.deepcopy(model)
+    stage = split_decoder(model, 2)[rank]
+    tokens, actor_t, critic_t = make_batch(4, SEQ)
+    want_loss = _reference_actor(ref, tokens, actor_t, ma)
+    want = dict(ref.named_parameters())
+    for kind, program in programs.items():
+        stage.zero_grad(set_to_none=True)
+        ex = FusedPipelineSchedule(program, StageModule(stage, actor_loss))  # critic: None
+        ex.observer = watch = _ModelsSeen()
+        assert list(ex.models) == [ACTOR]
+        with pytest.raises(ValueError, match="trains no Critic .*pass critic_inputs=None and critic_targets=None"):
+            ex.step(tokens, tokens, actor_t, critic_t)  # refused before any communication, on every rank
+        result = ex.step(tokens, None, actor_t, None)
+        assert set(result) == {ACTOR} and {key[0] for key in ex.stages} == {ACTOR}
+        assert watch.models and set(watch.models) == {ACTOR}, kind
+        if rank == 1:
+            assert result[ACTOR].loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6), kind
+        else:
+            assert result[ACTOR].loss is None
+        for name, p in stage.named_parameters():
+            torch.testing.assert_close(
+                p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"rank {rank} {kind} {name}: {s}"
+            )
+
+
+def test_critic_free_split_backward_gives_the_reference_gradients(rank_pools):
+    """critic=None with the planner's split-backward program of the Actor alone (I and W, W's deferred into the
+    bubbles) and with sequential 1F1B: the gradients of the whole model run in one process."""
+    ma = 4
+    programs = {kind: _program(kind, 2, ma, 0) for kind in ("sequential", "planned_split")}
+    compute = [a for a in programs["planned_split"].programs[1] if a.kind in ("F", "I", "W")]
+    assert {a.model for a in compute} == {ACTOR} and {a.kind for a in compute} == {"F", "I", "W"}
+    assert any(a.kind == "I" and nxt != replace(a, kind="W") for a, nxt in zip(compute, compute[1:]))  # a W deferred
+    rank_pools(2).run(_critic_free_gradients, programs, ma, timeout_s=120.0)
+
+
+def test_critic_none_needs_a_program_without_critic_microbatches():
+    spec = StageModule(torch.nn.Linear(2, 2), actor_loss, hidden_dim=2, output_dim=2)
+    # refused before any communication: no process group is needed
+    with pytest.raises(ValueError, match="the program has 2 Critic micro-batches but no Critic StageModule was given"):
+        FusedPipelineSchedule(_program("sequential", 2, 2, 2), spec)
+    with pytest.raises(ValueError, match="the program has 0 Critic micro-batches but a Critic StageModule was given"):
+        FusedPipelineSchedule(_program("sequential", 2, 2, 0), spec, spec)
+    with pytest.raises(ValueError, match="microbatches has 1 Critic micro-batches but no Critic StageModule was given"):
+        LocalSchedule(spec, None, {ACTOR: 2, CRITIC: 1})
+    with pytest.raises(ValueError, match="microbatches has 0 Critic micro-batches but a Critic StageModule was given"):
+        LocalSchedule(spec, spec, {ACTOR: 2, CRITIC: 0})
+
+
+def test_local_schedule_trains_the_actor_alone():
+    torch.manual_seed(0)
+    model = build_model("debug", "policy")
+    ref = copy.deepcopy(model)
+    (whole,) = split_decoder(model, 1)
+    local = LocalSchedule(StageModule(whole, actor_loss), None, {ACTOR: 2})
+    assert list(local.models) == [ACTOR]
+    tokens, actor_t, critic_t = make_batch(4, SEQ)
+    with pytest.raises(ValueError, match="trains no Critic"):
+        local.step(tokens, None, actor_t, critic_t)
+    result = local.step(tokens, None, actor_t, None, record=True)
+    assert set(result) == {ACTOR}
+    assert local.timeline is not None and {e.action.model for e in local.timeline.events} == {ACTOR}
+    assert result[ACTOR].loss == pytest.approx(_reference_actor(ref, tokens, actor_t, 2), rel=1e-5, abs=1e-6)
+    want = dict(ref.named_parameters())
+    for name, p in whole.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name}: {s}")

@@ -5,6 +5,13 @@ executor interprets :class:`~fusedrl.pipelining.lowering.LoweredProgram` itself,
 ``PipelineStage`` methods (``forward_one_chunk``, ``backward_one_chunk``, ``get_*_ops``,
 ``perform_reduce_grad``) of both models.
 
+The Critic is optional: critic-free algorithms (GRPO, RLOO, ...) train the Actor alone with a program whose Critic
+has 0 micro-batches (``lower(schedule, placement, {ACTOR: m, CRITIC: 0})``) and no Critic :class:`StageModule`;
+then no Critic stage is built, :meth:`FusedPipelineSchedule.step` takes ``None`` for the Critic's inputs and
+targets and returns the Actor's result only. The planner's split-backward schedules (``fused_schedule(...,
+mb_critic=0, split_backward=True)``: each backward as an input backward I and a weight backward W, the W's in the
+bubbles) are the single-model counterpart of the fused Actor+Critic schedule.
+
 Loss scaling: each micro-batch loss is divided by that model's micro-batch count ``M`` before its backward
 (not the gradients afterwards, so gradients may accumulate over several steps), and FSDP2 averages the
 gradients over ``dp_shard``. The gradient is therefore that of ``mean over dp ranks and micro-batches of
@@ -136,7 +143,8 @@ class ModelStepResult:
 
 class StepObserver:
     """Watches :meth:`FusedPipelineSchedule.step` from outside (``fusedrl.memory`` measures with it): the executor
-    calls these around its step, each compute action and each model's gradient reduction. No-ops here."""
+    calls these around its step, each compute action and each model's gradient reduction (of the models it trains:
+    never the Critic's when it has none). No-ops here."""
 
     def step_started(self) -> None:
         pass
@@ -158,20 +166,24 @@ class StepObserver:
 
 
 class FusedPipelineSchedule:
-    """Trains the Actor and the Critic on the same pipeline ranks with one lowered program.
+    """Trains the Actor and the Critic on the same pipeline ranks with one lowered program, or the Actor alone.
 
     Actor stage ``i`` lives on pipeline rank ``i`` and Critic stage ``j`` on rank ``pp-1-j`` (the placement
     of ``program``; a Critic with fewer stages runs as replicas, see the module doc). Every rank of ``group`` (the
     pipeline group; for FSDP2 the stage modules are already ``fully_shard``-ed over dp_shard) constructs this with
     its own stage modules and calls :meth:`step` with the same minibatch. The unfused baseline is the same executor
     with a ``sequential_1f1b`` program.
+
+    ``critic`` is optional: None (critic-free training) needs a program whose Critic has 0 micro-batches, and a
+    program with Critic micro-batches needs a ``critic`` (ValueError otherwise). :attr:`models` holds the
+    :class:`StageModule` of each model present, the Actor first.
     """
 
     def __init__(
         self,
         program: LoweredProgram,
         actor: StageModule,
-        critic: StageModule,
+        critic: StageModule | None = None,
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
@@ -180,10 +192,11 @@ class FusedPipelineSchedule:
         if placement.pp < 2:
             raise ValueError("the fused executor needs pp >= 2; with pp=1 train the models without pipelining")
         program.verify()  # before any communication: a bad program never starts
-        if placement.critic_replicas > 1:
+        models = _present_models(actor, critic, program.microbatches, "the program")
+        if critic is not None and placement.critic_replicas > 1:
             _check_replicated(critic.module, placement.critic_replicas)
         if any(a.kind in ("I", "W") for prog in program.programs.values() for a in prog):
-            for spec in (actor, critic):
+            for spec in models.values():
                 for module in spec.module.modules():
                     if recomputes_in_backward(module):
                         raise ValueError(
@@ -201,9 +214,9 @@ class FusedPipelineSchedule:
         self.program = program
         self.group = group
         self.rank = dist.get_rank(group)
-        self.models = {ACTOR: actor, CRITIC: critic}
+        self.models: dict[str, StageModule] = models
         self.stage_index, self.replica = {}, {}
-        for m in MODELS:
+        for m in self.models:
             self.stage_index[m], self.replica[m] = placement.stage_at(m, self.rank)
         if device is None:
             device = next(actor.module.parameters(), torch.empty(0)).device
@@ -266,35 +279,32 @@ class FusedPipelineSchedule:
     def step(
         self,
         actor_inputs: torch.Tensor,
-        critic_inputs: torch.Tensor,
+        critic_inputs: torch.Tensor | None,
         actor_targets: dict[str, torch.Tensor],
-        critic_targets: dict[str, torch.Tensor],
+        critic_targets: dict[str, torch.Tensor] | None,
         *,
         record: bool = False,
     ) -> dict[str, ModelStepResult]:
-        """Forward, backward and gradient reduction of one minibatch for both models.
+        """Forward, backward and gradient reduction of one minibatch for every model it trains.
 
         Gradients accumulate into ``.grad`` (zero them between optimizer steps). Returns per model the mean
         micro-batch loss and stats on the rank that holds its last stage (each Critic replica's last stage: over
         that replica's micro-batches). ``record``: time every compute action into :attr:`timeline` (else it is
-        None after the step).
+        None after the step). Without a Critic, ``critic_inputs`` and ``critic_targets`` must be None and the
+        result holds the Actor's entry only.
         """
-        (actor_inputs, critic_inputs), (actor_targets, critic_targets) = _minibatch_to_device(
-            self.device, (actor_inputs, critic_inputs), (actor_targets, critic_targets)
-        )
-        split = {
-            ACTOR: self._split(ACTOR, actor_inputs, actor_targets),
-            CRITIC: self._split(CRITIC, critic_inputs, critic_targets),
-        }
-        stages = {m: self._stage(m, split[m][0][0]) for m in MODELS}  # same build order on every rank
+        inputs, targets = _model_batches(self.models, actor_inputs, critic_inputs, actor_targets, critic_targets)
+        moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(inputs.values()), tuple(targets.values()))
+        split = {m: self._split(m, x, t) for m, x, t in zip(self.models, moved_inputs, moved_targets)}
+        stages = {m: self._stage(m, split[m][0][0]) for m in self.models}  # same build order on every rank
         for st in stages.values():
             st.clear_runtime_states()
-        losses: dict[str, list[torch.Tensor]] = {m: [] for m in MODELS}
-        stats: dict[str, list[Mapping[str, torch.Tensor | float]]] = {m: [] for m in MODELS}
+        losses: dict[str, list[torch.Tensor]] = {m: [] for m in self.models}
+        stats: dict[str, list[Mapping[str, torch.Tensor | float]]] = {m: [] for m in self.models}
         pending_loss: dict[tuple[str, int], torch.Tensor] = {}
-        backwards = {m: 0 for m in MODELS}
+        backwards = {m: 0 for m in self.models}
         watch = self.observer or StepObserver()
-        split_backward = {m: any(a.kind == "W" for a in self.program.programs[self.rank] if a.model == m) for m in MODELS}
+        split_backward = {m: any(a.kind == "W" for a in self.program.programs[self.rank] if a.model == m) for m in self.models}
 
         def compute(a: Action) -> None:
             if a.kind == "F":
@@ -342,11 +352,11 @@ class FusedPipelineSchedule:
         self.timeline = run_rank_program(
             self._steps, self.rank, compute, comm_ops, group=self.group, record=record, device=self.device
         )
-        for m in MODELS:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
+        for m in self.models:  # same order on every rank: FSDP reduce-scatters are collectives over dp_shard
             watch.reduce_started(m, stages[m])
             stages[m].perform_reduce_grad(1)  # losses were already divided by M
         watch.step_finished()
-        return {m: _summarize(losses[m], stats[m]) for m in MODELS}
+        return {m: _summarize(losses[m], stats[m]) for m in self.models}
 
 
 class LocalSchedule:
@@ -354,22 +364,28 @@ class LocalSchedule:
     other: each model's micro-batches run forward and backward in turn (each loss divided by the micro-batch
     count, gradients accumulated), FSDP2's gradient reduction runs once per model, after its last micro-batch.
     The same :meth:`step` as :class:`FusedPipelineSchedule`; there are no pipeline bubbles to fuse.
+
+    ``critic`` is optional: None trains the Actor alone (``microbatches[CRITIC]`` then 0 or absent; a Critic
+    micro-batch count above 0 needs a ``critic``, ValueError otherwise).
     """
 
     def __init__(
         self,
         actor: StageModule,
-        critic: StageModule,
-        microbatches: dict[str, int],
+        critic: StageModule | None,
+        microbatches: Mapping[str, int],
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        for m in MODELS:
-            if microbatches[m] < 1:
-                raise ValueError(f"{m}: micro-batch count must be >= 1, got {microbatches[m]}")
-        self.models = {ACTOR: actor, CRITIC: critic}
-        self.microbatches = dict(microbatches)
+        counts = dict(microbatches)
+        if critic is None:
+            counts.setdefault(CRITIC, 0)
+        self.models: dict[str, StageModule] = _present_models(actor, critic, counts, "microbatches")
+        for m in self.models:
+            if counts[m] < 1:
+                raise ValueError(f"{m}: micro-batch count must be >= 1, got {counts[m]}")
+        self.microbatches = counts
         self.group = group
         if device is None:
             device = next(actor.module.parameters(), torch.empty(0)).device
@@ -379,21 +395,21 @@ class LocalSchedule:
     def step(
         self,
         actor_inputs: torch.Tensor,
-        critic_inputs: torch.Tensor,
+        critic_inputs: torch.Tensor | None,
         actor_targets: dict[str, torch.Tensor],
-        critic_targets: dict[str, torch.Tensor],
+        critic_targets: dict[str, torch.Tensor] | None,
         *,
         record: bool = False,
     ) -> dict[str, ModelStepResult]:
-        """Forward, backward and gradient reduction of one minibatch for both models (see the class doc)."""
+        """Forward, backward and gradient reduction of one minibatch for every model it trains (see the class doc);
+        without a Critic, ``critic_inputs`` and ``critic_targets`` must be None and the result holds the Actor only."""
+        batches = _model_batches(self.models, actor_inputs, critic_inputs, actor_targets, critic_targets)
         clock = (
             _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
         )
         results = {}
-        (actor_inputs, critic_inputs), (actor_targets, critic_targets) = _minibatch_to_device(
-            self.device, (actor_inputs, critic_inputs), (actor_targets, critic_targets)
-        )
-        for m, inputs, targets in ((ACTOR, actor_inputs, actor_targets), (CRITIC, critic_inputs, critic_targets)):
+        moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(batches[0].values()), tuple(batches[1].values()))
+        for m, inputs, targets in zip(self.models, moved_inputs, moved_targets):
             spec, n_mb = self.models[m], self.microbatches[m]
             if inputs.shape[0] % n_mb:
                 raise ValueError(f"{m} batch {inputs.shape[0]} is not divisible by its {n_mb} micro-batches")
@@ -420,6 +436,43 @@ class LocalSchedule:
             results[m] = _summarize(losses, stats)
         self.timeline = clock.timeline() if clock else None
         return results
+
+
+def _present_models(
+    actor: StageModule, critic: StageModule | None, microbatches: Mapping[str, int], where: str
+) -> dict[str, StageModule]:
+    """The models to train, in :data:`MODELS` order: the Critic only when given, and then only with micro-batches."""
+    mc = microbatches.get(CRITIC, 0)
+    if critic is None and mc:
+        raise ValueError(
+            f"{where} has {mc} Critic micro-batches but no Critic StageModule was given; pass critic=, or plan with "
+            "mb_critic=0 to train the Actor alone"
+        )
+    if critic is not None and not mc:
+        raise ValueError(
+            f"{where} has 0 Critic micro-batches but a Critic StageModule was given; pass critic=None to train the Actor "
+            "alone, or plan with mb_critic >= 1"
+        )
+    present = {ACTOR: actor, CRITIC: critic}
+    return {m: spec for m in MODELS if (spec := present[m]) is not None}
+
+
+def _model_batches(
+    models: Mapping[str, StageModule],
+    actor_inputs: torch.Tensor,
+    critic_inputs: torch.Tensor | None,
+    actor_targets: dict[str, torch.Tensor],
+    critic_targets: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A step's inputs and targets by model, for the models it trains (in ``models`` order); the Critic's must be
+    given exactly when it trains."""
+    if CRITIC in models:
+        if critic_inputs is None or critic_targets is None:
+            raise ValueError("this schedule trains a Critic: pass critic_inputs and critic_targets (got None)")
+        return {ACTOR: actor_inputs, CRITIC: critic_inputs}, {ACTOR: actor_targets, CRITIC: critic_targets}
+    if critic_inputs is not None or critic_targets is not None:
+        raise ValueError("this schedule trains no Critic (critic=None): pass critic_inputs=None and critic_targets=None")
+    return {ACTOR: actor_inputs}, {ACTOR: actor_targets}
 
 
 def _check_replicated(module: nn.Module, replicas: int) -> None:
