@@ -30,8 +30,10 @@ def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
 
 
 def neural_models(cfg: JobConfig) -> tuple[str, ...]:
-    """The [model] flavor keys whose models are built: actor, critic and reward (unless ``model.reward = "none"``)."""
-    return ("actor", "critic", "reward") if cfg.model.uses_reward_model else ("actor", "critic")
+    """The [model] flavor keys whose models are built: actor, critic (unless the advantage estimator is critic-free)
+    and reward (unless ``model.reward = "none"``)."""
+    critic = () if cfg.ppo.critic_free else ("critic",)
+    return ("actor", *critic, *(("reward",) if cfg.model.uses_reward_model else ()))
 
 
 def model_flavors(cfg: JobConfig, assets: dict[Path, str] | None = None) -> dict[str, ModelFlavor]:

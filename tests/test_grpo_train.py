@@ -1,0 +1,156 @@
+"""End-to-end critic-free training (GRPO, and RLOO with DAPO's options) on 4 CPU ranks (pp=2 x dp_shard=2): no Critic
+is built, fusions on == off (samples, scores, advantages, losses; the Actor alone on split-backward pipelines against
+sequential 1F1B), exact resume with groups."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fusedrl.testing import run_multirank
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "train_configs" / "debug_grpo.toml")
+# Tiny: a random-init debug Actor, 4 prompts x 4 samples, short responses, 2 iterations; a quarter of the vocabulary
+# stops a response, so lengths vary and the tail migrates. The task's rule scores (most random responses score -1, so
+# some groups have equal scores).
+TINY = [
+    "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
+    "--model.actor_path=",
+    "--model.reference_path=",
+    "--ppo.batch_size=16",
+    "--ppo.minibatch_size=8",
+    "--ppo.microbatch_size=2",
+    "--ppo.epochs=1",
+    "--generation.max_new_tokens=10",
+    "--generation.max_slots=4",
+    "--generation.temperature=0.8",
+    "--data.max_prompt_len=32",
+    "--fusion.schedule_search_budget_s=0.2",
+    "--fusion.migration_threshold=0.5",
+    "--fusion.migration_check_interval=1",
+    "--training.steps=2",
+    "--checkpoint.keep=0",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--metrics.timeline_interval=0",
+    "--lr_scheduler.warmup_steps=0",
+    "--optimizer.actor_lr=1e-3",
+]
+COMPARED = (
+    "policy_loss",
+    "kl_loss",
+    "kl",
+    "reward_mean",
+    "reward_std",
+    "clip_frac",
+    "entropy",
+    "approx_kl",
+    "grad_norm_actor",
+    "response_len_mean",
+    "return_mean",
+    "return_std",
+    "advantage_mean",
+    "advantage_std",
+    "zero_std_groups_frac",
+    "logprob_diff_mean",
+    "true_score",
+)
+# RLOO with DAPO's options: asymmetric clipping, dynamic sampling, the soft overlong punishment, Dr.GRPO's aggregation
+DAPO = (
+    "--ppo.advantage_estimator=rloo",
+    "--ppo.clip_eps_low=0.2",
+    "--ppo.clip_eps_high=0.28",
+    "--ppo.dynamic_sampling=true",
+    "--ppo.dynamic_sampling_max_rounds=3",
+    "--ppo.overlong_buffer=4",
+    "--ppo.loss_agg_mode=seq-mean-token-sum-norm",
+)
+OFF = ("--fusion.inter_stage=false", "--fusion.intra_stage=false")
+
+
+def _runs(out: str) -> dict:
+    from fusedrl.config import load_config
+    from fusedrl.train import Trainer, run
+
+    def cfg(name: str, *extra: str):
+        return load_config(["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}/{name}", *extra])
+
+    built = Trainer(cfg("built"))
+    layout = {
+        "critic_stage": built.layout.critic_stage is None,
+        "rollout_critic": built.rollout.critic is None,
+        "optimizer": built.opt.critic is None,
+        "syncs": len(built.syncs),
+        "plan": built.executor.plan_method,
+    }
+    del built
+    histories = {
+        "on": run(cfg("on", "--checkpoint.interval=1")),
+        "off": run(cfg("off", *OFF)),
+        "dapo_on": run(cfg("dapo_on", *DAPO)),
+        "dapo_off": run(cfg("dapo_off", *DAPO, *OFF)),
+    }
+    if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint exists in its folder
+        src = Path(out, "on", "checkpoints")
+        step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
+        shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
+    dist.barrier()
+    histories["resumed"] = run(cfg("resumed", "--checkpoint.resume=true"))
+    return {"layout": layout, "histories": histories}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    return run_multirank(_runs, 4, str(tmp_path_factory.mktemp("grpo")), timeout_s=420.0)[0]
+
+
+def _assert_equal_runs(a: list[dict], b: list[dict], keys, rel: float, what: str) -> None:
+    assert len(a) == len(b) == 2
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        for k in keys:
+            assert x[k] == pytest.approx(y[k], rel=rel, abs=1e-6), f"{what}, step {step}: {k} differs: {x[k]} vs {y[k]}"
+
+
+@pytest.mark.slow
+def test_grpo_builds_no_critic_and_plans_split_backward(result):
+    layout = result["layout"]
+    assert layout["critic_stage"] and layout["rollout_critic"] and layout["optimizer"] and layout["syncs"] == 1
+    assert layout["plan"].startswith("split"), layout["plan"]  # the Actor alone: a split-backward schedule
+    h = result["histories"]["on"]
+    assert all("value_loss" not in r and "grad_norm_critic" not in r and "lr_critic" not in r for r in h)
+    assert all(r["kl_loss"] >= 0 and 0 <= r["zero_std_groups_frac"] <= 1 for r in h)
+    assert h[0]["grad_norm_actor"] > 0
+
+
+@pytest.mark.slow
+def test_grpo_fusions_on_and_off_give_equal_samples_scores_advantages_and_losses(result):
+    hs = result["histories"]
+    _assert_equal_runs(hs["on"], hs["off"], COMPARED, 1e-4, "GRPO fusions on vs off")
+    assert any(r["migration_moved"] > 0 for r in hs["on"]) and all(r["migration_moved"] == 0 for r in hs["off"])
+
+
+@pytest.mark.slow
+def test_rloo_with_dapo_options_fused_equals_unfused_and_counts_dynamic_sampling(result):
+    hs = result["histories"]
+    keys = (*COMPARED, "clip_frac_low", "clip_frac_high", "dynamic_sampling_rounds", "dynamic_sampling_dropped_groups")
+    _assert_equal_runs(hs["dapo_on"], hs["dapo_off"], keys, 1e-4, "RLOO + DAPO fusions on vs off")
+    for r in hs["dapo_on"]:
+        assert 1 <= r["dynamic_sampling_rounds"] <= 3
+        # the kept batch holds groups of differing scores first; filling with dropped ones only after the last round
+        if r["dynamic_sampling_filled_groups"] == 0:
+            assert r["zero_std_groups_frac"] == 0.0
+        else:
+            assert r["dynamic_sampling_rounds"] == 3
+    assert any(r["dynamic_sampling_dropped_groups"] > 0 for r in hs["dapo_on"])
+
+
+@pytest.mark.slow
+def test_grpo_resume_continues_exactly(result):
+    hs = result["histories"]
+    assert len(hs["resumed"]) == 1
+    for k in (*COMPARED, "lr_actor"):
+        assert hs["resumed"][0][k] == pytest.approx(hs["on"][1][k], rel=1e-6, abs=1e-9), k
