@@ -8,8 +8,13 @@
 (b) emulated timing at pp=4 and pp=8, and pp=4 with a 2-stage Critic (2 replicas): every compute action sleeps for
     its cost-model time while all messages really travel, so the executor's ordering and overheads are measured;
     compared with the simulator.
+(c) critic-free (GRPO-style: the Actor alone, no Critic to fill its bubbles): the planner's split-backward schedule
+    (each backward as an input backward I and a weight backward W, the W's in the bubbles) vs the Actor's 1F1B, as
+    a makespan ratio (split / 1F1B, below 1 where 1F1B leaves a bubble): real compute at pp=2 as in (a), the Actor
+    alone, with the measured backward compute (I + W over B: torch's split backward can cost more than one B, which
+    the simulator does not count); emulated at pp=4 and pp=8 as in (b) (I and W each half of the backward).
 
-Run: ``python -m fusedrl.bench.pipeline [--json] [--trace-dir DIR]``
+Run: ``python -m fusedrl.bench.pipeline [--json] [--trace-dir DIR] [--only {fused,critic_free}]``
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.multiprocessing as mp
 
 from fusedrl.pipelining.cost import CostModel
 from fusedrl.pipelining.executor import FusedPipelineSchedule, StageModule, run_emulated
-from fusedrl.pipelining.ir import ACTOR, CRITIC, Placement
+from fusedrl.pipelining.ir import ACTOR, CRITIC, Placement, Schedule
 from fusedrl.pipelining.lowering import LoweredProgram, lower
 from fusedrl.pipelining.search import fused_schedule, sequential_1f1b
 from fusedrl.pipelining.simulator import simulate
@@ -86,26 +91,31 @@ def _value_loss(values: torch.Tensor, t: dict[str, torch.Tensor]):
 
 
 def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str | None):
+    """Programs with 0 Critic micro-batches train the Actor alone (no Critic is built)."""
     from fusedrl.distributed import ParallelDims, apply_fsdp, split_decoder
     from fusedrl.models import build_model
     from fusedrl.models.registry import Role
 
     rank, pp = dist.get_rank(), dist.get_world_size()
-    placement = next(iter(programs.values())).placement
+    first = next(iter(programs.values()))
+    placement, critic_free = first.placement, first.microbatches[CRITIC] == 0
     critic_stages = placement.num_stages(CRITIC)
     torch.manual_seed(0)
     models = {}
-    roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"), (CRITIC, "value"))
+    roles: tuple[tuple[str, Role], ...] = ((ACTOR, "policy"),) + (() if critic_free else ((CRITIC, "value"),))
     for m, role in roles:
         model = build_model(REAL_FLAVOR, role)
         del model.layers[REAL_LAYERS[m] :]
         models[m] = model
     vocab = models[ACTOR].tok_embeddings.num_embeddings
     actor_stage = split_decoder(models[ACTOR], pp)[rank]
-    critic_stage = split_decoder(models[CRITIC], critic_stages)[placement.stage_at(CRITIC, rank)[0]]
-    if critic_stages < pp:  # replicas: FSDP2's hybrid sharding averages their gradients
-        mesh = ParallelDims(pp=pp, world_size=pp, pp_critic=critic_stages).build_critic_mesh("cpu")
-        apply_fsdp(critic_stage, mesh["critic_replica", "dp_shard"])
+    critic: StageModule | None = None
+    if not critic_free:
+        critic_stage = split_decoder(models[CRITIC], critic_stages)[placement.stage_at(CRITIC, rank)[0]]
+        if critic_stages < pp:  # replicas: FSDP2's hybrid sharding averages their gradients
+            mesh = ParallelDims(pp=pp, world_size=pp, pp_critic=critic_stages).build_critic_mesh("cpu")
+            apply_fsdp(critic_stage, mesh["critic_replica", "dp_shard"])
+        critic = StageModule(critic_stage, _value_loss)
     batch = REAL_MB_SIZE * REAL_MICROBATCHES
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (batch, REAL_SEQ), generator=g)
@@ -118,7 +128,7 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
     }
     critic_t = {"returns": torch.randn(batch, REAL_SEQ, generator=g), "mask": mask}
     executors = {
-        name: FusedPipelineSchedule(program, StageModule(actor_stage, _ppo_actor_loss), StageModule(critic_stage, _value_loss))
+        name: FusedPipelineSchedule(program, StageModule(actor_stage, _ppo_actor_loss), critic)
         for name, program in programs.items()
     }
     samples: dict[str, list[float]] = {name: [] for name in programs}
@@ -129,7 +139,10 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
         for name, ex in executors.items():
             dist.barrier()
             start = time.perf_counter()
-            ex.step(tokens, tokens, actor_t, critic_t, record=True)
+            if critic_free:
+                ex.step(tokens, None, actor_t, None, record=True)
+            else:
+                ex.step(tokens, tokens, actor_t, critic_t, record=True)
             dist.barrier()
             elapsed = time.perf_counter() - start
             assert ex.timeline is not None  # step(record=True) records one
@@ -140,9 +153,16 @@ def _real_worker(programs: dict[str, LoweredProgram], reps: int, trace_dir: str 
                     traces[name] = timeline
     times = {name: min(v) for name, v in samples.items()}
     if rank == 0 and trace_dir:
+        label = "critic_free" if critic_free else f"critic{critic_stages}"
         for name, tl in traces.items():
-            tl.save_chrome_trace(Path(trace_dir) / f"pipeline_real_critic{critic_stages}_{name}.json")
-    return {"times": times, "samples": samples, "bubble": {n: t.bubble_ratio() for n, t in traces.items()}}
+            tl.save_chrome_trace(Path(trace_dir) / f"pipeline_real_{label}_{name}.json")
+    return {
+        "times": times,
+        "samples": samples,
+        "bubble": {n: t.bubble_ratio() for n, t in traces.items()},
+        # compute time of the backward actions (B, or I and W) over all ranks, in the fastest run
+        "backward_s": {n: sum(e.end - e.start for e in t.events if e.action.kind != "F") for n, t in traces.items()},
+    }
 
 
 def bench_real(reps: int, trace_dir: str | None, critic_stages: int = 2) -> dict:
@@ -172,7 +192,7 @@ def bench_real(reps: int, trace_dir: str | None, critic_stages: int = 2) -> dict
 def _emulated_worker(programs: dict[str, LoweredProgram], costs: CostModel, reps: int):
     def seconds(a):
         c = costs.of(a.model)
-        return c.f[a.stage] if a.kind == "F" else c.b[a.stage]
+        return {"F": c.f, "B": c.b, "I": c.i, "W": c.w}[a.kind][a.stage]
 
     out = {}
     for name, program in programs.items():
@@ -213,6 +233,52 @@ def bench_emulated(pp: int, reps: int, trace_dir: str | None, critic_stages: int
     return row
 
 
+# ---------------------------------------------------------------------------------------------------------
+# (c) critic-free: the Actor alone, split backward vs 1F1B
+
+
+def _critic_free_schedules(placement: Placement, costs: CostModel, m: int, budget_s: float) -> dict[str, Schedule]:
+    """The Actor's 1F1B and the planner's split-backward schedule of the Actor alone (0 Critic micro-batches)."""
+    return {
+        "1f1b": sequential_1f1b(placement, m, 0),
+        "split": fused_schedule(placement, costs, m, 0, budget_s=budget_s, split_backward=True).schedule,
+    }
+
+
+def bench_real_critic_free(reps: int, trace_dir: str | None) -> dict:
+    """pp=2, real compute: the Actor of (a) alone (no Critic is built)."""
+    placement, m = Placement(2), REAL_MICROBATCHES
+    costs = CostModel.uniform(placement, 1.0, 1.0)  # the Critic's costs are unused
+    schedules = _critic_free_schedules(placement, costs, m, 2.0)
+    programs = {n: lower(s, placement, {ACTOR: m, CRITIC: 0}) for n, s in schedules.items()}
+    result = _launch(_real_worker, 2, programs, reps, trace_dir)
+    sim = {n: simulate(s, placement, costs, m, 0).makespan for n, s in schedules.items()}
+    result["simulated_ratio"] = sim["split"] / sim["1f1b"]
+    result["measured_ratio"] = result["times"]["split"] / result["times"]["1f1b"]
+    result["backward_ratio"] = result["backward_s"]["split"] / result["backward_s"]["1f1b"]
+    return result
+
+
+def bench_emulated_critic_free(pp: int, reps: int, trace_dir: str | None) -> dict:
+    """Emulated as in (b), the Actor alone with ``pp`` micro-batches; I and W each take half of B."""
+    placement, m = Placement(pp), pp
+    costs = CostModel.uniform(placement, EMU_F_ACTOR, EMU_F_CRITIC)  # the Critic's costs are unused
+    schedules = _critic_free_schedules(placement, costs, m, 5.0)
+    programs = {n: lower(s, placement, {ACTOR: m, CRITIC: 0}) for n, s in schedules.items()}
+    measured = _launch(_emulated_worker, pp, programs, costs, reps)
+    row: dict = {"pp": pp, "microbatches": m}
+    for name, s in schedules.items():
+        row[f"{name}_simulated"] = simulate(s, placement, costs, m, 0).makespan
+        row[f"{name}_measured"] = measured[name]["makespan"]
+        row[f"{name}_bubble"] = measured[name]["bubble"]
+        if trace_dir:
+            measured[name]["timeline"].save_chrome_trace(Path(trace_dir) / f"pipeline_emulated_pp{pp}_critic_free_{name}.json")
+    row["measured_ratio"] = row["split_measured"] / row["1f1b_measured"]
+    row["simulated_ratio"] = row["split_simulated"] / row["1f1b_simulated"]
+    row["max_rel_error"] = max(abs(row[f"{n}_measured"] / row[f"{n}_simulated"] - 1) for n in schedules)
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="last stdout line is one JSON object")
@@ -221,10 +287,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--trace-dir", default=None, help="write Chrome/Perfetto traces of the timelines here")
     parser.add_argument("--png", default=None, help="write a PNG of the measured pp=4 emulated timelines here")
+    parser.add_argument(
+        "--only",
+        choices=("fused", "critic_free"),
+        default=None,
+        help="run only the Actor+Critic figures (a, b) or only the critic-free ones (c); default: all",
+    )
     args = parser.parse_args(argv)
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    figures: dict = {}
+    if args.only != "critic_free":
+        figures |= _fused_figures(args)
+    if args.only != "fused":
+        figures |= _critic_free_figures(args)
+    if args.json:
+        print(json.dumps(figures))
 
+
+def _fused_figures(args: argparse.Namespace) -> dict:
+    """(a) and (b): Actor + Critic, fused vs sequential 1F1B."""
     print(
         f"(a) real compute, pp=2, {REAL_FLAVOR} actor {REAL_LAYERS[ACTOR]} layers / critic {REAL_LAYERS[CRITIC]} layers, "
         f"{REAL_MICROBATCHES} micro-batches of {REAL_MB_SIZE}x{REAL_SEQ} tokens per model"
@@ -259,20 +341,55 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.png:
         rows[0]["timelines"]["fused"].save_png(args.png, "measured timeline, fused program, pp=4 (emulated compute)")
-    if args.json:
+    return {
+        "real_speedup": round(real_speedups[2], 4),
+        "real_speedup_pp_critic1": round(real_speedups[1], 4),
+        "emulated": [
+            {k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")}
+            | {"pp": r["pp"], "pp_critic": r["pp_critic"]}
+            for r in rows
+        ],
+    }
+
+
+def _critic_free_figures(args: argparse.Namespace) -> dict:
+    """(c): the Actor alone, split backward vs 1F1B; ratios are makespan ratios split / 1F1B (< 1: faster)."""
+    real = bench_real_critic_free(args.reps, args.trace_dir)
+    t = real["times"]
+    print(
+        f"(c) critic-free (the Actor alone): split-backward schedule vs 1F1B, makespan ratio split / 1F1B\n"
+        f"    real compute, pp=2, {REAL_FLAVOR} actor {REAL_LAYERS[ACTOR]} layers, {REAL_MICROBATCHES} micro-batches of "
+        f"{REAL_MB_SIZE}x{REAL_SEQ} tokens: 1f1b {t['1f1b'] * 1e3:8.1f} ms (bubble {real['bubble']['1f1b']:.1%})   split "
+        f"{t['split'] * 1e3:8.1f} ms (bubble {real['bubble']['split']:.1%})   ratio {real['measured_ratio']:.3f} "
+        f"(simulator with w = b/2: {real['simulated_ratio']:.3f}); backward compute I + W {real['backward_ratio']:.3f}x "
+        "that of B (the simulator: 1x)"
+    )
+    rows = [bench_emulated_critic_free(pp, args.reps, args.trace_dir) for pp in (4, 8)]
+    print(
+        f"    emulated compute (actor f={EMU_F_ACTOR * 1e3:.0f} ms per stage, b=2f split into i=w=f), real gloo messages; "
+        "makespans in ms"
+    )
+    print(
+        f"    {'pp':>3} {'M':>3} {'1f1b sim':>9} {'1f1b meas':>9} {'split sim':>9} {'split meas':>10} "
+        f"{'ratio sim':>9} {'ratio meas':>10} {'max rel err':>11}"
+    )
+    for r in rows:
         print(
-            json.dumps(
-                {
-                    "real_speedup": round(real_speedups[2], 4),
-                    "real_speedup_pp_critic1": round(real_speedups[1], 4),
-                    "emulated": [
-                        {k: round(r[k], 4) for k in ("measured_speedup", "simulated_speedup", "max_rel_error")}
-                        | {"pp": r["pp"], "pp_critic": r["pp_critic"]}
-                        for r in rows
-                    ],
-                }
-            )
+            f"    {r['pp']:>3} {r['microbatches']:>3} {r['1f1b_simulated'] * 1e3:9.1f} {r['1f1b_measured'] * 1e3:9.1f} "
+            f"{r['split_simulated'] * 1e3:9.1f} {r['split_measured'] * 1e3:10.1f} {r['simulated_ratio']:9.3f} "
+            f"{r['measured_ratio']:10.3f} {r['max_rel_error']:11.2%}"
         )
+    return {
+        "critic_free": {
+            "real_ratio": round(real["measured_ratio"], 4),
+            "real_simulated_ratio": round(real["simulated_ratio"], 4),
+            "real_backward_ratio": round(real["backward_ratio"], 4),
+            "emulated": [
+                {k: round(r[k], 4) for k in ("measured_ratio", "simulated_ratio", "max_rel_error")} | {"pp": r["pp"]}
+                for r in rows
+            ],
+        }
+    }
 
 
 if __name__ == "__main__":
