@@ -28,7 +28,9 @@ def test_grpo_advantages_by_hand():
     expected = [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.5 / (std + 1e-6), 0.0, 0.0]
     torch.testing.assert_close(group_advantages(scores, groups, "grpo"), torch.tensor(expected))
     # Dr.GRPO: no std division
-    torch.testing.assert_close(group_advantages(scores, groups, "grpo", std_norm=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0]))
+    torch.testing.assert_close(
+        group_advantages(scores, groups, "grpo", std_norm=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0])
+    )
 
 
 def test_rloo_advantages_by_hand():

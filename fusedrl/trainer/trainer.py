@@ -325,7 +325,7 @@ class Trainer:
             )
         parts = [b for b in (*kept, *dropped) if b.batch_size]
         merged = Experience.concat(parts, pad_token_id=self.tokenizer.pad_id).select(slice(0, size))
-        stats = {
+        stats: dict[str, float] = {
             "dynamic_sampling_rounds": rounds,
             "dynamic_sampling_dropped_groups": dropped_groups,
             "dynamic_sampling_filled_groups": missing // n,
