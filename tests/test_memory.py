@@ -15,6 +15,7 @@ from fusedrl.bench.memory import main
 from fusedrl.config import load_config
 from fusedrl.models import FLAVORS, build_model
 from fusedrl.models.figures import layer_activation_bytes
+from fusedrl.pipelining import ACTOR, CRITIC, LocalSchedule, StageModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
@@ -119,6 +120,50 @@ def test_memory_savers_move_bytes_out_of_the_training_phase(debug):
     assert r.transients["recompute"] == layer_activation_bytes(f, tokens, 4, 1)
 
 
+GRPO_CONFIG = str(ROOT / "train_configs" / "debug_grpo.toml")
+
+
+def _grpo_estimate(*overrides: str) -> memory.Estimate:
+    cfg = load_config(["--job.config_file", GRPO_CONFIG, *FAST, *overrides])
+    return memory.estimate(cfg, config_name="debug_grpo", progress=None)
+
+
+def test_critic_free_estimate_counts_no_critic_and_no_unused_reference():
+    """debug_grpo.toml (critic-free, KL as a loss term) against the same job as PPO (``advantage_estimator=gae``: a
+    Critic of the Actor's flavor): every Actor, Reference and engine figure stays, the Critic's training shards,
+    AdamW states, gradients, rollout copy, RoPE tables and receive buffers go, and so do the rollout phases' peaks.
+    Without a
+    KL term there is no Reference either, and with the rule scoring alone no scoring model runs at all."""
+    f = FLAVORS["debug"]
+    grpo, ppo = _grpo_estimate(), _grpo_estimate("--ppo.advantage_estimator=gae")
+    rope = 4 * (f.max_seq_len * f.head_dim + f.head_dim // 2)  # one model copy's RoPE table
+    buffers = 4 * 4 * (140 + 160) * f.embed_dim * 4  # M = 32 / 2 / 4 micro-batches, one receive kind, two buckets
+    for g, p in zip(grpo.ranks, ppo.ranks):
+        assert p.persistent["train_params_critic"] > 0 and p.persistent["rollout_critic"] > 0
+        critic = sum(p.persistent[k] for k in ("train_params_critic", "optimizer_critic", "rollout_critic"))
+        assert p.persistent_total - g.persistent_total == critic + 2 * rope + buffers
+        for key in ("train_params_actor", "optimizer_actor", "rollout_actor", "rollout_reference", "kv_cache"):
+            assert g.persistent[key] == p.persistent[key] > 0, key
+        assert g.persistent["rollout_critic"] == 0
+        assert not [k for k in (*g.persistent, *g.details["gradients"]) if "critic" in k and k != "rollout_critic"]
+        assert set(g.details["activation_bytes_per_microbatch"]) == set(g.details["in_flight_max"]) == {"actor"}
+        assert g.transients["scoring_logits"] == p.transients["scoring_logits"] > 0  # the Reference's head
+        for phase in memory.PHASES:
+            assert not [k for k, v in g.phases[phase].items() if "critic" in k and v], phase
+        # not the training phase: the Actor's split-backward program alone may hold more micro-batches in flight
+        for phase in ("weight_sync", "generation", "scoring"):
+            assert g.phase_peak(phase) < p.phase_peak(phase), phase
+    table = memory.format_table(grpo, 80.0)
+    assert "critic" not in table.split("\n\n")[0] and "the Critic (ppo.advantage_estimator = 'grpo'" in table
+    assert all(set(r["in_flight_max"]) == {"actor"} for r in memory.to_json(grpo, 80.0)["ranks"].values())
+    alone = _grpo_estimate("--ppo.kl_loss_coef=0")  # no KL term: no Reference; the task's rule scores
+    for a, g in zip(alone.ranks, grpo.ranks):
+        assert a.persistent["rollout_reference"] == 0 and g.persistent["rollout_reference"] > 0
+        assert a.persistent_total == g.persistent_total - g.persistent["rollout_reference"] - rope
+        assert a.transients["scoring_activations"] == a.transients["scoring_logits"] == 0
+        assert a.phase_peak("scoring") == a.persistent_total
+
+
 def test_one_layer_activation_formula_matches_autograds_saved_tensors():
     """layer_activation_bytes against the bytes autograd saves for one torchtune layer (parameters and buffers left
     out), in float32 and bfloat16: what the training estimate multiplies by layers and micro-batches in flight."""
@@ -171,15 +216,45 @@ def test_cli_json_and_training_walk(capsys):
         assert 1 <= rank["in_flight_max"]["actor"] <= 4 and 1 <= rank["in_flight_max"]["critic"] <= 4
 
 
+def _executor_trains_the_actor_alone() -> bool:
+    """Whether the pipeline executors take no Critic (``critic=None``: branch single-model); until then a critic-free
+    job cannot train, so ``--measure`` cannot run it."""
+    spec = StageModule(torch.nn.Linear(1, 1), lambda out, targets: (out.sum(), {}), hidden_dim=1, output_dim=1)
+    try:
+        LocalSchedule(spec, None, {ACTOR: 1, CRITIC: 0})
+    except (ValueError, AttributeError, TypeError):
+        return False
+    return True
+
+
+DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=debug"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("critic", [[], ["--parallelism.pp_critic=1"]], ids=["critic-pp2", "critic-replicas"])
-def test_measured_trainer_memory_matches_the_estimate(capsys, critic):
+@pytest.mark.parametrize(
+    "args",
+    [
+        DEBUG_MODELS,
+        [*DEBUG_MODELS, "--parallelism.pp_critic=1"],
+        pytest.param(
+            ["--critic-free"],
+            marks=pytest.mark.skipif(
+                not _executor_trains_the_actor_alone(), reason="the executor needs critic=None (branch single-model)"
+            ),
+        ),
+    ],
+    ids=["critic-pp2", "critic-replicas", "critic-free"],
+)
+def test_measured_trainer_memory_matches_the_estimate(capsys, args):
     """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent
     state, gradients, unsharded stages, in-flight activations, weight-sync units, the transient tensors of a training
     step, a prefill, a decode step and a scoring micro-batch) within 10% on every rank. Also with the Critic as 2
-    replicas of one stage (each rank then holds the whole Critic, hybrid-sharded over (replica, dp_shard)). Every
-    figure is counted from tensors, so the verdict does not depend on how the OS schedules gloo's threads."""
-    code = main(["--measure", "--json", "--model.actor=debug", "--model.critic=debug", "--model.reward=debug", *critic])
+    replicas of one stage (each rank then holds the whole Critic, hybrid-sharded over (replica, dp_shard)), and
+    critic-free (``--critic-free``: GRPO, the Actor alone on split-backward schedules, no Critic anywhere; in the
+    command's ``debug_large`` flavor: with the ``debug`` one the Actor's last stage measures 0.875x on the training
+    step, as PPO does with ``--fusion.split_backward=true``, see docs/memory.md). Every figure is counted from
+    tensors, so the verdict does not depend on how the OS schedules gloo's threads."""
+    code = main(["--measure", "--json", *args])
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     off = [c for c in result["comparison"] if c["gated"] and abs(c["ratio"] - 1) > memory.TOLERANCE]
@@ -187,7 +262,7 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, critic):
     categories = {c["category"].split(" (")[0].split(",")[0] for c in result["comparison"] if c["gated"]}
     for name in (
         "train_params_actor",
-        "optimizer_critic",
+        "optimizer_actor",
         "rollout_reference",
         "kv_cache",
         "pipeline_buffers",
@@ -200,3 +275,5 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, critic):
         "scoring micro-batch",
     ):
         assert any(c.startswith(name) for c in categories), (name, categories)
+    critic = {c for c in categories if "critic" in c}
+    assert critic == set() if "--critic-free" in args else {"optimizer_critic", "gradients_critic"} <= critic, critic

@@ -1,5 +1,5 @@
-"""Memory per rank of a PPO job: ``python -m fusedrl.bench.memory --config CONFIG [--world N] [--json] [--measure]
-[--device-gib G] [--pipeline-shapes K] [--section.key=value ...]``.
+"""Memory per rank of an RL job (PPO, or critic-free): ``python -m fusedrl.bench.memory --config CONFIG [--world N]
+[--json] [--measure [--critic-free]] [--device-gib G] [--pipeline-shapes K] [--section.key=value ...]``.
 
 The command line of :mod:`fusedrl.memory` (the estimate from the layouts built on the meta device, and with
 ``--measure`` the real trainer on CPU ranks against it); ``docs/memory.md`` derives the figures and tells how to read
@@ -23,14 +23,7 @@ from fusedrl.pipelining import STAGE_CACHE_SIZE
 from fusedrl.testing import run_multirank
 
 MEASURE_CONFIG = "train_configs/debug_ppo.toml"
-MEASURE_OVERRIDES: tuple[str, ...] = (
-    "--model.actor=debug_large",
-    "--model.critic=debug_large",
-    "--model.reward=debug_large",
-    "--model.actor_path=",
-    "--model.critic_path=",
-    "--model.reward_path=",
-    "--model.reference_path=",
+_MEASURE_SIZE: tuple[str, ...] = (  # a small batch: 4 CPU ranks take a few seconds
     "--ppo.batch_size=8",
     "--ppo.minibatch_size=8",
     "--ppo.microbatch_size=2",
@@ -40,6 +33,25 @@ MEASURE_OVERRIDES: tuple[str, ...] = (
     "--generation.max_slots=4",
     "--generation.stop_token_ids=[]",
     "--fusion.schedule_search_budget_s=0.2",
+)
+MEASURE_OVERRIDES: tuple[str, ...] = (
+    "--model.actor=debug_large",
+    "--model.critic=debug_large",
+    "--model.reward=debug_large",
+    "--model.actor_path=",
+    "--model.critic_path=",
+    "--model.reward_path=",
+    "--model.reference_path=",
+    *_MEASURE_SIZE,
+)
+CRITIC_FREE_MEASURE_CONFIG = "train_configs/debug_grpo.toml"
+"""``--measure --critic-free``: GRPO (no Critic; the task's rule scores, the Reference for the KL loss term)."""
+CRITIC_FREE_MEASURE_OVERRIDES: tuple[str, ...] = (
+    "--model.actor=debug_large",
+    "--model.actor_path=",
+    "--model.reference_path=",
+    "--generation.n=2",  # 4 prompts: one per generation instance
+    *_MEASURE_SIZE,
 )
 _RUN_OVERRIDES: tuple[str, ...] = (
     f"--training.steps={ITERATIONS}",
@@ -68,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the config through the real trainer on CPU ranks and compare with the estimate",
     )
+    parser.add_argument(
+        "--critic-free",
+        action="store_true",
+        help=f"with --measure and no --config: a debug_large GRPO run of {CRITIC_FREE_MEASURE_CONFIG} (no Critic)",
+    )
     parser.add_argument("--device-gib", type=float, default=80.0, help="device memory to check the peak against")
     parser.add_argument(
         "--pipeline-shapes",
@@ -80,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [o for o in overrides if not o.startswith("--") or "." not in o.split("=")[0]]
     if bad:
         parser.error(f"unexpected arguments {bad}; config overrides look like --section.key=value")
+    if args.critic_free and (not args.measure or args.config is not None):
+        parser.error("--critic-free picks the default config of --measure; with --config set ppo.advantage_estimator there")
     if args.measure:
         return _main_measure(args, overrides)
     if args.config is None:
@@ -97,8 +116,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
-    config = args.config or MEASURE_CONFIG
-    defaults = MEASURE_OVERRIDES if args.config is None else ()
+    defaults: tuple[str, ...] = ()
+    if args.config is not None:
+        config = args.config
+    elif args.critic_free:
+        config, defaults = CRITIC_FREE_MEASURE_CONFIG, CRITIC_FREE_MEASURE_OVERRIDES
+    else:
+        config, defaults = MEASURE_CONFIG, MEASURE_OVERRIDES
     argv = ["--job.config_file", config, *defaults, *overrides, *_RUN_OVERRIDES]
     try:
         cfg = load_config(argv)

@@ -1,6 +1,6 @@
-"""Memory per rank of a PPO job, estimated from the real layouts built on the meta device, and measured against the
-real trainer. ``docs/memory.md`` derives every figure and tells how to read them; ``python -m fusedrl.bench.memory``
-is the command line.
+"""Memory per rank of an RL job (PPO, or critic-free: no Critic), estimated from the real layouts built on the meta
+device, and measured against the real trainer. ``docs/memory.md`` derives every figure and tells how to read them;
+``python -m fusedrl.bench.memory`` is the command line.
 
 Read it top to bottom: :mod:`.formulas` (the closed-form terms and constants), :mod:`.meta` (each rank's layouts
 built on meta under a fake process group; the weight sync replayed over the real plan), :mod:`.estimate` (per rank

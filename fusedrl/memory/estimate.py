@@ -31,7 +31,7 @@ from fusedrl.memory.formulas import (
 )
 from fusedrl.memory.meta import RankBuild, all_rank_boxes, build_rank, distinct_ranks, grad_numel, rank_coords, sync_transients
 from fusedrl.models.figures import layer_activation_bytes, stage_activation_bytes
-from fusedrl.pipelining import ACTOR, CRITIC, STAGE_CACHE_SIZE, LoweredProgram
+from fusedrl.pipelining import ACTOR, STAGE_CACHE_SIZE, LoweredProgram
 from fusedrl.rlhf import plan_program
 from fusedrl.rlhf.losses import logits_chunk_positions
 
@@ -49,18 +49,18 @@ def training_walk(
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
-    A model's micro-batch holds ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the
-    backward is split); the model's unsharded parameters (``params``) exist from its first F, its unsharded
-    gradients (``grads``) from its first backward; ``loss_transient`` joins during the Actor's F and B on the rank
-    holding its last stage; ``recompute`` (per model: one layer's activations rebuilt by activation checkpointing,
-    0 without it) joins during the model's B and I (the larger of the two when both apply: the loss's backward
-    ends first). A backward is charged at its start (the micro-batch still held, the model's gradients as they
-    were) or at its end (released, gradients present), whichever is larger; the model's first backward that computes
-    weight gradients (B, or W when split) is charged at its start with ``first_unit_grads`` more (autograd writes the
-    gradients of the stage's last FSDP2 unit before it frees that unit's saved activations). Returns (per model the most
-    micro-batches held at once, the categories live at the largest moment, the largest activations + logits
-    alone)."""
-    count = {ACTOR: 0, CRITIC: 0}
+    The models are the keys of ``per_mb`` (the Actor alone with a critic-free estimator). A model's micro-batch holds
+    ``per_mb`` bytes (+ ``logits_mb`` for the Actor) from its F to its B (W when the backward is split); the model's
+    unsharded parameters (``params``) exist from its first F, its unsharded gradients (``grads``) from its first
+    backward; ``loss_transient`` joins during the Actor's F and B on the rank holding its last stage; ``recompute`` (per
+    model: one layer's activations rebuilt by activation checkpointing, 0 without it) joins during the model's B and I
+    (the larger of the two when both apply: the loss's backward ends first). A backward is charged at its start (the
+    micro-batch still held, the model's gradients as they were) or at its end (released, gradients present), whichever
+    is larger; the model's first backward that computes weight gradients (B, or W when split) is charged at its start
+    with ``first_unit_grads`` more (autograd writes the gradients of the stage's last FSDP2 unit before it frees that
+    unit's saved activations). Returns (per model the most micro-batches held at once, the categories live at the
+    largest moment, the largest activations + logits alone)."""
+    count = dict.fromkeys(per_mb, 0)
     most = dict(count)
     gathered: set[str] = set()
     graded: set[str] = set()
@@ -161,7 +161,7 @@ def estimate_rank(
     )
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
     rows, seq = cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg)
-    flavors = {ACTOR: model_flavor(cfg, "actor"), CRITIC: model_flavor(cfg, "critic")}
+    flavors = {m: model_flavor(cfg, m) for m in build.stages}  # ACTOR / CRITIC name their [model] keys
     actor = flavors[ACTOR]
     n_mb = program.microbatches[ACTOR]
 
@@ -170,8 +170,8 @@ def estimate_rank(
         persistent[f"train_params_{m}"] = sum(x.local_bytes for x in st.tensors)
     for m, st in build.stages.items():
         persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors)
-    for name in ROLLOUT_MODELS:
-        persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))  # 0: no Reward model
+    for name in ROLLOUT_MODELS:  # 0: a copy the job does not build (Critic, Reference or Reward model)
+        persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))
     longest = cfg.sequence_budget
     positions = longest + 1  # the engine's cache keeps one spare position
     persistent["kv_cache"] = actor.num_layers * 2 * gen.max_slots * positions * build.kv_heads * actor.head_dim * kv
@@ -248,8 +248,7 @@ def estimate_rank(
     width = longest - 1 if reprefill else cfg.data.max_prompt_len
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
     transients["decode_step"] = decode_step_bytes(actor, gen.max_slots, r, g)
-    scored_bodies = (flavors[CRITIC], model_flavor(cfg, "reward")) if cfg.model.uses_reward_model else (flavors[CRITIC],)
-    body, head, shape = worst_scoring_bytes(cfg, actor, max(r, frozen), g, scored_bodies)
+    body, head, shape = worst_scoring_bytes(cfg, max(r, frozen), g)
     transients["scoring_activations"], transients["scoring_logits"] = body, head
     gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
 
@@ -334,7 +333,7 @@ def estimate(
         )
         builds[rank] = build_rank(cfg, rank, world)
     syncs: dict[int, dict[str, Any]] = {r: {"total": 0, "unit": 0} for r in wanted}
-    for model in (ACTOR, CRITIC):
+    for model in builds[to_build[0]].stages:  # the trained models: the Actor alone with a critic-free estimator
         say(f"[memory] planning the {model} weight sync over {world} ranks, {time.perf_counter() - start:.1f}s")
         everyone = all_rank_boxes(cfg, world, builds, model)
         per_rank = sync_transients(plan_from_boxes(everyone, 0), everyone, 4, wanted)
@@ -363,6 +362,13 @@ def estimate(
             )
         ]
     )
+    ppo = cfg.ppo
+    absent = [
+        *([f"the Critic (ppo.advantage_estimator = {ppo.advantage_estimator!r} is critic-free)"] if ppo.critic_free else []),
+        *([] if ppo.uses_reference else ["the Reference (no KL term: ppo.kl_coef = ppo.kl_loss_coef = 0)"]),
+    ]
+    if absent:
+        notes.append(f"not built, held or counted: {'; '.join(absent)}")
     notes.append(
         f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (the executor keeps a stage pair per "
         f"trained bucket, at most {STAGE_CACHE_SIZE}, the least recently used evicted)"

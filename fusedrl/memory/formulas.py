@@ -11,7 +11,7 @@ from torch import nn
 
 from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.config import JobConfig
-from fusedrl.layouts import DTYPES
+from fusedrl.layouts import DTYPES, model_flavor
 from fusedrl.models import ModelFlavor
 from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positions
 
@@ -98,20 +98,38 @@ def scoring_bytes(
     )
 
 
-def worst_scoring_bytes(
-    cfg: JobConfig, f: ModelFlavor, r: int, g: int, others: Sequence[ModelFlavor] = ()
-) -> tuple[int, int, tuple[int, int]]:
-    """The largest scoring transient over the micro-batch shapes the scorer can form; (body, head, (rows, width)).
-    ``f``: the Reference (policy head); ``others``: the Critic's and Reward's flavors (their bodies run too)."""
+def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlavor, ...]]:
+    """The models a job scores with: the Reference (policy head; None without a KL term) and the value-head models
+    whose bodies run too (the Critic unless the estimator is critic-free, the Reward model unless a rule scores
+    alone)."""
+    reference = model_flavor(cfg, "actor") if cfg.ppo.uses_reference else None
+    others = () if cfg.ppo.critic_free else (model_flavor(cfg, "critic"),)
+    if cfg.model.uses_reward_model:
+        others = (*others, model_flavor(cfg, "reward"))
+    return reference, others
+
+
+def micro_batch_scoring_bytes(
+    reference: ModelFlavor | None, others: Sequence[ModelFlavor], rows: int, width: int, r: int, g: int
+) -> tuple[int, int]:
+    """(largest body peak, the Reference's hidden states + chunked-head logits) of one scoring micro-batch of
+    ``rows x width`` (:func:`scoring_flavors`; 0 for what the job does not run)."""
+    body, head = scoring_bytes(reference, rows, width, r, g) if reference is not None else (0, 0)
+    return max([body, *(body_peak_bytes(o, rows * width, r, g) for o in others)]), head
+
+
+def worst_scoring_bytes(cfg: JobConfig, r: int, g: int) -> tuple[int, int, tuple[int, int]]:
+    """The largest scoring transient over the micro-batch shapes the scorer can form with the job's scoring models
+    (:func:`scoring_flavors`); (body, head, (rows, width))."""
     gen = cfg.generation
+    reference, others = scoring_flavors(cfg)
     longest = cfg.sequence_budget
     best = (0, 0, (1, longest))
     for rows in range(1, gen.max_slots + 1):
         width = longest if rows == 1 else min(longest, gen.scoring_max_tokens // rows)
         if width < 2:
             break
-        body, head = scoring_bytes(f, rows, width, r, g)
-        body = max([body, *(body_peak_bytes(o, rows * width, r, g) for o in others)])
+        body, head = micro_batch_scoring_bytes(reference, others, rows, width, r, g)
         if max(body, head) > max(best[0], best[1]):
             best = (body, head, (rows, width))
     return best

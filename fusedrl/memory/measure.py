@@ -26,7 +26,14 @@ from fusedrl.distributed.compat import TransientTensors, fsdp_unsharded_grads, s
 from fusedrl.generation import Request, SamplingParams
 from fusedrl.layouts import model_flavor
 from fusedrl.memory.estimate import Estimate
-from fusedrl.memory.formulas import ROLLOUT_MODELS, decode_step_bytes, itemsize, prefill_bytes, scoring_bytes
+from fusedrl.memory.formulas import (
+    ROLLOUT_MODELS,
+    decode_step_bytes,
+    itemsize,
+    micro_batch_scoring_bytes,
+    prefill_bytes,
+    scoring_flavors,
+)
 from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, StepObserver
 from fusedrl.rlhf import build_scorer
 from fusedrl.tasks import task_reward_fn
@@ -188,9 +195,11 @@ def measure_rank(argv: list[str], out: str) -> dict[str, Any]:
         raise ValueError("memory --measure needs a pipelined config (parallelism.pp >= 2)")
     observer = _TrainingObserver()
     schedule.observer = observer
-    stage_modules = {ACTOR: layout.actor_stage, CRITIC: layout.critic_stage}
+    # the trained models: the Actor alone with a critic-free estimator
+    stage_modules = {m: s for m, s in ((ACTOR, layout.actor_stage), (CRITIC, layout.critic_stage)) if s is not None}
+    optimizers = {m: o for m, o in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)) if o is not None}
     got: dict[str, Any] = {}
-    for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
+    for model, opt in optimizers.items():
 
         def gradients(optimizer: Any, args: Any, kwargs: Any, key: str = f"gradients_{model}") -> None:
             grads = (p.grad for group in optimizer.param_groups for p in group["params"])
@@ -204,13 +213,13 @@ def measure_rank(argv: list[str], out: str) -> dict[str, Any]:
     persistent = {}
     for model, module in stage_modules.items():
         persistent[f"train_params_{model}"] = _storage_bytes(module.parameters())
-    for model, opt in ((ACTOR, trainer.opt.actor), (CRITIC, trainer.opt.critic)):
+    for model, opt in optimizers.items():
         persistent[f"optimizer_{model}"] = _storage_bytes(
             v for s in opt.state.values() for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor)
         )
     rollout_models = {name: m for name in ROLLOUT_MODELS if (m := getattr(rollout, name)) is not None}
-    for name in ROLLOUT_MODELS:
-        persistent[f"rollout_{name}"] = _storage_bytes(rollout_models[name].parameters() if name in rollout_models else ())
+    for name, copy in rollout_models.items():  # the copies the job builds
+        persistent[f"rollout_{name}"] = _storage_bytes(copy.parameters())
     persistent["kv_cache"] = _storage_bytes(t for pair in engine.kv_cache for t in pair)
     models = (*stage_modules.values(), *rollout_models.values())
     persistent["rope_buffers"] = _storage_bytes(b for m in models for b in m.buffers())
@@ -261,9 +270,8 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
             out.append(Comparison(e.rank, category, value, e.persistent.get(name, 0), True))
         if e.details["host"]:
             out.append(Comparison(e.rank, "host copies (training.offload_frozen)", m["host"], e.host_total, True))
-        for model in (ACTOR, CRITIC):
-            key = f"gradients_{model}"
-            out.append(Comparison(e.rank, key, m.get(key, 0), e.details["gradients"][key], True))
+        for key, estimated in e.details["gradients"].items():
+            out.append(Comparison(e.rank, key, m.get(key, 0), estimated, True))
         unsharded = {k: sum(v[k] for v in m["unsharded"].values()) for k in ("params", "grads")}
         out.append(Comparison(e.rank, "unsharded_params", unsharded["params"], e.transients["unsharded_params"], True))
         out.append(Comparison(e.rank, "unsharded_grads", unsharded["grads"], e.transients["unsharded_grads"], True))
@@ -287,7 +295,7 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
         decode = decode_step_bytes(actor, rows, r, g)
         out.append(Comparison(e.rank, f"decode step, {rows} rows (transient)", roll["decode"], decode, True))
         rows, width = roll["scoring_shape"]
-        body, head = scoring_bytes(actor, rows, width, scored, g)
+        body, head = micro_batch_scoring_bytes(*scoring_flavors(cfg), rows, width, scored, g)
         out.append(Comparison(e.rank, f"scoring micro-batch {rows}x{width} (transient)", roll["scoring"], max(body, head), True))
         whole = sync["transient"]
         out.append(Comparison(e.rank, "weight sync (transient tensors)", whole, e.transients["weight_sync_buffers"], False))

@@ -99,8 +99,8 @@ class RankBuild:
 
     rank: int
     coords: dict[str, int]
-    stages: dict[str, StageInfo]
-    rollout: dict[str, list[TensorInfo]]
+    stages: dict[str, StageInfo]  # the trained models' stages: no Critic with a critic-free estimator
+    rollout: dict[str, list[TensorInfo]]  # the rollout copies the job has
     rollout_rope: dict[str, int]
     kv_heads: int  # the engine's KV heads on this rank
 
@@ -142,6 +142,8 @@ def build_rank(cfg: JobConfig, rank: int, world: int) -> RankBuild:
             (ACTOR, training.actor_stage, training.pp_rank),
             (CRITIC, training.critic_stage, training.critic_index),
         ):
+            if module is None:  # no Critic with a critic-free advantage estimator
+                continue
             last = module.output is not None
             stages[model] = StageInfo(
                 model,

@@ -51,7 +51,7 @@ def format_table(est: Estimate, device_gib: float) -> str:
         lines.append(
             f"{r.rank:>5} {r.coords['pp']:>3} {r.coords['dp_shard']:>3} {r.coords['tp']:>3} "
             f"{_gib(r.persistent_total):>11.2f} {_gib(value):>8.2f}  {phase:<12} "
-            f"{flight[ACTOR]}, {flight[CRITIC]}"
+            f"{flight[ACTOR]}, {flight.get(CRITIC, '-')}"  # '-': no Critic (critic-free)
         )
     persistent = max(r.persistent_total for r in est.ranks)
     peak, worst = max((r.peak[0], r.rank) for r in est.ranks)
