@@ -277,6 +277,30 @@ def test_balanced_unfused_scoring_is_no_slower_and_tensor_parallel_costs_scale()
         RolloutCosts.for_models(actor_params=1e9, scorer_params=1e9, kv_bytes_per_token=1.0, gpus_per_instance=0)
 
 
+def test_bench_paper_scale_grpo_mix_scores_with_the_reference_alone():
+    """bench.fusion's GRPO rows: each PPO setting's Actor, KV cache and lengths, scored by the Reference alone (no
+    Critic, no Reward model): the same decoding, less scoring, a lower bound; each setting reports the share of its
+    own possible gain (a small batch: the simulation takes a few seconds)."""
+    from fusedrl.bench import fusion
+
+    models = {name: rest for name, *rest in fusion.PAPER_MODELS}
+    assert set(models) == set(fusion.GRPO_MIX) | set(fusion.GRPO_MIX.values())
+    rows = fusion.paper_scale(batch=32)
+    for ppo_name, grpo_name in fusion.GRPO_MIX.items():
+        (actor, ppo_scorer, kv, layers), grpo = models[ppo_name], models[grpo_name]
+        assert grpo == [actor, actor, kv, layers] and ppo_scorer > actor  # the Reference is Actor-sized
+        for gpu in fusion.HARDWARE:
+            for tp in fusion.PAPER_TP:
+                p, g = (
+                    next(r for r in rows if (r["hardware"], r["models"], r["tp"]) == (gpu.name, m, tp))
+                    for m in (ppo_name, grpo_name)
+                )
+                assert g["decode_s"] == p["decode_s"] and 0 < g["scoring_s"] < p["scoring_s"]
+            ppo, mix = (fusion.setting_figures(rows, gpu.name, m) for m in (ppo_name, grpo_name))
+            assert 1 < mix["bound"] < ppo["bound"] and mix["speedup"] >= 1
+            assert mix["gain_share"] == pytest.approx((mix["speedup"] - 1) / (mix["bound"] - 1))
+
+
 # ------------------------------------------------------------------------------------------------ multi-rank
 
 SAMPLED = dict(temperature=0.9, top_k=50, top_p=0.95)

@@ -9,14 +9,18 @@
 (b) The rollout simulator at paper scale (batch 512, max length 2048, 32 GPUs as tensor-parallel instances
     of 1-8 GPUs, H100 and A100 roofline costs; see ``RolloutCosts.for_models`` and docs/fusion.md for every
     parameter), best threshold per configuration; ``sim_speedup`` compares the unfused and the fused rollout
-    each at its fastest instance size (13B/33B models on H100s).
+    each at its fastest instance size (13B/33B models on H100s). Each PPO scoring mix (Reference, Reward model,
+    Critic) runs next to the GRPO mix of the same Actor (the Reference alone: no Critic, and a rule-based reward
+    that costs no model time), on the same lengths; each mix's share of its possible gain is printed side by side.
 (c) The simulator fed with (a)'s measured costs (decode steps with the engine's buckets, scoring
     micro-batches and prefill from the unfused runs around each fused run; transfers and checks from the
     fused run), predicting the fused time at (a)'s threshold: ``real_vs_sim_error`` is its relative error.
 
-With ``--json`` the last line is {"real_speedup", "sim_speedup", "sim_bound", "real_vs_sim_error", "migration"}
-(``sim_bound``: the most a fusion whose tail decodes no faster could reach in ``sim_speedup``'s setting, ``1 +
-scoring / decoding``).
+With ``--json`` the last line is {"real_speedup", "sim_speedup", "sim_bound", "real_vs_sim_error", "migration",
+"sim_gain_share", "sim_speedup_grpo", "sim_bound_grpo", "sim_gain_share_grpo", "sim_settings"} (``sim_bound``: the most
+a fusion whose tail decodes no faster could reach in ``sim_speedup``'s setting, ``1 + scoring / decoding``;
+``sim_gain_share``: ``(sim_speedup - 1) / (sim_bound - 1)``; ``*_grpo``: the same for that setting's GRPO mix;
+``sim_settings``: every setting's best-vs-best figures, each PPO mix with its GRPO mix).
 """
 
 from __future__ import annotations
@@ -70,10 +74,12 @@ LLAMA1 = {
         _llama1("65B", 80, 64, 8192, 22_016),
     )
 }
-# (name, Actor params, Reference + Reward + Critic params, Actor KV bytes per token, Actor layers): the paper's
-# nominal sizes, the KV cache of the LLaMA-1 architecture in bf16.
+# (name, Actor params, scoring models' params, Actor KV bytes per token, Actor layers): the paper's nominal sizes,
+# the KV cache of the LLaMA-1 architecture in bf16. PPO scores with the Reference, the Reward model and the Critic;
+# GRPO with the Reference alone (no Critic; a rule-based reward costs no model time).
 PAPER_MODELS = [
     ("7B actor, 7B ref/reward/critic", 7e9, 3 * 7e9, kv_bytes_per_token(LLAMA1["7B"], BF16), LLAMA1["7B"].num_layers),
+    ("7B actor, 7B ref (GRPO)", 7e9, 7e9, kv_bytes_per_token(LLAMA1["7B"], BF16), LLAMA1["7B"].num_layers),
     (
         "13B actor+ref, 33B reward/critic",
         13e9,
@@ -81,7 +87,13 @@ PAPER_MODELS = [
         kv_bytes_per_token(LLAMA1["13B"], BF16),
         LLAMA1["13B"].num_layers,
     ),
+    ("13B actor+ref (GRPO)", 13e9, 13e9, kv_bytes_per_token(LLAMA1["13B"], BF16), LLAMA1["13B"].num_layers),
 ]
+GRPO_MIX = {
+    "7B actor, 7B ref/reward/critic": "7B actor, 7B ref (GRPO)",
+    "13B actor+ref, 33B reward/critic": "13B actor+ref (GRPO)",
+}
+"""Each PPO scoring mix of :data:`PAPER_MODELS` -> the GRPO mix of the same Actor."""
 TRACE_COLORS = {"decode": "#4c8bd6", "migrate": "#d64c4c", "score": "#f0a04b"}  # the rollout's spans in --trace-dir's charts
 PAPER_TP = (1, 2, 4, 8)  # GPUs per generation instance (tensor parallel); instances = PAPER_GPUS / TP
 PRIMARY = ("H100 SXM", "13B actor+ref, 33B reward/critic")  # sim_speedup: best unfused TP vs best fused TP
@@ -249,8 +261,27 @@ def best_vs_best(rows: list[dict], hardware: str, models: str) -> tuple[dict, di
     return unfused, fused, unfused["unfused_s"] / fused["fused_s"]
 
 
-def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> tuple[float, float]:
-    """Print (b) and return (sim_speedup, sim_bound)."""
+def setting_figures(rows: list[dict], hardware: str, models: str) -> dict:
+    """A setting's best-vs-best speedup, its bounds (:func:`bounds`) and the share of each bound's gain it reaches."""
+    unfused, fused, speedup = best_vs_best(rows, hardware, models)
+    bound, tight = bounds(rows, hardware, models)
+    return dict(
+        hardware=hardware,
+        models=models,
+        unfused_s=unfused["unfused_s"],
+        unfused_tp=unfused["tp"],
+        fused_s=fused["fused_s"],
+        fused_tp=fused["tp"],
+        speedup=speedup,
+        bound=bound,
+        tight=tight,
+        gain_share=gain_share(speedup, bound),
+        tight_share=gain_share(speedup, tight),
+    )
+
+
+def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> dict:
+    """Print (b) and return its ``--json`` figures (``sim_speedup``, ``sim_bound``, ...: see the module doc)."""
     rows = paper_scale(batch, baseline)
     print(
         f"(b) simulator at paper scale: batch {batch}, max length {PAPER_MAX_LEN}, prompt {PAPER_PROMPT}, "
@@ -272,17 +303,34 @@ def _print_paper_scale(batch: int, baseline: Literal["own", "balanced"]) -> tupl
             f"{r['unfused_s'] / r['decode_s']:5.3f}x {r['unfused_s'] / (r['decode_s'] + r['last_s']):5.3f}x "
             f"{r['threshold']:6d} {r['kept']:4d} {r['moved']:5d} {r['migration_s']:6.2f}"
         )
+    settings = []
     for hw in (gpu.name for gpu in HARDWARE):
-        for name, *_ in PAPER_MODELS:
-            u, f, x = best_vs_best(rows, hw, name)
-            bound, tight = bounds(rows, hw, name)
-            mark = "  <- sim_speedup, sim_bound" if (hw, name) == PRIMARY else ""
-            print(
-                f"    best vs best, {hw}, {name}: unfused {u['unfused_s']:.2f}s (TP {u['tp']}) / fused {f['fused_s']:.2f}s "
-                f"(TP {f['tp']}) = {x:.3f}x; bound {bound:.3f}x ({gain_share(x, bound):.0%} of its gain), tight "
-                f"{tight:.3f}x ({gain_share(x, tight):.0%}){mark}"
-            )
-    return best_vs_best(rows, *PRIMARY)[2], bounds(rows, *PRIMARY)[0]
+        for ppo_name, grpo_name in GRPO_MIX.items():
+            ppo, grpo = setting_figures(rows, hw, ppo_name), setting_figures(rows, hw, grpo_name)
+            marks = ("  <- sim_speedup, sim_bound", "  <- *_grpo") if (hw, ppo_name) == PRIMARY else ("", "")
+            ppo_shares = f"; PPO's mix {ppo['gain_share']:.0%}, tight {ppo['tight_share']:.0%}"  # next to GRPO's
+            for s, tail in ((ppo, marks[0]), (grpo, ppo_shares + marks[1])):
+                print(
+                    f"    best vs best, {hw}, {s['models']}: unfused {s['unfused_s']:.2f}s (TP {s['unfused_tp']}) / fused "
+                    f"{s['fused_s']:.2f}s (TP {s['fused_tp']}) = {s['speedup']:.3f}x; bound {s['bound']:.3f}x "
+                    f"({s['gain_share']:.0%} of its gain), tight {s['tight']:.3f}x ({s['tight_share']:.0%}){tail}"
+                )
+            settings.append({**_rounded(ppo), "grpo": _rounded(grpo)})
+    ppo = setting_figures(rows, *PRIMARY)
+    grpo = setting_figures(rows, PRIMARY[0], GRPO_MIX[PRIMARY[1]])
+    return {
+        "sim_speedup": round(ppo["speedup"], 4),
+        "sim_bound": round(ppo["bound"], 4),
+        "sim_gain_share": round(ppo["gain_share"], 4),
+        "sim_speedup_grpo": round(grpo["speedup"], 4),
+        "sim_bound_grpo": round(grpo["bound"], 4),
+        "sim_gain_share_grpo": round(grpo["gain_share"], 4),
+        "sim_settings": settings,
+    }
+
+
+def _rounded(figures: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
 
 
 # ---------------------------------------------------------------------------------------------- (c) model check
@@ -332,7 +380,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace-dir", type=Path, default=None, help="write Chrome traces and PNG timelines here")
     ap.add_argument("--paper-batch", type=int, default=PAPER_BATCH, help="global batch of the paper-scale simulation (b)")
-    ap.add_argument("--sim-only", action="store_true", help="run only (b); --json then prints only sim_speedup")
+    ap.add_argument("--sim-only", action="store_true", help="run only (b); --json then prints only its sim_* figures")
     ap.add_argument(
         "--baseline",
         choices=("balanced", "own"),
@@ -343,9 +391,9 @@ def main() -> None:
     args = ap.parse_args()
     world = 2
     if args.sim_only:
-        sim_speedup, sim_bound = _print_paper_scale(args.paper_batch, args.baseline)
+        sim = _print_paper_scale(args.paper_batch, args.baseline)
         if args.json:
-            print(json.dumps({"sim_speedup": round(sim_speedup, 4), "sim_bound": round(sim_bound, 4)}))
+            print(json.dumps(sim))
         return
 
     real = run_multirank(
@@ -376,7 +424,7 @@ def main() -> None:
     else:
         print("    migration: none (auto found no threshold worth migrating at)")
 
-    sim_speedup, sim_bound = _print_paper_scale(args.paper_batch, args.baseline)
+    sim = _print_paper_scale(args.paper_batch, args.baseline)
 
     if args.trace_dir is not None:
         raw = {k: v for k, v in real.items() if not k.startswith("trace")}
@@ -421,10 +469,11 @@ def main() -> None:
             json.dumps(
                 {
                     "real_speedup": round(real_speedup, 4),
-                    "sim_speedup": round(sim_speedup, 4),
-                    "sim_bound": round(sim_bound, 4),
+                    "sim_speedup": sim["sim_speedup"],
+                    "sim_bound": sim["sim_bound"],
                     "real_vs_sim_error": round(err, 4),
                     "migration": mig,
+                    **sim,  # the other sim_* figures (the two above keep their places)
                 }
             )
         )
