@@ -15,7 +15,6 @@ from fusedrl.bench.memory import main
 from fusedrl.config import load_config
 from fusedrl.models import FLAVORS, build_model
 from fusedrl.models.figures import layer_activation_bytes
-from fusedrl.pipelining import ACTOR, CRITIC, LocalSchedule, StageModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
@@ -216,17 +215,6 @@ def test_cli_json_and_training_walk(capsys):
         assert 1 <= rank["in_flight_max"]["actor"] <= 4 and 1 <= rank["in_flight_max"]["critic"] <= 4
 
 
-def _executor_trains_the_actor_alone() -> bool:
-    """Whether the pipeline executors take no Critic (``critic=None``: branch single-model); until then a critic-free
-    job cannot train, so ``--measure`` cannot run it."""
-    spec = StageModule(torch.nn.Linear(1, 1), lambda out, targets: (out.sum(), {}), hidden_dim=1, output_dim=1)
-    try:
-        LocalSchedule(spec, None, {ACTOR: 1, CRITIC: 0})
-    except (ValueError, AttributeError, TypeError):
-        return False
-    return True
-
-
 DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=debug"]
 
 
@@ -236,12 +224,7 @@ DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=d
     [
         DEBUG_MODELS,
         [*DEBUG_MODELS, "--parallelism.pp_critic=1"],
-        pytest.param(
-            ["--critic-free"],
-            marks=pytest.mark.skipif(
-                not _executor_trains_the_actor_alone(), reason="the executor needs critic=None (branch single-model)"
-            ),
-        ),
+        ["--critic-free"],
     ],
     ids=["critic-pp2", "critic-replicas", "critic-free"],
 )
