@@ -1,6 +1,7 @@
 """End-to-end critic-free training (GRPO, and RLOO with DAPO's options) on 4 CPU ranks (pp=2 x dp_shard=2): no Critic
-is built, fusions on == off (samples, scores, advantages, losses; the Actor alone on split-backward pipelines against
-sequential 1F1B), exact resume with groups."""
+is built, fusions on == off (samples, scores, advantages, losses; the Actor alone on split-backward pipelines, or the
+F/B fused schedule, against sequential 1F1B), the loss independent of how a minibatch is split, exact resume with
+groups."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ DAPO = (
     "--ppo.loss_agg_mode=seq-mean-token-sum-norm",
 )
 OFF = ("--fusion.inter_stage=false", "--fusion.intra_stage=false")
+# the fused GRPO runs schedule the Actor alone with split backwards (the RLOO one with the F/B fused schedule)
+SPLIT_BACKWARD = ("--fusion.split_backward=true",)
+SPLIT = ("--parallelism.pp=1", "--parallelism.dp_shard=4", "--ppo.microbatch_size=1")
 
 
 def _runs(out: str) -> dict:
@@ -79,7 +83,7 @@ def _runs(out: str) -> dict:
     def cfg(name: str, *extra: str):
         return load_config(["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}/{name}", *extra])
 
-    built = Trainer(cfg("built"))
+    built = Trainer(cfg("built", *SPLIT_BACKWARD))
     layout = {
         "critic_stage": built.layout.critic_stage is None,
         "rollout_critic": built.rollout.critic is None,
@@ -89,17 +93,19 @@ def _runs(out: str) -> dict:
     }
     del built
     histories = {
-        "on": run(cfg("on", "--checkpoint.interval=1")),
+        "on": run(cfg("on", *SPLIT_BACKWARD, "--checkpoint.interval=1")),
         "off": run(cfg("off", *OFF)),
         "dapo_on": run(cfg("dapo_on", *DAPO)),
         "dapo_off": run(cfg("dapo_off", *DAPO, *OFF)),
+        # the same minibatches cut differently: 4 data-parallel shards of one stage, micro-batches of one sample
+        "dapo_split": run(cfg("dapo_split", *DAPO, *OFF, *SPLIT)),
     }
     if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint exists in its folder
         src = Path(out, "on", "checkpoints")
         step1 = next(p for p in src.iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
         shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
     dist.barrier()
-    histories["resumed"] = run(cfg("resumed", "--checkpoint.resume=true"))
+    histories["resumed"] = run(cfg("resumed", *SPLIT_BACKWARD, "--checkpoint.resume=true"))
     return {"layout": layout, "histories": histories}
 
 
@@ -154,3 +160,12 @@ def test_grpo_resume_continues_exactly(result):
     assert len(hs["resumed"]) == 1
     for k in (*COMPARED, "lr_actor"):
         assert hs["resumed"][0][k] == pytest.approx(hs["on"][1][k], rel=1e-6, abs=1e-9), k
+
+
+@pytest.mark.slow
+def test_loss_aggregation_does_not_depend_on_how_a_minibatch_is_split(result):
+    """seq-mean-token-sum-norm over pp = 2 x dp_shard = 2 with micro-batches of 2 samples and over dp_shard = 4 with
+    micro-batches of 1: the same losses, advantages and gradient norms (the weights are made per whole minibatch)."""
+    hs = result["histories"]
+    keys = (*COMPARED, "clip_frac_low", "clip_frac_high")
+    _assert_equal_runs(hs["dapo_off"], hs["dapo_split"], keys, 1e-4, "pp2 x dp2, micro-batch 2 vs dp4, micro-batch 1")

@@ -45,12 +45,14 @@ MEASURE_OVERRIDES: tuple[str, ...] = (
     *_MEASURE_SIZE,
 )
 CRITIC_FREE_MEASURE_CONFIG = "train_configs/debug_grpo.toml"
-"""``--measure --critic-free``: GRPO (no Critic; the task's rule scores, the Reference for the KL loss term)."""
+"""``--measure --critic-free``: GRPO (no Critic; the task's rule scores, the Reference for the KL loss term; the Actor
+alone on split-backward schedules)."""
 CRITIC_FREE_MEASURE_OVERRIDES: tuple[str, ...] = (
     "--model.actor=debug_large",
     "--model.actor_path=",
     "--model.reference_path=",
     "--generation.n=2",  # 4 prompts: one per generation instance
+    "--fusion.split_backward=true",  # the Actor alone on split-backward schedules
     *_MEASURE_SIZE,
 )
 _RUN_OVERRIDES: tuple[str, ...] = (

@@ -1,6 +1,6 @@
 """The training program of one PPO minibatch: the planner's costs for the job's layout, the fused schedule search
 or sequential 1F1B, and the executor (with the PPO losses) built from the program planned on rank 0 and shared.
-Without a Critic (a critic-free estimator) the program trains the Actor alone, with split-backward schedules."""
+Without a Critic (a critic-free estimator) the program trains the Actor alone."""
 
 from __future__ import annotations
 
@@ -76,18 +76,9 @@ def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
     return cap
 
 
-def single_model_split_backward(cfg: JobConfig) -> bool:
-    """Whether the schedule search splits backwards: ``fusion.split_backward``, and always for a single trained model
-    (a critic-free estimator: no Critic work fills 1F1B's bubbles, the weight gradients do) unless activation
-    checkpointing forbids it."""
-    if cfg.fusion.split_backward:
-        return True
-    return cfg.ppo.critic_free and cfg.training.activation_checkpointing == "none"
-
-
 def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
-    """The schedule of one minibatch: the fused schedule search (intra_stage; for the Actor alone a split-backward
-    search) or sequential 1F1B."""
+    """The schedule of one minibatch: the fused schedule search (intra_stage; without a Critic it schedules the Actor
+    alone, with split backwards when ``fusion.split_backward``) or sequential 1F1B."""
     placement, costs, counts = pipeline_costs(cfg, seq_len)
     if not cfg.fusion.intra_stage:
         return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
@@ -99,7 +90,7 @@ def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
         budget_s=cfg.fusion.schedule_search_budget_s,
         seed=cfg.job.seed,
         memory_limit=schedule_memory_limit(cfg, seq_len),
-        split_backward=single_model_split_backward(cfg),
+        split_backward=cfg.fusion.split_backward,
     )
 
 
