@@ -10,36 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from test_train import TINY as TRAIN_TINY
 
 from fusedrl.testing import run_multirank
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_grpo.toml")
-# Tiny: a random-init debug Actor, 4 prompts x 4 samples, short responses, 2 iterations; a quarter of the vocabulary
-# stops a response, so lengths vary and the tail migrates. The task's rule scores (most random responses score -1, so
-# some groups have equal scores).
+# test_train.py's tiny run (random-init models, a quarter of the vocabulary stops a response, so lengths vary and the
+# tail migrates) without the Critic's and the Reward model's keys, as 4 prompts x 4 samples at temperature 0.8. The
+# task's rule scores (most random responses score -1, so some groups have equal scores).
 TINY = [
-    "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-    "--model.actor_path=",
-    "--model.reference_path=",
+    *(arg for arg in TRAIN_TINY if not arg.startswith(("--model.critic", "--model.reward", "--optimizer.critic"))),
     "--ppo.batch_size=16",
-    "--ppo.minibatch_size=8",
-    "--ppo.microbatch_size=2",
-    "--ppo.epochs=1",
-    "--generation.max_new_tokens=10",
-    "--generation.max_slots=4",
     "--generation.temperature=0.8",
-    "--data.max_prompt_len=32",
-    "--fusion.schedule_search_budget_s=0.2",
-    "--fusion.migration_threshold=0.5",
-    "--fusion.migration_check_interval=1",
-    "--training.steps=2",
-    "--checkpoint.keep=0",
-    "--checkpoint.export_hf=false",
-    "--metrics.trace=[]",
     "--metrics.timeline_interval=0",
-    "--lr_scheduler.warmup_steps=0",
-    "--optimizer.actor_lr=1e-3",
 ]
 COMPARED = (
     "policy_loss",
