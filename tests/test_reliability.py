@@ -129,7 +129,7 @@ def _ppo_step(
     if models is not None:
         models.update(actor=actor, critic=critic, before=[p.detach().clone() for m in (actor, critic) for p in m.parameters()])
 
-    def fake_minibatch(layout, executor, mb, record=False, tis_cap=0.0):
+    def fake_minibatch(cfg, layout, executor, mb, record=False):
         x = torch.ones(mb.batch_size, 4)
         adv = (mb.advantages * mb.response_mask).sum(1)
         ret = (mb.returns * mb.response_mask).sum(1)
