@@ -74,8 +74,12 @@ def _runs(out: str) -> dict:
         "optimizer": built.opt.critic is None,
         "syncs": len(built.syncs),
         "plan": built.executor.plan_method,
+        "reference": built.rollout.reference is not None,
     }
     del built
+    without_kl = Trainer(cfg("without_kl", "--ppo.kl_loss_coef=0"))
+    layout["reference_without_kl"] = without_kl.rollout.reference is not None
+    del without_kl
     histories = {
         "on": run(cfg("on", *SPLIT_BACKWARD, "--checkpoint.interval=1")),
         "off": run(cfg("off", *OFF)),
@@ -83,6 +87,8 @@ def _runs(out: str) -> dict:
         "dapo_off": run(cfg("dapo_off", *DAPO, *OFF)),
         # the same minibatches cut differently: 4 data-parallel shards of one stage, micro-batches of one sample
         "dapo_split": run(cfg("dapo_split", *DAPO, *OFF, *SPLIT)),
+        # no KL term: no Reference is built, and scoring runs no model (the task's rule scores alone)
+        "no_kl": run(cfg("no_kl", "--ppo.kl_loss_coef=0")),
     }
     if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint exists in its folder
         src = Path(out, "on", "checkpoints")
@@ -109,6 +115,7 @@ def _assert_equal_runs(a: list[dict], b: list[dict], keys, rel: float, what: str
 def test_grpo_builds_no_critic_and_plans_split_backward(result):
     layout = result["layout"]
     assert layout["critic_stage"] and layout["rollout_critic"] and layout["optimizer"] and layout["syncs"] == 1
+    assert layout["reference"]  # the KL loss term needs it
     assert layout["plan"].startswith("split"), layout["plan"]  # the Actor alone: a split-backward schedule
     h = result["histories"]["on"]
     assert all("value_loss" not in r and "grad_norm_critic" not in r and "lr_critic" not in r for r in h)
@@ -153,3 +160,11 @@ def test_loss_aggregation_does_not_depend_on_how_a_minibatch_is_split(result):
     hs = result["histories"]
     keys = (*COMPARED, "clip_frac_low", "clip_frac_high")
     _assert_equal_runs(hs["dapo_off"], hs["dapo_split"], keys, 1e-4, "pp2 x dp2, micro-batch 2 vs dp4, micro-batch 1")
+
+
+@pytest.mark.slow
+def test_grpo_without_a_kl_term_trains_without_a_reference(result):
+    assert not result["layout"]["reference_without_kl"]
+    h = result["histories"]["no_kl"]
+    assert len(h) == 2 and all(r["kl"] == 0.0 and "kl_loss" not in r for r in h)
+    assert h[0]["grad_norm_actor"] > 0 and h[0]["true_score"] == result["histories"]["on"][0]["true_score"]

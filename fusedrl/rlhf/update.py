@@ -135,9 +135,8 @@ def _forward_backward(
             continue
         r = result[model]
         out.update({k: r.stats[k] if r.loss is not None else torch.zeros(()) for k in keys})
-    if (
-        layout.critic_replicas > 1 and "critic" in result
-    ):  # each replica's last stage reports its own micro-batches: a 1/K share of the mean
+    # each Critic replica's last stage reports its own micro-batches: a 1/K share of the mean
+    if layout.critic_replicas > 1 and "critic" in result:
         out.update({k: out[k] / layout.critic_replicas for k in VALUE_STATS})
     return out
 

@@ -8,7 +8,9 @@ metrics time:
    ``[fusion] inter_stage`` the migration controller moves the long tail onto a few instances and the freed
    ones score at once; without it every instance finishes decoding before any scoring;
 3. advantages: the experience of all ranks is gathered (every rank then holds the whole batch in
-   sample-id order), KL-shaped rewards, GAE and global whitening;
+   sample-id order), KL-shaped rewards, GAE and global whitening (or a critic-free estimator over groups of
+   ``generation.n`` samples per prompt: docs/algorithms.md; with ``ppo.dynamic_sampling`` more rounds of
+   generation + scoring first replace groups of equal scores);
 4. training: PPO epochs x minibatches; each minibatch runs the Actor's policy loss and the Critic's
    value loss through one :class:`~fusedrl.pipelining.FusedPipelineSchedule` program, the planner's
    fused schedule (``[fusion] intra_stage``) or sequential 1F1B; gradients are clipped and both
@@ -147,6 +149,7 @@ def reduce_iteration(
 class Trainer:
     """The PPO trainer; ``Trainer(cfg).train()`` on every rank after the process group is initialised.
 
+    Critic-free estimators (``ppo.advantage_estimator`` other than gae) build, sync, train and checkpoint no Critic.
     The task that ``job.task`` names (the same object the startup checks and ``prepare`` read) gives the prompts of
     ``data.format = "synthetic"``, the reward function of ``model.reward_fn = "task"`` and an evaluation, called with each iteration's scored batch (every
     rank holds it) after the timed phases; its figures join the iteration's metrics.
@@ -306,7 +309,8 @@ class Trainer:
         dropped: list[Experience] = []
         rounds, batch = 1, first
         while True:
-            flat = zero_variance_groups(batch.scores, sample_groups(batch, n))  # type: ignore[arg-type]
+            assert batch.scores is not None  # Scorer.score sets scores on every scored batch
+            flat = zero_variance_groups(batch.scores, sample_groups(batch, n))
             kept.append(batch.select(~flat))
             dropped.append(batch.select(flat))
             if sum(b.batch_size for b in kept) >= size or rounds == cfg.ppo.dynamic_sampling_max_rounds:
