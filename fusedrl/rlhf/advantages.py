@@ -129,14 +129,9 @@ def group_advantages(
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """``G_t = r_t + gamma * G_{t+1}`` over each row's response tokens (0 outside ``mask``)."""
-    mask = mask.to(token_rewards.dtype)
-    out = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])
-    for t in range(token_rewards.shape[1] - 1, -1, -1):
-        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
-        out[:, t] = running
-    return out
+    """``G_t = r_t + gamma * G_{t+1}`` over each row's response tokens (0 outside ``mask``): :func:`gae` against zero
+    values with ``lam = 1``, whose advantages are exactly these returns."""
+    return gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)[0]
 
 
 def zero_variance_groups(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
