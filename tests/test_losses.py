@@ -181,6 +181,17 @@ def test_chunked_logprobs_equal_unchunked(flavor):
             # by token budget: 4 positions x 2 rows x 512 x 4 bytes per chunk
             lp = chunked_token_logprobs(hidden, model.output, tokens, temperature, budget_bytes=4 * _B * 512 * 4)
             torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+            # masked: the head runs on the masked tokens alone (uneven per row, a row without any), zeros elsewhere
+            mask = torch.zeros(tokens.shape)
+            mask[0, 3:6] = 1
+            mask[0, 8] = 1  # row 1 has none
+            for chunk in (1, 3, 100):
+                lp, ent = chunked_token_logprobs_entropy(
+                    hidden, model.output, tokens, temperature, chunk_positions=chunk, mask=mask
+                )
+                torch.testing.assert_close(lp, want_lp * mask, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(ent, want_ent * mask, atol=1e-5, rtol=1e-5)
+                assert (lp[mask == 0] == 0).all() and (lp[mask != 0] != 0).all()
         one = chunked_token_logprobs(hidden[:, :1], model.output, tokens[:, :1])
         assert torch.equal(one, torch.zeros(_B, 1))
 

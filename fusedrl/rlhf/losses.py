@@ -120,9 +120,12 @@ def _chunked(
     entropy: bool,
     budget_bytes: int,
     chunk_positions: int | None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if hidden.dim() != 3 or tokens.shape != hidden.shape[:2]:
         raise ValueError(f"hidden must be [B, S, D] and tokens [B, S]; got {tuple(hidden.shape)} and {tuple(tokens.shape)}")
+    if mask is not None and mask.shape != tokens.shape:
+        raise ValueError(f"mask must be [B, S] like tokens {tuple(tokens.shape)}, got {tuple(mask.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rows, seq = tokens.shape
@@ -130,21 +133,36 @@ def _chunked(
         chunk_positions = logits_chunk_positions(rows, head_vocab_size(head), budget_bytes)
     elif chunk_positions < 1:
         raise ValueError(f"chunk_positions must be >= 1, got {chunk_positions}")
-    # Output position t predicts token t + 1: positions 0 .. S-2 score tokens 1 .. S-1.
+    # Output position t predicts token t + 1: positions 0 .. S-2 score tokens 1 .. S-1. The scored positions are
+    # flattened into one token axis (only those of masked tokens with a mask), so the head's matmul and softmax run on
+    # scored tokens alone; a chunk holds at most chunk_positions x rows of them (the budget's logits).
+    out_hidden, targets = hidden[:, :-1], tokens[:, 1:]
+    scored = None if mask is None else mask[:, 1:] != 0
+    if scored is None:
+        flat_hidden, flat_targets = out_hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    else:
+        flat_hidden, flat_targets = out_hidden[scored], targets[scored]
     grad = torch.is_grad_enabled()
-    empty = hidden.new_zeros(rows, 0, dtype=torch.float32)
-    picked, ents = [empty], [empty]  # a single position scores no token
-    for start in range(0, seq - 1, chunk_positions):
-        stop = min(start + chunk_positions, seq - 1)
-        args = (head, hidden[:, start:stop], tokens[:, start + 1 : stop + 1], temperature, entropy)
+    step = chunk_positions * rows
+    picked, ents = [], []
+    for start in range(0, flat_targets.shape[0], step):
+        args = (head, flat_hidden[start : start + step], flat_targets[start : start + step], temperature, entropy)
         if grad:  # recompute this chunk's logits in backward instead of saving them
             p, e = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False)
         else:
             p, e = _chunk_logprobs_entropy(*args)
         picked.append(p)
         ents.append(e)
-    logp = F.pad(torch.cat(picked, dim=1), (1, 0))
-    return logp, (F.pad(torch.cat(ents, dim=1), (1, 0)) if entropy else None)
+
+    def place(values: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(values) if values else hidden.new_zeros(0, dtype=torch.float32)
+        if scored is None:
+            full = flat.reshape(rows, seq - 1)
+        else:
+            full = hidden.new_zeros(rows, seq - 1, dtype=torch.float32).index_put((scored,), flat)
+        return F.pad(full, (1, 0))
+
+    return place(picked), (place(ents) if entropy else None)
 
 
 def chunked_token_logprobs(
@@ -155,6 +173,7 @@ def chunked_token_logprobs(
     *,
     budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     chunk_positions: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``token_logprobs(head(hidden).float(), tokens, temperature)`` (``[B, S]`` float32, token-aligned, column
     0 is 0) computed ``chunk_positions`` output positions at a time (default: as many as fit one float32 logits
@@ -163,8 +182,11 @@ def chunked_token_logprobs(
     ``hidden``: the decoder's final normed hidden states ``[B, S, D]`` (its output just before the head);
     ``head``: ``model.output``. With grad mode on each chunk is checkpointed: only one chunk's logits are
     alive at a time in forward and in backward, and gradients reach ``hidden`` and the head's weight.
+
+    ``mask`` (``[B, S]``, e.g. the response mask): score only the tokens where it is nonzero (the others get 0), so the
+    head's matmul and softmax never run on prompt or padding positions.
     """
-    return _chunked(hidden, head, tokens, temperature, False, budget_bytes, chunk_positions)[0]
+    return _chunked(hidden, head, tokens, temperature, False, budget_bytes, chunk_positions, mask)[0]
 
 
 def chunked_token_logprobs_entropy(
@@ -175,10 +197,11 @@ def chunked_token_logprobs_entropy(
     *,
     budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     chunk_positions: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunked_token_logprobs` and ``token_entropy(head(hidden).float(), temperature)`` in one pass
-    (both ``[B, S]``, token-aligned, column 0 is 0)."""
-    logp, entropy = _chunked(hidden, head, tokens, temperature, True, budget_bytes, chunk_positions)
+    (both ``[B, S]``, token-aligned, column 0 is 0; with ``mask``, both 0 where it is 0)."""
+    logp, entropy = _chunked(hidden, head, tokens, temperature, True, budget_bytes, chunk_positions, mask)
     assert entropy is not None
     return logp, entropy
 
@@ -264,8 +287,15 @@ def chunked_policy_loss(
     (see :func:`chunked_token_logprobs_entropy` for ``budget_bytes`` / ``chunk_positions``).
     """
     _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "chunked_policy_loss")
+    # every term of the loss and its stats is masked to response tokens: the head runs on those alone
     logp, entropy = chunked_token_logprobs_entropy(
-        hidden, head, targets["tokens"], temperature, budget_bytes=budget_bytes, chunk_positions=chunk_positions
+        hidden,
+        head,
+        targets["tokens"],
+        temperature,
+        budget_bytes=budget_bytes,
+        chunk_positions=chunk_positions,
+        mask=targets["response_mask"],
     )
     if entropy_coef == 0.0:
         entropy = entropy.detach()

@@ -7,8 +7,8 @@ and cut into micro-batches (:func:`scoring_micro_batches`: at most ``micro_batch
 optionally, ``max_tokens`` padded tokens), each right-padded to its own longest sample; causal
 attention keeps the padding from reaching real tokens, so no mask is needed. Each model runs its
 body (:func:`decoder_hidden_states`); the Reference's LM head is applied a chunk of positions at a
-time (:func:`~fusedrl.rlhf.losses.chunked_token_logprobs`), so full-vocabulary logits of a whole
-micro-batch never exist; the Reward's and Critic's scalar heads are applied directly. Output follows
+time and on response tokens only (:func:`~fusedrl.rlhf.losses.chunked_token_logprobs`), so full-vocabulary logits
+of a whole micro-batch never exist and prompt positions cost no head work; the Reward's and Critic's scalar heads are applied directly. Output follows
 the :class:`~fusedrl.rlhf.Experience` layout (per-token tensors aligned with ``tokens``).
 
 A rule-based reward (:class:`~fusedrl.rlhf.RuleReward`) adds ``weight * value`` to each sample's score, or
@@ -192,8 +192,9 @@ class Scorer:
                 dev_tokens,
                 self.temperature,
                 budget_bytes=self.logits_budget_bytes,
+                mask=dev_mask,  # the head runs on response tokens only
             )
-            ref = (ref * dev_mask).cpu()
+            ref = ref.cpu()
         if critic is not None:
             values = shift_to_tokens(_head(critic)(decoder_hidden_states(critic, dev_tokens)).squeeze(-1).float())
             values = (values * dev_mask).cpu()

@@ -301,11 +301,13 @@ def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, 
     rows = exp.batch_size // layout.dp
     shard = exp.select(slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows))
     inputs = list(shard.tokens.split(cfg.ppo.microbatch_size))
+    masks = list(shard.response_mask.split(cfg.ppo.microbatch_size))
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)  # the LM head, on the last stage
 
     def logprobs(hidden: torch.Tensor, i: int) -> torch.Tensor:
         assert head is not None  # called on the last stage only
-        return chunked_token_logprobs(hidden.to(head.weight.dtype), head, inputs[i].to(device), cfg.generation.temperature)
+        tokens, mask = inputs[i].to(device), masks[i].to(device)  # the head runs on response tokens only
+        return chunked_token_logprobs(hidden.to(head.weight.dtype), head, tokens, cfg.generation.temperature, mask=mask)
 
     ranks = [dist.get_global_rank(layout.pp_group, r) for r in range(layout.pp)]
     outs = pipeline_forward(
