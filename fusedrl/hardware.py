@@ -1,9 +1,16 @@
 """Accelerator data-sheet figures and the utilisations the roofline estimates assume, one definition each: the
-rollout simulator's costs (``RolloutCosts.for_models``) and the paper-scale benchmarks read them here."""
+rollout simulator's costs (``RolloutCosts.for_models``) and the paper-scale benchmarks read them here; and the
+limits of the machine at hand, measured (``measure_peak``), that a benchmark states its achieved figures against."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -25,3 +32,88 @@ A100_SXM_80GB = Accelerator("A100 SXM 80GB", 2.039e12, 312e12, 80e9, 12.5e9)
 
 MFU = 0.4  # share of peak FLOP/s that compute-bound work (prefill, scoring, training) reaches
 DECODE_BW_UTIL = 0.6  # share of HBM bandwidth that memory-bound work (decode steps, the optimizer step) reaches
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's measured limits: the best matmul FLOP/s per dtype (keys ``"float32"``, and ``"bfloat16"`` where the
+    device runs it) and the best memory read bytes/s, on ``threads`` host threads."""
+
+    device: str
+    threads: int
+    matmul_flops_per_s: dict[str, float]
+    memory_read_bytes_per_s: float
+
+    def fraction(self, flops_per_s: float, dtype: torch.dtype | str) -> float:
+        """``flops_per_s`` achieved in ``dtype`` (``torch.bfloat16`` or ``"bfloat16"``) as a share of its peak."""
+        name = str(dtype).removeprefix("torch.")
+        if name not in self.matmul_flops_per_s:
+            raise ValueError(
+                f"no {name} matmul peak was measured on {self.device} (measured: {', '.join(self.matmul_flops_per_s)}); "
+                "state the figure against one of those dtypes"
+            )
+        return flops_per_s / self.matmul_flops_per_s[name]
+
+    def memory_fraction(self, bytes_per_s: float) -> float:
+        """``bytes_per_s`` read as a share of the peak memory read bandwidth."""
+        return bytes_per_s / self.memory_read_bytes_per_s
+
+    def as_dict(self) -> dict[str, object]:
+        """The figures as plain JSON-serialisable values."""
+        return asdict(self)
+
+
+def measure_peak(device: torch.device | str = "cpu", threads: int | None = None, seconds: float = 2.0) -> Peak:
+    """Time ``device``'s matmul throughput (shapes of LLM linears, float32 and bfloat16) and memory read bandwidth
+    (the sum of a tensor far larger than any cache), best of repeats after a warm-up each, on ``threads`` host threads
+    (the current count when None; restored afterwards). ``seconds`` is the time the repeats share: each measurement
+    runs a warm-up and at least two timed repeats, more while its share lasts; warm-ups and filling the tensors add
+    1-2 s on a 2-core CPU. CUDA matmuls run under the current precision settings (TF32 off by default)."""
+    device = torch.device(device)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads}: give at least 1, or None for the current count")
+    if seconds < 0:
+        raise ValueError(f"seconds={seconds}: give a time budget of 0 or more")
+    dtypes = [torch.float32]
+    if device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False):
+        dtypes.append(torch.bfloat16)
+    on_host = device.type == "cpu"
+    # (m, k, n): a square projection and a small model's MLP up-projection over a token batch
+    shapes = ((2048, 2048, 2048), (4096, 576, 1536)) if on_host else ((8192, 8192, 8192), (16384, 4096, 14336))
+    budget = seconds / (len(dtypes) * len(shapes) + 1)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        flops: dict[str, float] = {}
+        for dtype in dtypes:
+            for m, k, n in shapes:
+                a = torch.randn(m, k, dtype=dtype, device=device)
+                b = torch.randn(k, n, dtype=dtype, device=device)
+                out = torch.empty(m, n, dtype=dtype, device=device)
+                rate = 2 * m * k * n / _best_seconds(partial(torch.matmul, a, b, out=out), device, budget)
+                name = str(dtype).removeprefix("torch.")
+                flops[name] = max(flops.get(name, 0.0), rate)
+        x = torch.ones((256 if on_host else 4096) * 2**20 // 4, device=device)
+        read = x.nbytes / _best_seconds(x.sum, device, budget)
+        return Peak(str(device), torch.get_num_threads(), flops, read)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
+    """The shortest of timed calls of ``fn`` after a warm-up call: at least two, more while ``budget_s`` lasts."""
+
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()
+    best, start, repeats = math.inf, time.perf_counter(), 0
+    while repeats < 2 or time.perf_counter() - start < budget_s:
+        best = min(best, timed())
+        repeats += 1
+    return best
