@@ -4,11 +4,16 @@ limits of the machine at hand, measured (``measure_peak``), that a benchmark sta
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -117,3 +122,42 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, budget_s: floa
         best = min(best, timed())
         repeats += 1
     return best
+
+
+def cached_peak(device: torch.device | str = "cpu", threads: int | None = None, cache_dir: str | Path | None = None) -> Peak:
+    """:func:`measure_peak` once per device model, thread count and torch version, kept in ``cache_dir`` (default
+    ``$FUSEDRL_CACHE_DIR`` or ``~/.cache/fusedrl``) as ``peak.json``, so that a job's startup does not measure again.
+    Processes that find no entry at the same time each measure and write theirs (the file is replaced atomically).
+    ``python -m fusedrl.bench.peak`` always measures afresh."""
+    device = torch.device(device)
+    threads = threads or torch.get_num_threads()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    key = f"{device.type}|{name}|{threads} threads|torch {torch.__version__}"
+    folder = Path(cache_dir or os.environ.get("FUSEDRL_CACHE_DIR") or Path.home() / ".cache" / "fusedrl")
+    path = folder / "peak.json"
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if key in entries:
+        return Peak(**entries[key])
+    peak = measure_peak(device, threads)
+    entries[key] = peak.as_dict()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            json.dump(entries, f, indent=1)
+        os.replace(f.name, path)
+    except OSError:  # a read-only home: measured each time
+        pass
+    return peak
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo) and core count."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.machine()
+    return f"{model}, {os.cpu_count()} cores"

@@ -454,6 +454,12 @@ class TrainingSection:
         "full: each transformer layer of Actor and Critic keeps only its input per micro-batch in flight and recomputes "
         "its activations in the backward (about a third more training compute); none: autograd keeps them all.",
     )
+    peak_tflops: float = _key(
+        0.0,
+        "Peak matmul TFLOP/s of one rank in the compute dtype, the denominator of train_mfu and score_mfu; 0: measured "
+        "(fusedrl.hardware.measure_peak) once per machine, thread count and torch version, and cached (~2 s once).",
+        at_least(0.0),
+    )
     offload_frozen: bool = _key(
         False,
         "Keep the Reference and Reward weights in host memory outside the rollout: copied to the device before "

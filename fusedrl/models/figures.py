@@ -10,6 +10,8 @@ call these, so a changed formula changes every estimate at once; ``docs/memory.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fusedrl.models.registry import ModelFlavor, check_role
 
 
@@ -45,6 +47,15 @@ def stage_forward_flops(
         h = head if s == num_stages - 1 else 0
         out.append((k * layer + h, k * layer_matmul + h))
     return out
+
+
+def forward_flops(flavor: ModelFlavor, role: str, lengths: Sequence[int], head_tokens: int) -> float:
+    """Forward FLOPs of the whole model over sequences of ``lengths`` tokens each (no padding: each sequence attends
+    causally to its own tokens), its head applied to ``head_tokens`` of them (a policy's LM head runs on response
+    tokens only). A training step costs three times this (the backward twice the forward)."""
+    tokens = sum(lengths)
+    (flops, _), = stage_forward_flops(flavor, role, 1, tokens, sum(n * n for n in lengths))
+    return flops - 2 * (tokens - head_tokens) * flavor.embed_dim * head_outputs(flavor, role)
 
 
 def kv_bytes_per_token(flavor: ModelFlavor, bytes_per_value: int) -> int:

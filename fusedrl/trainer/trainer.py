@@ -73,8 +73,10 @@ from fusedrl.rlhf import (
     sample_groups,
     zero_variance_groups,
 )
+from fusedrl.hardware import cached_peak
 from fusedrl.rollout_fusion import RolloutResult
 from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
+from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s, sequence_lengths
 
 log = logging.getLogger("fusedrl.trainer")
 
@@ -99,6 +101,8 @@ STDOUT_KEYS = (
     "logprob_diff_mean",
     "response_len_mean",
     "samples_per_s",
+    "train_mfu",
+    "pad_frac",
     "bubble_ratio",
     "time_generation",
     "time_scoring_exposed",
@@ -185,6 +189,8 @@ class Trainer:
         )
         self.max_len = cfg.sequence_budget
         self.recompute = recompute_enabled(cfg)
+        # one rank's matmul peak, the denominator of train_mfu / score_mfu
+        self.peak_flops = peak_flops_per_s(cfg, None if cfg.training.peak_tflops > 0 else cached_peak(self.device))
         self.engine = GenerationEngine.from_config(
             self.rollout.actor,
             cfg.generation,
@@ -266,6 +272,23 @@ class Trainer:
             self.executor.plan_method,
             self.step + 1,
             cfg.training.steps,
+        )
+        t = cfg.training
+        log.info(
+            "numerics: training computes in %s (float32 master weights and optimizer state, %s gradient reduction); "
+            "engine weights %s, KV cache %s; Reference/Reward %s; old log-probs %s; matmul peak %.3g TFLOP/s per rank "
+            "in %s (%s)",
+            t.mixed_precision_param,
+            t.mixed_precision_reduce,
+            t.rollout_dtype,
+            t.kv_cache_dtype,
+            t.frozen_dtype,
+            "recomputed by the training forward (the engine's arithmetic differs from it)"
+            if self.recompute
+            else "the engine's (its float32 arithmetic is the training forward's)",
+            self.peak_flops[t.mixed_precision_param] / 1e12,
+            t.mixed_precision_param,
+            "training.peak_tflops" if t.peak_tflops > 0 else "measured, python -m fusedrl.bench.peak",
         )
         history = []
         while self.step < cfg.training.steps:
@@ -363,6 +386,7 @@ class Trainer:
             trained, sampling_stats = self.dynamic_sampling(step, scored, timers)
         if self.frozen is not None:
             self.frozen.release()
+        trained_lengths, response_tokens = sequence_lengths(trained), int(trained.response_mask.sum())
         with timers("advantages"):
             exp, adv_stats = compute_advantages(cfg, trained)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
@@ -401,6 +425,9 @@ class Trainer:
         record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
         record.update(length_stats(lengths))
+        record.update(
+            compute_figures(cfg, trained_lengths, response_tokens, (exp.batch_size, exp.seq_len), record, self.peak_flops, self.world)
+        )
         record.update(adv_stats)
         record.update(sampling_stats)
         record.update(update.figures)

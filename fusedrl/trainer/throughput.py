@@ -1,0 +1,58 @@
+"""How far an iteration's training and scoring run from the machine's matmul peak: model FLOPs of the real
+architecture over the real (unpadded) tokens, the head over response tokens only, divided by the phase's time on every
+rank and one rank's measured (or configured) peak in the dtype the phase computes in."""
+
+from __future__ import annotations
+
+from fusedrl.config import JobConfig
+from fusedrl.hardware import Peak
+from fusedrl.models import model_flavor
+from fusedrl.models.figures import forward_flops
+from fusedrl.rlhf import Experience
+from fusedrl.rlhf.advantages import last_token_index
+
+
+def sequence_lengths(exp: Experience) -> list[int]:
+    """Prompt + response tokens of each row (rows are right-padded; every scored row has a response token)."""
+    return (last_token_index(exp.response_mask) + 1).tolist()
+
+
+def compute_figures(
+    cfg: JobConfig,
+    lengths: list[int],
+    response_tokens: int,
+    trained_shape: tuple[int, int],
+    times: dict[str, float],
+    peak_flops: dict[str, float],
+    world: int,
+) -> dict[str, float]:
+    """``train_tokens_per_s`` (real tokens trained, every epoch), ``train_mfu``, ``pad_frac`` (the share of the
+    trained positions that are padding) and ``score_mfu`` of one iteration whose trained (and scored) sequences have
+    ``lengths`` and ``response_tokens`` response tokens, trained as a ``trained_shape`` ``[rows, positions]`` batch;
+    ``times`` holds ``time_training`` and ``time_scoring``; ``peak_flops`` one rank's matmul FLOP/s by dtype name."""
+    actor = model_flavor(cfg, "actor")
+    epochs, t = cfg.ppo.epochs, cfg.training
+    policy = forward_flops(actor, "policy", lengths, response_tokens)
+    trained = policy + (0.0 if cfg.ppo.critic_free else forward_flops(model_flavor(cfg, "critic"), "value", lengths, 0))
+    scored = (policy if cfg.ppo.uses_reference else 0.0) + (
+        0.0 if cfg.ppo.critic_free else forward_flops(model_flavor(cfg, "critic"), "value", lengths, 0)
+    )
+    if cfg.model.uses_reward_model:
+        scored += forward_flops(model_flavor(cfg, "reward"), "value", lengths, 0)
+    out = {"pad_frac": 1.0 - sum(lengths) / max(1, trained_shape[0] * trained_shape[1])}
+    train_s, score_s = times.get("time_training", 0.0), times.get("time_scoring", 0.0)
+    if train_s > 0:
+        out["train_tokens_per_s"] = epochs * sum(lengths) / train_s
+        out["train_mfu"] = 3 * epochs * trained / (train_s * world * peak_flops[t.mixed_precision_param])
+    if score_s > 0 and scored > 0:
+        out["score_mfu"] = scored / (score_s * world * peak_flops[t.frozen_dtype])
+    return out
+
+
+def peak_flops_per_s(cfg: JobConfig, peak: Peak | None) -> dict[str, float]:
+    """One rank's matmul FLOP/s by dtype name: ``training.peak_tflops`` for every dtype when set, else ``peak``'s."""
+    if cfg.training.peak_tflops > 0:
+        return dict.fromkeys(("float32", "bfloat16"), cfg.training.peak_tflops * 1e12)
+    assert peak is not None, "measure the peak when training.peak_tflops is 0"
+    return dict(peak.matmul_flops_per_s)
+
