@@ -246,6 +246,8 @@ ENGINES = {
     "bf16": ("--training.rollout_dtype=bfloat16", "--training.kv_cache_dtype=bfloat16"),
     "int8": ("--generation.quantize=int8_weight_only",),
     "bf16_no_recompute": ("--training.rollout_dtype=bfloat16", "--ppo.recompute_logprobs=false"),
+    # one update per iteration: the old log-probs are the update's own forward, no pass of their own
+    "bf16_on_policy": ("--training.rollout_dtype=bfloat16", "--training.kv_cache_dtype=bfloat16", "--ppo.epochs=1"),
 }
 
 
@@ -266,7 +268,8 @@ def _engine_runs(out: str) -> dict[str, list[dict]]:
 def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path):
     """pp = 2 on 2 ranks, sampling at temperature 0.7: with a bf16 or int8 engine the old log-probs are recomputed
     ("auto"), so the first minibatch's ratio is exactly 1 and nothing clips, while the engine's own log-probs were
-    off (the gap is measured and logged); without recomputation the same gap reaches the first minibatch."""
+    off (the gap is measured and logged); without recomputation the same gap reaches the first minibatch. With one
+    update per iteration the update's forward gives the old log-probs: ratio 1, no pass of their own, the gap logged."""
     from fusedrl.testing import run_multirank
 
     runs = run_multirank(_engine_runs, 2, str(tmp_path), timeout_s=300.0)[0]
@@ -278,3 +281,8 @@ def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path):
     for h in runs["bf16_no_recompute"]:
         assert h["logprob_diff_first"] > 1e-4 and h["logprob_diff_mean"] == h["logprob_diff_first"]
         assert h["time_recompute"] == 0.0
+    for h in runs["bf16_on_policy"]:
+        assert h["ratio_mean_first"] == 1.0 and h["clip_frac_first"] == 0.0 and h["time_recompute"] == 0.0
+        assert h["logprob_diff_first"] > 1e-4 and h["logprob_diff_mean"] == h["logprob_diff_first"]
+        assert h["importance_ratio_mean"] == h["importance_ratio_first"] != 1.0
+        assert math.isfinite(h["policy_loss"]) and h["grad_norm_actor"] > 0

@@ -4,6 +4,7 @@ import torch
 from fusedrl.models import build_model
 from fusedrl.rlhf.losses import (
     DEFAULT_LOGITS_BUDGET_BYTES,
+    KLLoss,
     PolicyLoss,
     ValueLoss,
     chunked_policy_loss,
@@ -246,3 +247,44 @@ def test_chunked_policy_loss_gradients_equal_unchunked(flavor, entropy_coef):
     # the module wrapper and the chunked loss agree with the logits path at the default budget
     loss_default, _ = chunked_policy_loss(base, head, targets, 0.2, entropy_coef, 0.9)
     torch.testing.assert_close(loss_default, loss, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kl", [None, KLLoss(0.1, "k3")])
+def test_old_logprobs_from_the_forward_equal_a_separate_pass(kl):
+    """On-policy (one update with the weights that sampled): the loss with the forward's own detached log-probs as
+    the old ones equals the loss with a separate pass's (the same log-probs) in value, stats and gradients; the
+    targets' log-probs are then the engine's, and the gap stats compare the forward with them."""
+    model, tokens = _decoder("debug")
+    head = model.output
+    with torch.no_grad():
+        base = decoder_hidden_states(model, tokens)
+        separate = token_logprobs(head(base).float(), tokens)  # the recompute pass
+    targets = _chunk_targets(tokens, separate)
+    engine = targets["logprobs"]  # off by ~0.3: an engine of other arithmetic
+    targets["ref_logprobs"] = separate + 0.05
+    mask = targets["response_mask"]
+
+    def run(old: torch.Tensor, from_forward: bool):
+        hidden = base.clone().requires_grad_(True)
+        head.weight.grad = None
+        loss, stats = chunked_policy_loss(
+            hidden, head, {**targets, "logprobs": old}, 0.2, 0.0, 1.0, kl, old_from_forward=from_forward
+        )
+        loss.backward()
+        return loss.detach(), stats, hidden.grad, head.weight.grad.clone()
+
+    loss, stats, g_hidden, g_weight = run(separate * mask, False)
+    f_loss, f_stats, f_hidden, f_weight = run(engine, True)
+    torch.testing.assert_close(f_loss, loss, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(f_hidden, g_hidden, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(f_weight, g_weight, atol=1e-7, rtol=1e-5)
+    assert g_hidden.abs().sum() > 0
+    for k in ("policy_loss", "clip_frac", "approx_kl", "ratio_mean", "entropy", *(("kl_loss",) if kl else ())):
+        torch.testing.assert_close(f_stats[k], stats[k], atol=1e-6, rtol=1e-5)
+    assert f_stats["ratio_mean"] == 1.0 and f_stats["clip_frac"] == 0.0
+    gap = ((separate - engine) * mask).abs()
+    torch.testing.assert_close(f_stats["logprob_diff"], gap.sum() / mask.sum(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(f_stats["logprob_diff_max"], gap.amax(), atol=1e-6, rtol=1e-5)
+    ratio = ((separate - engine).exp() * mask).sum() / mask.sum()
+    torch.testing.assert_close(f_stats["importance_ratio"], ratio, atol=1e-6, rtol=1e-5)
+    assert "importance_ratio" not in stats

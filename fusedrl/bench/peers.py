@@ -137,6 +137,8 @@ def fusedrl_argv(
         "--generation.top_k=0",
         f"--ppo.batch_size={batch}",
         f"--ppo.minibatch_size={batch}",
+        f"--ppo.microbatch_size={batch}",  # one process: the batch in one micro-batch and one decode batch, as TRL does
+        f"--generation.max_slots={batch}",
         "--ppo.epochs=1",
         "--ppo.kl_coef=0.0",
         f"--ppo.kl_loss_coef={KL_COEF}",

@@ -54,7 +54,7 @@ def forward_flops(flavor: ModelFlavor, role: str, lengths: Sequence[int], head_t
     causally to its own tokens), its head applied to ``head_tokens`` of them (a policy's LM head runs on response
     tokens only). A training step costs three times this (the backward twice the forward)."""
     tokens = sum(lengths)
-    (flops, _), = stage_forward_flops(flavor, role, 1, tokens, sum(n * n for n in lengths))
+    ((flops, _),) = stage_forward_flops(flavor, role, 1, tokens, sum(n * n for n in lengths))
     return flops - 2 * (tokens - head_tokens) * flavor.embed_dim * head_outputs(flavor, role)
 
 

@@ -35,7 +35,15 @@ from fusedrl.rlhf.losses import (
     token_logprobs,
     value_loss,
 )
-from fusedrl.rlhf.program import TrainingExecutor, build_executor, pipeline_costs, plan_program, schedule_memory_limit
+from fusedrl.rlhf.program import (
+    TrainingExecutor,
+    build_executor,
+    old_logprobs_from_forward,
+    pipeline_costs,
+    plan_program,
+    recompute_enabled,
+    schedule_memory_limit,
+)
 from fusedrl.rlhf.reward_fn import RewardFn, RewardFunctionError, RuleReward, load_reward_fn, reward_fn_metrics
 from fusedrl.rlhf.rollout import build_controller, build_requests, build_scorer, generate_and_score, migration_metrics
 from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
@@ -52,7 +60,6 @@ from fusedrl.rlhf.update import (
     pad_to_bucket,
     ppo_minibatches,
     ppo_update,
-    recompute_enabled,
     recompute_logprobs,
     train_minibatch,
 )
@@ -108,6 +115,7 @@ __all__ = [
     "policy_loss",
     "ppo_minibatches",
     "ppo_update",
+    "old_logprobs_from_forward",
     "recompute_enabled",
     "recompute_logprobs",
     "reward_fn_metrics",

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from fusedrl.config import ConfigError, Startup
 from fusedrl.config.loader import source_of
-from fusedrl.rlhf.program import schedule_memory_limit
-from fusedrl.rlhf.update import recompute_enabled
+from fusedrl.rlhf.program import recompute_enabled, schedule_memory_limit
 
 
 def check_recompute(startup: Startup) -> None:

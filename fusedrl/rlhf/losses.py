@@ -247,6 +247,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     temperature: float = 1.0,
     kl: KLLoss | None = None,
+    old_from_forward: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate (plus ``-entropy_coef * entropy`` and ``kl``'s term) from Actor ``logits`` ``[B, S, V]``.
 
@@ -255,7 +256,10 @@ def policy_loss(
     instead of the token mean; :func:`fusedrl.rlhf.loss_weights`), ``tis_weight`` (a per-token factor on the
     surrogate: truncated importance sampling) and, with ``kl``, ``ref_logprobs``. ``clip_eps``: one range or
     ``(low, high)`` (ratios clipped to ``[1 - low, 1 + high]``). ``temperature`` must be the sampling temperature the
-    old log-probs used. See :func:`chunked_policy_loss` for the same loss from hidden states without full logits.
+    old log-probs used. ``old_from_forward``: the old log-probs are this forward's own, detached (on-policy: one
+    update with the weights that sampled; no separate recompute pass), and ``logprobs`` are the engine's, compared
+    by the stats ``logprob_diff``, ``logprob_diff_max`` and ``importance_ratio``. See :func:`chunked_policy_loss` for
+    the same loss from hidden states without full logits.
     """
     _require(targets, ("tokens", "response_mask", "logprobs", "advantages"), "policy_loss")
     logp = token_logprobs(logits, targets["tokens"], temperature)
@@ -264,7 +268,7 @@ def policy_loss(
     else:
         with torch.no_grad():
             entropy = token_entropy(logits, temperature)
-    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl)
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl, old_from_forward)
 
 
 def chunked_policy_loss(
@@ -278,6 +282,7 @@ def chunked_policy_loss(
     *,
     budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     chunk_positions: int | None = None,
+    old_from_forward: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`policy_loss` of ``logits = head(hidden)`` without materialising those logits.
 
@@ -299,7 +304,7 @@ def chunked_policy_loss(
     )
     if entropy_coef == 0.0:
         entropy = entropy.detach()
-    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl)
+    return _surrogate(logp, entropy, targets, clip_eps, entropy_coef, kl, old_from_forward)
 
 
 def _surrogate(
@@ -309,8 +314,11 @@ def _surrogate(
     clip_eps: ClipRange,
     entropy_coef: float,
     kl: KLLoss | None,
+    old_from_forward: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate from token-aligned new log-probs and entropies ``[B, S]``."""
+    """The clipped surrogate from token-aligned new log-probs and entropies ``[B, S]``. ``old_from_forward``: the old
+    log-probs are this forward's own, detached (on-policy: the weights that sampled are the ones training), and the
+    targets' ``logprobs`` are the engine's, which the gap stats (``logprob_diff*``, ``importance_ratio``) compare."""
     low, high = (clip_eps, clip_eps) if isinstance(clip_eps, float | int) else clip_eps
     mask = targets["response_mask"].float()
     denom = targets.get("loss_denom")
@@ -319,7 +327,8 @@ def _surrogate(
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:  # the loss's aggregation (stats stay token means)
         return (per_token * weight.float()).sum() if weight is not None else masked_mean(per_token, mask, denom)
 
-    log_ratio = (logp - targets["logprobs"].float()) * mask
+    given = (logp.detach() - targets["logprobs"].float()) * mask  # the forward against the targets' log-probs
+    log_ratio = (logp - logp.detach()) * mask if old_from_forward else (logp - targets["logprobs"].float()) * mask
     ratio = log_ratio.exp()
     adv = targets["advantages"].float()
     unclipped = -adv * ratio
@@ -347,10 +356,12 @@ def _surrogate(
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, denom),
             "ratio_mean": masked_mean(ratio, mask, denom),
             "entropy": masked_mean(entropy, mask, denom).detach(),
-            # how far the new log-probs are from the old ones (before the first update: trainer vs engine)
-            "logprob_diff": masked_mean(log_ratio.abs(), mask, denom),
-            "logprob_diff_max": log_ratio.abs().amax(),
+            # how far the new log-probs are from the given ones (before the first update: trainer vs engine)
+            "logprob_diff": masked_mean(given.abs(), mask, denom),
+            "logprob_diff_max": given.abs().amax(),
         }
+        if old_from_forward:  # pi_train / pi_engine, which a separate recompute pass would have logged
+            stats["importance_ratio"] = masked_mean(given.exp(), mask, denom)
         if kl_tokens is not None:
             stats["kl_loss"] = masked_mean(kl_tokens, mask, denom)
     return loss, stats
@@ -424,6 +435,7 @@ class PolicyLoss:
         kl: KLLoss | None = None,
         head: nn.Linear | None = None,
         chunk_positions: int | None = None,
+        old_from_forward: bool = False,
     ) -> None:
         if min((clip_eps,) if isinstance(clip_eps, float | int) else clip_eps) <= 0:
             raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
@@ -432,18 +444,25 @@ class PolicyLoss:
         self.clip_eps, self.entropy_coef, self.temperature, self.head = clip_eps, entropy_coef, temperature, head
         self.kl = kl
         self.chunk_positions = chunk_positions  # None: sized by DEFAULT_LOGITS_BUDGET_BYTES
+        self.old_from_forward = old_from_forward
 
     @classmethod
-    def from_config(cls, section: PPOSection, head: nn.Linear | None = None, *, temperature: float = 1.0) -> PolicyLoss:
+    def from_config(
+        cls, section: PPOSection, head: nn.Linear | None = None, *, temperature: float = 1.0, old_from_forward: bool = False
+    ) -> PolicyLoss:
         """The clip range, ``entropy_coef`` and KL loss (``kl_loss_coef`` > 0) of ``[ppo]`` at the sampling
         ``temperature`` (``generation.temperature``: the engine's old log-probs and the Reference's are of that
-        distribution)."""
+        distribution); ``old_from_forward`` as in :func:`policy_loss`."""
         kl = KLLoss(section.kl_loss_coef, section.kl_estimator) if section.kl_loss_coef > 0 else None
-        return cls(section.clip_range, section.entropy_coef, temperature=temperature, kl=kl, head=head)
+        return cls(
+            section.clip_range, section.entropy_coef, temperature=temperature, kl=kl, head=head, old_from_forward=old_from_forward
+        )
 
     def __call__(self, output: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.head is None:
-            return policy_loss(output, targets, self.clip_eps, self.entropy_coef, self.temperature, self.kl)
+            return policy_loss(
+                output, targets, self.clip_eps, self.entropy_coef, self.temperature, self.kl, self.old_from_forward
+            )
         hidden = output.to(self.head.weight.dtype)  # a float32 stage output into a bf16 (mixed-precision) head
         return chunked_policy_loss(
             hidden,
@@ -454,6 +473,7 @@ class PolicyLoss:
             self.temperature,
             self.kl,
             chunk_positions=self.chunk_positions,
+            old_from_forward=self.old_from_forward,
         )
 
 

@@ -36,6 +36,25 @@ from fusedrl.rlhf.losses import PolicyLoss, ValueLoss
 log = logging.getLogger("fusedrl.rlhf.program")
 
 
+def recompute_enabled(cfg: JobConfig) -> bool:
+    """``ppo.recompute_logprobs``; "auto": whenever the engine's weights or arithmetic may differ from the training
+    forward's (a bf16 rollout copy or bf16 compute, or a quantized engine), not for the all-float32 CPU configs,
+    where they agree to float32 rounding."""
+    setting, t = cfg.ppo.recompute_logprobs, cfg.training
+    if setting != "auto":
+        return bool(setting)
+    return t.rollout_dtype != "float32" or t.mixed_precision_param != "float32" or cfg.generation.quantize != "none"
+
+
+def old_logprobs_from_forward(cfg: JobConfig) -> bool:
+    """Whether the old log-probs that :func:`recompute_enabled` asks for are the training forward's own, detached,
+    instead of a separate forward pass: with one update per iteration (``ppo.epochs`` = 1, ``ppo.minibatch_size`` =
+    ``ppo.batch_size``) that forward runs the weights that sampled, so it computes the same log-probs (the ratio is 1,
+    the gradient the policy gradient's). Not with ``ppo.tis_cap``, whose weights are taken before the forward."""
+    p = cfg.ppo
+    return recompute_enabled(cfg) and p.epochs == 1 and p.minibatch_size == p.batch_size and p.tis_cap == 0
+
+
 def pipeline_costs(cfg: JobConfig, seq_len: int) -> tuple[Placement, CostModel, dict[str, int]]:
     """The planner's placement, cost model (times in seconds, activation memory in GiB: what the memory estimate
     counts per micro-batch, :func:`fusedrl.models.figures.stage_activation_bytes`) and micro-batches per model
@@ -123,7 +142,9 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
     # the Actor's last stage returns hidden states; its loss applies the LM head in chunks
     # cast: the stage's `output` is its nn.Linear LM head (None off the last stage), seen by mypy as Tensor | Module
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)
-    policy_loss = PolicyLoss.from_config(cfg.ppo, head=head, temperature=cfg.generation.temperature)
+    policy_loss = PolicyLoss.from_config(
+        cfg.ppo, head=head, temperature=cfg.generation.temperature, old_from_forward=old_logprobs_from_forward(cfg)
+    )
     actor_spec = StageModule(layout.actor_stage, policy_loss, compute)
     critic_spec = None
     if layout.critic_stage is not None:

@@ -20,7 +20,7 @@ from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
 from fusedrl.pipelining import Timeline, pipeline_forward
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import chunked_token_logprobs
-from fusedrl.rlhf.program import TrainingExecutor
+from fusedrl.rlhf.program import TrainingExecutor, old_logprobs_from_forward
 
 log = logging.getLogger("fusedrl.rlhf.update")
 
@@ -34,6 +34,12 @@ engine's, or the recomputed ones) and the training forward's (``<name>_first`` i
 
 
 VALUE_STATS = ("value_loss", "value_clip_frac", "value_mean")
+
+
+def first_minibatch_stats(cfg: JobConfig) -> tuple[str, ...]:
+    """:data:`FIRST_MINIBATCH_STATS`, and ``importance_ratio`` (pi_train / pi_engine) when the old log-probs are the
+    training forward's own (:func:`~fusedrl.rlhf.program.old_logprobs_from_forward`)."""
+    return (*FIRST_MINIBATCH_STATS, *(("importance_ratio",) if old_logprobs_from_forward(cfg) else ()))
 
 
 def pad_to_bucket(exp: Experience, max_len: int, pad_id: int) -> Experience:
@@ -129,7 +135,7 @@ def _forward_backward(
     critic_inputs = shard.tokens if critic_targets is not None else None
     result = executor.schedule.step(shard.tokens, critic_inputs, actor_targets, critic_targets, record=record)
     out: dict[str, torch.Tensor] = {}
-    actor_keys = (*POLICY_STATS, *FIRST_MINIBATCH_STATS, *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
+    actor_keys = (*POLICY_STATS, *first_minibatch_stats(cfg), *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
     for model, keys in (("actor", actor_keys), ("critic", VALUE_STATS)):
         if model not in result:
             continue
@@ -263,7 +269,7 @@ def ppo_update(
     for mb in ppo_minibatches(cfg, exp, step):
         result = train_minibatch(cfg, layout, executor, opt, mb, step=step, record=record)
         if not first:
-            first = {k: result.stats[k] for k in FIRST_MINIBATCH_STATS}
+            first = {k: result.stats[k] for k in first_minibatch_stats(cfg)}
         for k in (*POLICY_STATS, *VALUE_STATS, "kl_loss"):
             if k in result.stats:
                 sums[k] = sums[k] + result.stats[k] if k in sums else result.stats[k]
@@ -281,16 +287,6 @@ def ppo_update(
     if bubbles:
         figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
     return UpdateResult(sums, first, updates, figures, timeline)
-
-
-def recompute_enabled(cfg: JobConfig) -> bool:
-    """``ppo.recompute_logprobs``; "auto": whenever the engine's weights or arithmetic may differ from the training
-    forward's (a bf16 rollout copy or bf16 compute, or a quantized engine), not for the all-float32 CPU configs,
-    where they agree to float32 rounding."""
-    setting, t = cfg.ppo.recompute_logprobs, cfg.training
-    if setting != "auto":
-        return bool(setting)
-    return t.rollout_dtype != "float32" or t.mixed_precision_param != "float32" or cfg.generation.quantize != "none"
 
 
 def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device) -> torch.Tensor:

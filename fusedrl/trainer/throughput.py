@@ -55,4 +55,3 @@ def peak_flops_per_s(cfg: JobConfig, peak: Peak | None) -> dict[str, float]:
         return dict.fromkeys(("float32", "bfloat16"), cfg.training.peak_tflops * 1e12)
     assert peak is not None, "measure the peak when training.peak_tflops is 0"
     return dict(peak.matmul_flops_per_s)
-

@@ -51,6 +51,7 @@ from fusedrl.components import (
 from fusedrl.config import JobConfig
 from fusedrl.distributed import select_device
 from fusedrl.generation import GenerationEngine, WeightSync
+from fusedrl.hardware import cached_peak
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
@@ -65,6 +66,7 @@ from fusedrl.rlhf import (
     generate_and_score,
     logprob_gap,
     migration_metrics,
+    old_logprobs_from_forward,
     pad_to_bucket,
     ppo_update,
     recompute_enabled,
@@ -73,7 +75,6 @@ from fusedrl.rlhf import (
     sample_groups,
     zero_variance_groups,
 )
-from fusedrl.hardware import cached_peak
 from fusedrl.rollout_fusion import RolloutResult
 from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
 from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s, sequence_lengths
@@ -188,7 +189,8 @@ class Trainer:
             shuffle=cfg.data.shuffle,
         )
         self.max_len = cfg.sequence_budget
-        self.recompute = recompute_enabled(cfg)
+        # old log-probs of the training forward: a pass of their own, or the update's forward (on-policy)
+        self.recompute = recompute_enabled(cfg) and not old_logprobs_from_forward(cfg)
         # one rank's matmul peak, the denominator of train_mfu / score_mfu
         self.peak_flops = peak_flops_per_s(cfg, None if cfg.training.peak_tflops > 0 else cached_peak(self.device))
         self.engine = GenerationEngine.from_config(
@@ -285,6 +287,8 @@ class Trainer:
             t.frozen_dtype,
             "recomputed by the training forward (the engine's arithmetic differs from it)"
             if self.recompute
+            else "the update's own forward (one on-policy update per iteration; the engine's arithmetic differs)"
+            if old_logprobs_from_forward(cfg)
             else "the engine's (its float32 arithmetic is the training forward's)",
             self.peak_flops[t.mixed_precision_param] / 1e12,
             t.mixed_precision_param,
@@ -418,7 +422,7 @@ class Trainer:
             gap = {
                 "logprob_diff_mean": record["logprob_diff_first"],
                 "logprob_diff_max": record["logprob_diff_max_first"],
-                "importance_ratio_mean": record["ratio_mean_first"],
+                "importance_ratio_mean": record.get("importance_ratio_first", record["ratio_mean_first"]),
             }
         record.update(gap or {})
         lengths = scored.response_mask.sum(1)
@@ -426,7 +430,9 @@ class Trainer:
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
         record.update(length_stats(lengths))
         record.update(
-            compute_figures(cfg, trained_lengths, response_tokens, (exp.batch_size, exp.seq_len), record, self.peak_flops, self.world)
+            compute_figures(
+                cfg, trained_lengths, response_tokens, (exp.batch_size, exp.seq_len), record, self.peak_flops, self.world
+            )
         )
         record.update(adv_stats)
         record.update(sampling_stats)
