@@ -362,7 +362,8 @@ class PPOSection:
         "auto",
         "Recompute the old Actor log-probs with a forward-only pass through the training layout before the first "
         "epoch (the engine's stay in the KL reward); \"auto\": when the engine's weights or dtype differ from the "
-        "training forward's (a bf16 rollout or compute dtype, or generation.quantize).",
+        "training forward's (a bf16 rollout or compute dtype, or generation.quantize). With one update per iteration "
+        "(epochs 1, minibatch_size = batch_size, no tis_cap) the update's own forward gives them (no pass of their own).",
     )
     tis_cap: float = _key(
         0.0,
