@@ -367,3 +367,31 @@ def test_unknown_flavor_and_role():
         hf_config("nope")
     with pytest.raises(ValueError, match="unknown model role 'critic'"):
         save_hf_checkpoint(build_model("debug"), "/tmp/unused", "debug", "critic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_torchtunes_and_takes_the_fused_kernel_with_a_bf16_scale(dtype):
+    """fusedrl's RMSNorm gives torchtune's values (float32 arithmetic) and gradients; with a bf16 scale (FSDP2 mixed
+    precision) it casts the scale, so torch does not fall back to its unfused decomposition (which warns)."""
+    import warnings
+
+    from torchtune.modules import RMSNorm as TuneRMSNorm
+
+    from fusedrl.models.registry import RMSNorm
+
+    ours, theirs = RMSNorm(16, eps=1e-5), TuneRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        ours.scale.copy_(torch.randn(16))
+    theirs.load_state_dict(ours.state_dict())
+    ours.to(dtype), theirs.to(dtype)
+    x = torch.randn(3, 5, 16, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback's "Cannot dispatch to fused implementation" would raise
+        out = ours(x)
+        out.float().square().sum().backward()
+    want = theirs(x)
+    want.float().square().sum().backward()
+    assert out.dtype == dtype
+    exact = dtype == torch.float32  # the float32 scale takes the same kernel as torchtune's
+    torch.testing.assert_close(out, want, **({"atol": 0.0, "rtol": 0.0} if exact else {}))
+    torch.testing.assert_close(ours.scale.grad, theirs.scale.grad, **({"atol": 0.0, "rtol": 0.0} if exact else {}))

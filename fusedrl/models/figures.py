@@ -83,11 +83,12 @@ def layer_activation_bytes(f: ModelFlavor, tokens: int, itemsize: int, tp: int =
     """Autograd's saved bytes of one transformer layer's forward over ``tokens`` tokens in a compute dtype of
     ``itemsize`` bytes, its attention and MLP split over ``tp`` ranks: per token two RMSNorms' float32 input copy
     and normalized value plus their output, q and k / v expanded to the query heads, the SDPA output and its float32
-    log-sum-exp, the MLP's four intermediates and 8 bytes of ``rstd``."""
+    log-sum-exp, the MLP's four intermediates and 8 bytes of ``rstd``; below float32 also the two norms' float32
+    scale copies (their kernel's weight: :class:`fusedrl.models.registry.RMSNorm`)."""
     d, h = f.embed_dim, f.num_heads
     q = h * f.head_dim
     per_token = 2 * (8 * d + itemsize * d) + itemsize * (4 * q // tp + 4 * f.intermediate_dim // tp) + 8 + 4 * (h // tp)
-    return tokens * per_token
+    return tokens * per_token + (2 * 4 * d if itemsize != 4 else 0)
 
 
 def stage_activation_bytes(

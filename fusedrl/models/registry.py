@@ -22,15 +22,25 @@ import torch
 from torch import nn
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+from torch.nn import functional as F
 from torchtune.modules import (
     FeedForward,
     MultiHeadAttention,
-    RMSNorm,
     RotaryPositionalEmbeddings,
     TiedLinear,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+from torchtune.modules import RMSNorm as TuneRMSNorm
+
+class RMSNorm(TuneRMSNorm):
+    """torchtune's RMSNorm (float32 arithmetic) with its scale cast to float32 too: a bf16 scale (mixed precision)
+    beside the float32 input makes torch fall back from its fused kernel to a decomposition of several passes. Same
+    values; a float32 scale is unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.scale.float(), self.eps).to(x.dtype)
+
 
 Role = Literal["policy", "value"]
 ROLES: tuple[str, ...] = ("policy", "value")
