@@ -204,7 +204,9 @@ def estimate_rank(
     actor_stage = build.stages[ACTOR]
     chunked = actor_stage.last and actor_stage.head_in_loss
     logits_mb = actor_logits_bytes(actor, rows, seq) if actor_stage.last and not chunked else 0
-    chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), seq - 1) * actor.vocab_size * 4
+    # the loss's head runs on response tokens only: at most max_new_tokens of each row
+    scored = min(seq - 1, cfg.generation.max_new_tokens)
+    chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), scored) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     stage_grads = {m: accum * sum(grad_numel(x) for x in st.tensors) for m, st in build.stages.items()}
     loss_transient = (

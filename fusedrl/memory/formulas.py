@@ -85,16 +85,19 @@ def prefill_bytes(f: ModelFlavor, rows: int, width: int, r: int, g: int) -> int:
 
 
 def scoring_bytes(
-    f: ModelFlavor, rows: int, width: int, r: int, g: int, budget: int = DEFAULT_LOGITS_BUDGET_BYTES
+    f: ModelFlavor, rows: int, width: int, r: int, g: int, max_new_tokens: int, budget: int = DEFAULT_LOGITS_BUDGET_BYTES
 ) -> tuple[int, int]:
-    """(body peak, Reference hidden states + chunked-head logits) of one scoring micro-batch of ``rows x width``."""
-    entries = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), max(1, width - 1)) * f.vocab_size
+    """(body peak, Reference hidden states + chunked-head logits) of one scoring micro-batch of ``rows x width``
+    whose responses have at most ``max_new_tokens`` tokens: the head runs on response tokens only (their hidden states
+    gathered first), a chunk of at most the budget's positions x ``rows`` of them at a time."""
+    scored = max(1, min(width - 1, max_new_tokens))
+    entries = rows * min(logits_chunk_positions(rows, f.vocab_size, budget), scored) * f.vocab_size
     # the head's own output before the float32 copy (none in float32), and with vocabulary-parallel heads
     # (g > 1) this rank's slice of it, which lives until the gathered logits are made
     head_out = (r * entries if r != 4 else 0) + (r * entries // g if g > 1 else 0)
     return (
         body_peak_bytes(f, rows * width, r, g),
-        r * rows * width * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out,
+        r * (rows * width + rows * scored) * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out,
     )
 
 
@@ -110,11 +113,11 @@ def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlav
 
 
 def micro_batch_scoring_bytes(
-    reference: ModelFlavor | None, others: Sequence[ModelFlavor], rows: int, width: int, r: int, g: int
+    reference: ModelFlavor | None, others: Sequence[ModelFlavor], rows: int, width: int, r: int, g: int, max_new_tokens: int
 ) -> tuple[int, int]:
     """(largest body peak, the Reference's hidden states + chunked-head logits) of one scoring micro-batch of
     ``rows x width`` (:func:`scoring_flavors`; 0 for what the job does not run)."""
-    body, head = scoring_bytes(reference, rows, width, r, g) if reference is not None else (0, 0)
+    body, head = scoring_bytes(reference, rows, width, r, g, max_new_tokens) if reference is not None else (0, 0)
     return max([body, *(body_peak_bytes(o, rows * width, r, g) for o in others)]), head
 
 
@@ -129,7 +132,7 @@ def worst_scoring_bytes(cfg: JobConfig, r: int, g: int) -> tuple[int, int, tuple
         width = longest if rows == 1 else min(longest, gen.scoring_max_tokens // rows)
         if width < 2:
             break
-        body, head = micro_batch_scoring_bytes(reference, others, rows, width, r, g)
+        body, head = micro_batch_scoring_bytes(reference, others, rows, width, r, g, gen.max_new_tokens)
         if max(body, head) > max(best[0], best[1]):
             best = (body, head, (rows, width))
     return best
