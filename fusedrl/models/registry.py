@@ -20,9 +20,9 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torch.nn import functional as F
 from torchtune.modules import (
     FeedForward,
     MultiHeadAttention,
@@ -32,6 +32,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 from torchtune.modules import RMSNorm as TuneRMSNorm
+
 
 class RMSNorm(TuneRMSNorm):
     """torchtune's RMSNorm (float32 arithmetic) with its scale cast to float32 too: a bf16 scale (mixed precision)
