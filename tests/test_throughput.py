@@ -50,6 +50,8 @@ def test_peak_from_the_config_or_the_measurement():
     assert peak_flops_per_s(_cfg("--training.peak_tflops=2.5"), None) == {"float32": 2.5e12, "bfloat16": 2.5e12}
     measured = Peak("cpu", 2, {"float32": 1.0, "bfloat16": 3.0}, 5.0)
     assert peak_flops_per_s(_cfg(), measured) == {"float32": 1.0, "bfloat16": 3.0}
+    no_bf16 = Peak("cuda:0", 1, {"float32": 2.0}, 5.0)  # a GPU without bf16: its float32 peak stands in
+    assert peak_flops_per_s(_cfg(), no_bf16) == {"float32": 2.0, "bfloat16": 2.0}
 
 
 def test_sequence_lengths_of_right_padded_rows():

@@ -50,8 +50,10 @@ def compute_figures(
 
 
 def peak_flops_per_s(cfg: JobConfig, peak: Peak | None) -> dict[str, float]:
-    """One rank's matmul FLOP/s by dtype name: ``training.peak_tflops`` for every dtype when set, else ``peak``'s."""
+    """One rank's matmul FLOP/s by dtype name (float32 and bfloat16): ``training.peak_tflops`` for both when set, else
+    ``peak``'s (a device that measured no bf16 peak gets its float32 one for both)."""
     if cfg.training.peak_tflops > 0:
         return dict.fromkeys(("float32", "bfloat16"), cfg.training.peak_tflops * 1e12)
     assert peak is not None, "measure the peak when training.peak_tflops is 0"
-    return dict(peak.matmul_flops_per_s)
+    measured = peak.matmul_flops_per_s
+    return {name: measured.get(name, measured["float32"]) for name in ("float32", "bfloat16")}
