@@ -289,7 +289,7 @@ class Trainer:
             if self.recompute
             else "the update's own forward (one on-policy update per iteration; the engine's arithmetic differs)"
             if old_logprobs_from_forward(cfg)
-            else "the engine's (its float32 arithmetic is the training forward's)",
+            else "the engine's (ppo.recompute_logprobs: not asked for)",
             self.peak_flops[t.mixed_precision_param] / 1e12,
             t.mixed_precision_param,
             "training.peak_tflops" if t.peak_tflops > 0 else "measured, python -m fusedrl.bench.peak",
