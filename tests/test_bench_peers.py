@@ -178,7 +178,7 @@ def test_main_alternates_runs_and_reports_ratios(
         phases = {f"time_{p}": 1.0 for p in peers.PHASES}
         records = [  # step 1 slow (not timed); then 4 s + 1 s outside
             {"step": s, "time_step": 30.0 if s == 1 else 4.0, "time_outside": 0.0 if s == 1 else 1.0, **phases}
-            | {"reward_fn_mean": 0.25, "response_len_mean": 22.0}
+            | {"reward_fn_mean": 0.25, "response_len_mean": 22.0, "train_mfu": 0.1 * s}
             for s in range(1, cfg.training.steps + 1)
         ]
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -192,4 +192,5 @@ def test_main_alternates_runs_and_reports_ratios(
     assert by["trl", "float32"]["samples_per_s"] == pytest.approx(16 / 10) and by["trl", "float32"]["timed_step_s"] == [10.0] * 2
     assert by["fusedrl", "float32"]["samples_per_s"] == pytest.approx(16 / 5)
     assert by["fusedrl", "float32"]["phases_s"] == dict.fromkeys(peers.PHASES, 1.0)
+    assert by["fusedrl", "float32"]["peak_fractions"] == {"train_mfu": pytest.approx(0.25)}  # steps 2, 3; no score_mfu logged
     assert result["ratios"]["4x4/float32"] == {"vs_same_dtype": pytest.approx(2.0), "vs_best": pytest.approx(1.0)}

@@ -24,7 +24,8 @@ the next (generation, scoring, training and the trainer's logging in between): T
 times, fusedrl's ``time_step + time_outside`` of its metrics. Steps 2..``--steps`` are timed (the first warms up);
 samples/s = samples per step / mean seconds per timed step. Reports per run seconds per step, samples/s, mean
 reward and response length (the two trainers sample the same model, so these should agree), for fusedrl the mean
-``time_generation / time_scoring / time_recompute / time_training``, and each fusedrl run's samples/s over TRL's
+``time_generation / time_scoring / time_recompute / time_training`` and ``train_mfu`` / ``score_mfu`` (the shares of
+this machine's matmul peak), and each fusedrl run's samples/s over TRL's
 (the same variant and dtype, and TRL's best dtype of the variant).
 
 TRL is a benchmark-only extra (``pip install -e ".[peers]"``); it runs in a child process
@@ -65,6 +66,8 @@ DTYPES = ("float32", "bfloat16")
 TRAINERS = ("trl", "fusedrl")
 PHASES = ("generation", "scoring", "recompute", "training")
 """fusedrl's phases reported per run (the means of its ``time_<phase>`` metrics over the timed steps)."""
+FRACTIONS = ("train_mfu", "score_mfu")
+"""fusedrl's shares of the machine's matmul peak reported per run (means over the timed steps, where it logs them)."""
 INSTALL = 'TRL is not installed: pip install -e ".[peers]"'
 RUN_TIMEOUT_S = 3600
 
@@ -192,6 +195,7 @@ def run_fusedrl(args: argparse.Namespace, data: Path, tmp: Path, variant: tuple[
     return {
         "step_s": [r["time_step"] + r["time_outside"] for r in timed],
         "phases": {p: statistics.fmean(r[f"time_{p}"] for r in timed) for p in PHASES},
+        "fractions": {k: statistics.fmean(r[k] for r in timed) for k in FRACTIONS if all(k in r for r in timed)},
         "reward": statistics.fmean(r["reward_fn_mean"] for r in records),
         "response_len": statistics.fmean(r["response_len_mean"] for r in records),
     }
@@ -369,6 +373,7 @@ def _summary(trainer: str, variant: tuple[int, int], dtype: str, run: dict[str, 
         "reward_mean": run["reward"],
         "response_len_mean": run["response_len"],
         **({"phases_s": run["phases"]} if "phases" in run else {}),
+        **({"peak_fractions": run["fractions"]} if run.get("fractions") else {}),
     }
 
 
@@ -380,6 +385,7 @@ HEADER = (
 def _line(s: dict[str, Any]) -> str:
     phases = s.get("phases_s")
     where = ", ".join(f"{p} {phases[p]:.2f}" for p in PHASES) if phases else ""
+    where += "".join(f", {k} {v:.3f}" for k, v in s.get("peak_fractions", {}).items())
     return (
         f"{s['trainer']:<8}{s['variant']:<6}{s['dtype']:<10}{s['step_s']:>8.2f}{s['samples_per_s']:>11.3f}"
         f"{s['reward_mean']:>8.2f}{s['response_len_mean']:>9.1f}   {where}"
