@@ -11,8 +11,8 @@ from torch import nn
 
 from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.config import JobConfig
-from fusedrl.layouts import DTYPES, model_flavor
-from fusedrl.models import ModelFlavor
+from fusedrl.layouts import DTYPES
+from fusedrl.models import ModelFlavor, scoring_flavors
 from fusedrl.rlhf.losses import DEFAULT_LOGITS_BUDGET_BYTES, logits_chunk_positions
 
 GIB = 2**30
@@ -99,17 +99,6 @@ def scoring_bytes(
         body_peak_bytes(f, rows * width, r, g),
         r * (rows * width + rows * scored) * f.embed_dim + SCORING_CHUNK_MULTIPLE * 4 * entries + head_out,
     )
-
-
-def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlavor, ...]]:
-    """The models a job scores with: the Reference (policy head; None without a KL term) and the value-head models
-    whose bodies run too (the Critic unless the estimator is critic-free, the Reward model unless a rule scores
-    alone)."""
-    reference = model_flavor(cfg, "actor") if cfg.ppo.uses_reference else None
-    others = () if cfg.ppo.critic_free else (model_flavor(cfg, "critic"),)
-    if cfg.model.uses_reward_model:
-        others = (*others, model_flavor(cfg, "reward"))
-    return reference, others
 
 
 def micro_batch_scoring_bytes(

@@ -32,8 +32,8 @@ from fusedrl.memory.formulas import (
     itemsize,
     micro_batch_scoring_bytes,
     prefill_bytes,
-    scoring_flavors,
 )
+from fusedrl.models import scoring_flavors
 from fusedrl.pipelining import ACTOR, CRITIC, FusedPipelineSchedule, StepObserver
 from fusedrl.rlhf import build_scorer
 from fusedrl.tasks import task_reward_fn

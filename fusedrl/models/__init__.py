@@ -11,6 +11,7 @@ from fusedrl.models.job import (
     model_flavor,
     model_flavors,
     neural_models,
+    scoring_flavors,
 )
 from fusedrl.models.registry import (
     FAMILIES,
@@ -62,6 +63,7 @@ __all__ = [
     "neural_models",
     "read_flavor",
     "resolve_flavor",
+    "scoring_flavors",
     "save_hf_checkpoint",
     "tune_to_hf_state",
 ]

@@ -36,6 +36,17 @@ def neural_models(cfg: JobConfig) -> tuple[str, ...]:
     return ("actor", *critic, *(("reward",) if cfg.model.uses_reward_model else ()))
 
 
+def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlavor, ...]]:
+    """The models a job scores with: the Reference (policy head; None without a KL term) and the value-head models
+    whose bodies run too (the Critic unless the estimator is critic-free, the Reward model unless a rule scores
+    alone)."""
+    reference = model_flavor(cfg, "actor") if cfg.ppo.uses_reference else None
+    others = () if cfg.ppo.critic_free else (model_flavor(cfg, "critic"),)
+    if cfg.model.uses_reward_model:
+        others = (*others, model_flavor(cfg, "reward"))
+    return reference, others
+
+
 def model_flavors(cfg: JobConfig, assets: dict[Path, str] | None = None) -> dict[str, ModelFlavor]:
     """The architecture of each built model (:func:`neural_models`) by [model] key; ConfigError naming the key when
     a flavor is unknown or a checkpoint's config.json describes what fusedrl cannot build. A path into one of

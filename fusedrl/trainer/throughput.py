@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fusedrl.config import JobConfig
 from fusedrl.hardware import Peak
-from fusedrl.models import model_flavor
+from fusedrl.models import model_flavor, scoring_flavors
 from fusedrl.models.figures import forward_flops
 from fusedrl.rlhf import Experience
 from fusedrl.rlhf.advantages import last_token_index
@@ -30,15 +30,12 @@ def compute_figures(
     trained positions that are padding) and ``score_mfu`` of one iteration whose trained (and scored) sequences have
     ``lengths`` and ``response_tokens`` response tokens, trained as a ``trained_shape`` ``[rows, positions]`` batch;
     ``times`` holds ``time_training`` and ``time_scoring``; ``peak_flops`` one rank's matmul FLOP/s by dtype name."""
-    actor = model_flavor(cfg, "actor")
     epochs, t = cfg.ppo.epochs, cfg.training
-    policy = forward_flops(actor, "policy", lengths, response_tokens)
-    trained = policy + (0.0 if cfg.ppo.critic_free else forward_flops(model_flavor(cfg, "critic"), "value", lengths, 0))
-    scored = (policy if cfg.ppo.uses_reference else 0.0) + (
-        0.0 if cfg.ppo.critic_free else forward_flops(model_flavor(cfg, "critic"), "value", lengths, 0)
-    )
-    if cfg.model.uses_reward_model:
-        scored += forward_flops(model_flavor(cfg, "reward"), "value", lengths, 0)
+    policy = forward_flops(model_flavor(cfg, "actor"), "policy", lengths, response_tokens)
+    critic = 0.0 if cfg.ppo.critic_free else forward_flops(model_flavor(cfg, "critic"), "value", lengths, 0)
+    reference, values = scoring_flavors(cfg)  # the Critic (when trained) among the scoring value models
+    trained = policy + critic
+    scored = (policy if reference is not None else 0.0) + sum(forward_flops(f, "value", lengths, 0) for f in values)
     out = {"pad_frac": 1.0 - sum(lengths) / max(1, trained_shape[0] * trained_shape[1])}
     train_s, score_s = times.get("time_training", 0.0), times.get("time_scoring", 0.0)
     if train_s > 0:

@@ -276,6 +276,12 @@ class Trainer:
             cfg.training.steps,
         )
         t = cfg.training
+        if self.recompute:
+            old_logprobs = "recomputed by the training forward (the engine's arithmetic differs from it)"
+        elif old_logprobs_from_forward(cfg):
+            old_logprobs = "the update's own forward (one on-policy update per iteration; the engine's arithmetic differs)"
+        else:
+            old_logprobs = "the engine's (ppo.recompute_logprobs: not asked for)"
         log.info(
             "numerics: training computes in %s (float32 master weights and optimizer state, %s gradient reduction); "
             "engine weights %s, KV cache %s; Reference/Reward %s; old log-probs %s; matmul peak %.3g TFLOP/s per rank "
@@ -285,11 +291,7 @@ class Trainer:
             t.rollout_dtype,
             t.kv_cache_dtype,
             t.frozen_dtype,
-            "recomputed by the training forward (the engine's arithmetic differs from it)"
-            if self.recompute
-            else "the update's own forward (one on-policy update per iteration; the engine's arithmetic differs)"
-            if old_logprobs_from_forward(cfg)
-            else "the engine's (ppo.recompute_logprobs: not asked for)",
+            old_logprobs,
             self.peak_flops[t.mixed_precision_param] / 1e12,
             t.mixed_precision_param,
             "training.peak_tflops" if t.peak_tflops > 0 else "measured, python -m fusedrl.bench.peak",
