@@ -4,6 +4,7 @@ limits of the machine at hand, measured (``measure_peak``), that a benchmark sta
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -161,3 +162,20 @@ def _cpu_name() -> str:
     except (OSError, StopIteration):
         model = platform.machine()
     return f"{model}, {os.cpu_count()} cores"
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def reuse_host_memory() -> bool:
+    """Make the C allocator keep freed memory for reuse instead of returning it to the system (glibc's ``mallopt``:
+    no ``mmap``-ed blocks, no trimming of the heap). Each CPU tensor of an iteration (activations, gradients, logits
+    chunks) is otherwise a fresh ``mmap`` whose every page faults on first touch: measured on SmolLM2-135M's GRPO
+    update, ~450 thousand page faults and ~1.5 s of system time per iteration, none after this. The process's
+    resident memory then stays at its peak. Returns whether it took effect (False off glibc, e.g. macOS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
+        return all(libc.mallopt(param, value) == 1 for param, value in settings)
+    except (OSError, AttributeError):
+        return False

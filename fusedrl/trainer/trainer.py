@@ -51,7 +51,7 @@ from fusedrl.components import (
 from fusedrl.config import JobConfig
 from fusedrl.distributed import select_device
 from fusedrl.generation import GenerationEngine, WeightSync
-from fusedrl.hardware import cached_peak
+from fusedrl.hardware import cached_peak, reuse_host_memory
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
@@ -162,6 +162,8 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        # before the models: every allocation after this reuses freed memory
+        self.host_memory_reused = cfg.training.reuse_host_memory and reuse_host_memory()
         self.task = load_task(cfg.job.task)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = select_device(cfg.training.device)
@@ -285,7 +287,7 @@ class Trainer:
         log.info(
             "numerics: training computes in %s (float32 master weights and optimizer state, %s gradient reduction); "
             "engine weights %s, KV cache %s; Reference/Reward %s; old log-probs %s; matmul peak %.3g TFLOP/s per rank "
-            "in %s (%s)",
+            "in %s (%s); freed host memory %s",
             t.mixed_precision_param,
             t.mixed_precision_reduce,
             t.rollout_dtype,
@@ -295,6 +297,7 @@ class Trainer:
             self.peak_flops[t.mixed_precision_param] / 1e12,
             t.mixed_precision_param,
             "training.peak_tflops" if t.peak_tflops > 0 else "measured, python -m fusedrl.bench.peak",
+            "kept for reuse (training.reuse_host_memory)" if self.host_memory_reused else "returned to the system",
         )
         history = []
         while self.step < cfg.training.steps:
