@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fusedrl.config import ConfigError, JobConfig, validate_config
+from fusedrl.pipelining import ACTOR, LocalSchedule, StageModule
 from fusedrl.rlhf import (
     Experience,
     KLLoss,
@@ -95,7 +96,7 @@ def test_compute_advantages_grpo_broadcasts_and_reports_groups():
     assert stats["zero_std_groups_frac"] == 0.5 and exp.values is None
 
 
-def test_compute_advantages_grpo_kl_in_reward():
+def test_compute_advantages_rloo_kl_in_reward():
     # KL in the reward: each sample's return is its score minus kl_coef x its summed k1 KL (0.5 per token)
     cfg = _cfg(advantage_estimator="rloo", kl_coef=0.1, kl_estimator="k1")
     exp, _ = compute_advantages(cfg, _batch([1.0, 1.0], [2, 4]))
@@ -134,20 +135,48 @@ def test_loss_weights_by_hand(mode):
 
 
 def test_loss_weights_independent_of_the_split():
-    """The aggregate over a whole minibatch equals the sum of its micro-batches' weighted sums, whatever the split."""
+    """Each ppo.loss_agg_mode's loss of a whole minibatch (computed here from its definition) is the weighted sum that
+    loss_weights gives, and the gradient that the executor accumulates over 1, 2, 4 or 8 micro-batches with those
+    weights (scaled by the micro-batch count, as the update scales them) is the same for every split."""
     torch.manual_seed(0)
     mask = (torch.rand(8, 10) < 0.6).float()
     mask[:, 0] = 0
+    mask[3] = 0  # a sequence without a response token counts for none
     per_token = torch.randn(8, 10)
-    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        w = loss_weights(mask, mode, 9)
-        whole = (per_token * w).sum()
+    lengths, sequences = mask.sum(1), int((mask.sum(1) > 0).sum())
+    masked = per_token * mask
+    definitions = {
+        "token-mean": masked.sum() / mask.sum(),
+        "seq-mean-token-mean": sum(masked[r].sum() / lengths[r] for r in range(8) if lengths[r] > 0) / sequences,
+        "seq-mean-token-sum-norm": masked.sum() / (9 * sequences),
+    }
+    for mode, expected in definitions.items():
+        weights = loss_weights(mask, mode, 9)
+        torch.testing.assert_close((per_token * weights).sum(), expected)
+        grads = []
         for parts in (1, 2, 4, 8):
-            split = sum((p * q).sum() for p, q in zip(per_token.chunk(parts), w.chunk(parts)))
-            torch.testing.assert_close(split, whole)
-    assert not torch.allclose(
-        (per_token * loss_weights(mask, "token-mean", 9)).sum(), (per_token * loss_weights(mask, "seq-mean-token-mean", 9)).sum()
-    )
+            scale = torch.nn.Parameter(torch.ones(()))
+            module = _Scaled(scale)
+
+            def loss_fn(out: torch.Tensor, targets: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+                return (out * targets["loss_weight"]).sum(), {}
+
+            schedule = LocalSchedule(StageModule(module, loss_fn, hidden_dim=1, output_dim=1), None, {ACTOR: parts})
+            schedule.step(per_token, None, {"loss_weight": weights * parts}, None)
+            grads.append(scale.grad)
+        for grad in grads:
+            torch.testing.assert_close(grad, expected)
+
+
+class _Scaled(torch.nn.Module):
+    """``scale * x``: its gradient is the loss's value at scale 1."""
+
+    def __init__(self, scale: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
 
 
 def _targets():

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
+import transformers  # a dev dependency (pyproject.toml): these tests run wherever the suite runs
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import CheckpointError, ModelFlavor, flavor_from_hf_config, from_pretrained, read_flavor, save_hf_checkpoint
 from fusedrl.testing.architectures import TINY_ARCHITECTURES
 
-transformers = pytest.importorskip("transformers")
 ARCHS = sorted(TINY_ARCHITECTURES)
 PROMPTS = ([5, 17, 33], [9, 2, 41, 7, 100, 3, 8], [250])
 NEW_TOKENS = 12
