@@ -126,6 +126,7 @@ def test_fusedrl_overrides_are_the_workload(tmp_path: Path, dtype: str) -> None:
     argv = peers.fusedrl_argv(tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "out", 4, 8, dtype, 5, ["--ppo.microbatch_size=8"])
     cfg = load_config(argv)
     assert (cfg.ppo.batch_size, cfg.ppo.minibatch_size, cfg.ppo.epochs, cfg.ppo.microbatch_size) == (32, 32, 1, 8)
+    assert cfg.ppo.microbatch_tokens == 32 * (64 + 48) and cfg.data.max_prompt_len == 64  # the batch in one packed row
     assert (cfg.generation.n, cfg.generation.max_new_tokens, cfg.generation.temperature) == (8, 48, 1.0)
     assert (cfg.generation.top_p, cfg.generation.top_k) == (1.0, 0)
     assert (cfg.ppo.kl_coef, cfg.ppo.kl_loss_coef, cfg.ppo.kl_estimator) == (0.0, 0.04, "k3")

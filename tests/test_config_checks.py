@@ -29,6 +29,7 @@ OWNERS = {
     "models": "models",
     "model_split": "distributed",
     "schedule_memory": "rlhf",
+    "packing": "rlhf",
     "device": "distributed",
     "float8": "distributed",
     "tokenizer": "components",
@@ -164,6 +165,7 @@ RULES = [
         "model.critic = 'debug_small' has 1 layers, fewer than parallelism.pp_critic = 2 stages",
     ),
     (["--fusion.schedule_memory_gib=1e-9"], "schedule_memory", "fusion.schedule_memory_gib = 1e-09"),
+    (["--ppo.microbatch_tokens=100"], "packing", "ppo.microbatch_tokens = 100 (command line) is smaller than the longest"),
     (["--data.chat_template=true"], "tokenizer", "data.chat_template = true, but the tokenizer"),
     (["--model.tokenizer_path=/no/tokenizer.json"], "tokenizer", 'model.tokenizer_path = "/no/tokenizer.json" (command'),
 ]

@@ -11,8 +11,8 @@ from fusedrl.config import load_config
 from fusedrl.hardware import Peak, cached_peak
 from fusedrl.models import FLAVORS
 from fusedrl.models.figures import forward_flops
-from fusedrl.rlhf import Experience
-from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s, sequence_lengths
+from fusedrl.rlhf import sequence_lengths
+from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s
 
 DEBUG = FLAVORS["debug"]  # vocab 512, 2 layers, dim 64; one layer over 10 tokens: 983_040 matmul FLOPs + 12_800 attention
 
@@ -34,7 +34,7 @@ def test_compute_figures_by_hand():
     cfg = _cfg("--ppo.epochs=2", "--training.mixed_precision_param=bfloat16", "--training.frozen_dtype=float32")
     flops = forward_flops(DEBUG, "policy", [3, 7], 4)
     peak = {"float32": 1e9, "bfloat16": 4e9}
-    out = compute_figures(cfg, [3, 7], 4, (2, 8), {"time_training": 2.0, "time_scoring": 0.5}, peak, world=2)
+    out = compute_figures(cfg, [3, 7], 4, 16, {"time_training": 2.0, "time_scoring": 0.5}, peak, world=2)
     assert out["pad_frac"] == pytest.approx(1 - 10 / 16)
     assert out["train_tokens_per_s"] == pytest.approx(2 * 10 / 2.0)
     # 3 x forward per trained token, 2 epochs, over 2 ranks' bf16 peak for the phase's time
@@ -43,7 +43,7 @@ def test_compute_figures_by_hand():
     assert out["score_mfu"] == pytest.approx(flops / (0.5 * 2 * 1e9))
     # no KL term: no Reference scores, no score_mfu; no time: no rates
     cfg = _cfg("--ppo.kl_loss_coef=0", "--ppo.kl_coef=0")
-    assert set(compute_figures(cfg, [3, 7], 4, (2, 8), {}, peak, world=1)) == {"pad_frac"}
+    assert set(compute_figures(cfg, [3, 7], 4, 16, {}, peak, world=1)) == {"pad_frac"}
 
 
 def test_peak_from_the_config_or_the_measurement():
@@ -56,7 +56,7 @@ def test_peak_from_the_config_or_the_measurement():
 
 def test_sequence_lengths_of_right_padded_rows():
     mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
-    assert sequence_lengths(Experience(tokens=torch.zeros(2, 6, dtype=torch.long), response_mask=mask)) == [4, 6]
+    assert sequence_lengths(mask) == [4, 6]
 
 
 def test_cached_peak_measures_once_per_key(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ threads (2), in float32 or bfloat16 (``--dtypes``).
   as TRL loads them by default: bf16 autocast); no vLLM.
 - fusedrl: ``python -m fusedrl.train --job.config_file train_configs/smollm2_135m_grpo.toml --parallelism.pp=1``
   with the workload's overrides (``ppo.batch_size = minibatch_size = P*G``, ``epochs = 1``, ``kl_loss_coef = 0.04``,
-  ``kl_coef = 0``, both fusions off, no checkpoints); bfloat16 sets the parameter, frozen, rollout and KV-cache
+  ``kl_coef = 0``, both fusions off, no checkpoints, the batch packed in one row: ``ppo.microbatch_tokens``); bfloat16 sets the parameter, frozen, rollout and KV-cache
   dtypes to bfloat16, float32 all four to float32. ``--fusedrl-args "..."`` appends overrides to every fusedrl run
   and ``--fusedrl-nproc N`` runs it on N ranks (torchrun; ``--threads`` are shared among them).
 
@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "train_configs" / "smollm2_135m_grpo.toml"
 PROMPTS = 512
 MAX_NEW_TOKENS = 48
+MAX_PROMPT_LEN = 64  # the recipe's data.max_prompt_len, stated: it sizes the packed micro-batch
 KL_COEF = 0.04
 LR = 1e-6
 DTYPES = ("float32", "bfloat16")
@@ -141,6 +142,8 @@ def fusedrl_argv(
         f"--ppo.batch_size={batch}",
         f"--ppo.minibatch_size={batch}",
         f"--ppo.microbatch_size={batch}",  # one process: the batch in one micro-batch and one decode batch, as TRL does
+        f"--data.max_prompt_len={MAX_PROMPT_LEN}",
+        f"--ppo.microbatch_tokens={batch * (MAX_PROMPT_LEN + MAX_NEW_TOKENS)}",  # that micro-batch packed in one row
         f"--generation.max_slots={batch}",
         "--ppo.epochs=1",
         "--ppo.kl_coef=0.0",

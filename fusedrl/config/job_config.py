@@ -311,6 +311,14 @@ class PPOSection:
         "Samples per pipeline micro-batch on each data-parallel shard; minibatch_size / dp_shard must be a multiple of it.",
         at_least(1),
     )
+    microbatch_tokens: int = _key(
+        0,
+        "Packed training micro-batches: > 0 puts the sequences of each data-parallel shard's minibatch back to back in "
+        "the fewest rows of at most this many tokens (one row per micro-batch, attention within each sequence), so no "
+        "padding between sequences is computed; at least data.max_prompt_len + generation.max_new_tokens; pp = 1 only "
+        "for now. 0: micro-batches of microbatch_size right-padded rows.",
+        at_least(0),
+    )
     epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = _key(
         "gae",

@@ -14,6 +14,7 @@ from torchtune.modules import TransformerDecoder
 from torchtune.modules.tied_linear import TiedLinear
 
 from fusedrl.distributed.parallel_dims import mesh_lines
+from fusedrl.models.documents import DocumentSpans
 from fusedrl.models.figures import stage_layer_counts
 
 
@@ -51,8 +52,8 @@ class DecoderStage(nn.Module):
     Stage 0 takes token ids ``[B, S]``; other stages take hidden states ``[B, S, D]``; the last stage
     returns the model output (``float32``, like TransformerDecoder), or with ``apply_head=False`` the final
     normed hidden states (``float32``; the head, still held by the stage, is then applied by the loss).
-    Attention is plain causal with positions ``0..S-1`` (right-padded training batches; no KV cache, mask or
-    packing).
+    Attention is plain causal with positions ``0..S-1`` (right-padded training batches), or causal within each
+    document of packed rows (``forward(x, documents)``); no KV cache.
 
     ``layers`` is keyed by the layer's index in the full model, so parameter names match the full
     model's state dict (``layers.5.attn.q_proj.weight``). ``hidden_dim`` is the model's embedding width: the last
@@ -78,12 +79,21 @@ class DecoderStage(nn.Module):
         self.max_seq_len = max_seq_len
         self.apply_head = apply_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] > self.max_seq_len:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds the model's max_seq_len {self.max_seq_len}")
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: ``[B, S]`` document ids of packed rows (:class:`~fusedrl.models.documents.DocumentSpans`):
+        attention causal within each document, positions from 0 in each; None: plain causal rows."""
+        spans = None if documents is None else DocumentSpans.from_ids(documents)
+        longest = x.shape[1] if spans is None else max(max(row) for row in spans.lengths)
+        if longest > self.max_seq_len:
+            raise ValueError(f"sequence length {longest} exceeds the model's max_seq_len {self.max_seq_len}")
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
+        if spans is None:
+            for layer in self.layers.values():
+                h = layer(h)
+        else:
+            positions = spans.positions(h.device)
+            for layer in self.layers.values():
+                h = layer(h, mask=spans, input_pos=positions)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

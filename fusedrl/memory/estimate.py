@@ -160,7 +160,12 @@ def estimate_rank(
         itemsize(t.kv_cache_dtype),
     )
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
-    rows, seq = cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg)
+    # packed micro-batches (ppo.microbatch_tokens): one row of at most that many tokens each
+    rows, seq = (
+        (1, cfg.ppo.microbatch_tokens)
+        if cfg.ppo.microbatch_tokens
+        else (cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg))
+    )
     flavors = {m: model_flavor(cfg, m) for m in build.stages}  # ACTOR / CRITIC name their [model] keys
     actor = flavors[ACTOR]
     n_mb = program.microbatches[ACTOR]

@@ -33,6 +33,8 @@ from torchtune.modules import (
 )
 from torchtune.modules import RMSNorm as TuneRMSNorm
 
+from fusedrl.models.documents import accept_document_spans
+
 
 class RMSNorm(TuneRMSNorm):
     """torchtune's RMSNorm (float32 arithmetic) with its scale cast to float32 too: a bf16 scale (mixed precision)
@@ -236,6 +238,7 @@ def build_model(
         model = _build_decoder(f)
         if role == "value":
             model.output = ValueHead(f.embed_dim)
+    accept_document_spans(model)  # packed rows (fusedrl.models.documents)
     return model
 
 

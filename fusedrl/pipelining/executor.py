@@ -400,17 +400,27 @@ class LocalSchedule:
         critic_targets: dict[str, torch.Tensor] | None,
         *,
         record: bool = False,
+        documents: torch.Tensor | None = None,
+        microbatches: int | None = None,
     ) -> dict[str, ModelStepResult]:
         """Forward, backward and gradient reduction of one minibatch for every model it trains (see the class doc);
-        without a Critic, ``critic_inputs`` and ``critic_targets`` must be None and the result holds the Actor only."""
+        without a Critic, ``critic_inputs`` and ``critic_targets`` must be None and the result holds the Actor only.
+
+        Packed rows (:mod:`fusedrl.rlhf.packing`): ``documents`` are the inputs' ``[B, S]`` document ids, split like
+        them and passed to each model's forward as ``documents=``; ``microbatches`` sets this step's micro-batch count
+        for every model instead of the constructor's (a packed minibatch's count varies with its lengths)."""
         batches = _model_batches(self.models, actor_inputs, critic_inputs, actor_targets, critic_targets)
         clock = (
             _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
         )
         results = {}
-        moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(batches[0].values()), tuple(batches[1].values()))
+        extra = () if documents is None else (documents,)
+        moved_inputs, moved_targets = _minibatch_to_device(
+            self.device, (*batches[0].values(), *extra), tuple(batches[1].values())
+        )
+        moved_documents = moved_inputs[-1] if documents is not None else None
         for m, inputs, targets in zip(self.models, moved_inputs, moved_targets):
-            spec, n_mb = self.models[m], self.microbatches[m]
+            spec, n_mb = self.models[m], microbatches or self.microbatches[m]
             if inputs.shape[0] % n_mb:
                 raise ValueError(f"{m} batch {inputs.shape[0]} is not divisible by its {n_mb} micro-batches")
             size = inputs.shape[0] // n_mb
@@ -423,7 +433,10 @@ class LocalSchedule:
                 rows = slice(i * size, (i + 1) * size)
                 if clock:
                     clock.start()
-                out = spec.module(inputs[rows])
+                if moved_documents is None:
+                    out = spec.module(inputs[rows])
+                else:
+                    out = spec.module(inputs[rows], documents=moved_documents[rows])
                 loss, mb_stats = spec.loss_fn(out, {k: v[rows] for k, v in targets.items()})
                 if clock:
                     clock.stop(Action(m, 0, i, "F"))

@@ -35,6 +35,7 @@ from fusedrl.rlhf.losses import (
     token_logprobs,
     value_loss,
 )
+from fusedrl.rlhf.packing import PackedRows, pack_rows, sequence_lengths
 from fusedrl.rlhf.program import (
     TrainingExecutor,
     build_executor,
@@ -115,6 +116,9 @@ __all__ = [
     "policy_loss",
     "ppo_minibatches",
     "ppo_update",
+    "pack_rows",
+    "PackedRows",
+    "sequence_lengths",
     "old_logprobs_from_forward",
     "recompute_enabled",
     "recompute_logprobs",

@@ -1,5 +1,5 @@
 """Startup checks of the PPO settings that depend on other sections: when the old log-probs must be recomputed
-with the training layout, and the fused schedule's activation-memory cap."""
+with the training layout, the fused schedule's activation-memory cap, and packed micro-batches."""
 
 from __future__ import annotations
 
@@ -29,3 +29,25 @@ def check_recompute(startup: Startup) -> None:
 def check_schedule_memory(startup: Startup) -> None:
     """``fusion.schedule_memory_gib`` is not below sequential 1F1B's peak (:func:`schedule_memory_limit`)."""
     schedule_memory_limit(startup.cfg, startup.cfg.sequence_budget)
+
+
+def check_packing(startup: Startup) -> None:
+    """``ppo.microbatch_tokens`` (packed rows) holds the longest sequence, and runs at pp = 1 (a pipeline program is
+    planned for a fixed micro-batch count; packed minibatches vary theirs); raises ConfigError."""
+    cfg = startup.cfg
+    tokens = cfg.ppo.microbatch_tokens
+    if tokens == 0:
+        return
+    where = source_of(cfg, "ppo.microbatch_tokens")
+    if tokens < cfg.sequence_budget:
+        raise ConfigError(
+            f"ppo.microbatch_tokens = {tokens} ({where}) is smaller than the longest sequence, data.max_prompt_len + "
+            f"generation.max_new_tokens = {cfg.sequence_budget}; raise it to at least {cfg.sequence_budget}, or set 0 "
+            "(no packing)"
+        )
+    if cfg.parallelism.pp > 1:
+        raise ConfigError(
+            f"ppo.microbatch_tokens = {tokens} ({where}) packs micro-batches at parallelism.pp = 1 only (a pipeline "
+            f"program is planned for a fixed micro-batch count), got pp = {cfg.parallelism.pp}; set "
+            "--ppo.microbatch_tokens=0 or --parallelism.pp=1"
+        )

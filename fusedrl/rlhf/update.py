@@ -17,9 +17,10 @@ from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.components import build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.config import JobConfig
 from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
-from fusedrl.pipelining import Timeline, pipeline_forward
+from fusedrl.pipelining import LocalSchedule, Timeline, pipeline_forward
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import chunked_token_logprobs
+from fusedrl.rlhf.packing import PackedRows, pack_rows, sequence_lengths
 from fusedrl.rlhf.program import TrainingExecutor, old_logprobs_from_forward
 
 log = logging.getLogger("fusedrl.rlhf.update")
@@ -103,22 +104,29 @@ def loss_weights(mask: torch.Tensor, mode: str, max_new_tokens: int) -> torch.Te
 
 def _forward_backward(
     cfg: JobConfig, layout: TrainingLayout, executor: TrainingExecutor, mb: Experience, *, record: bool = False
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], int]:
     """Forward/backward of one global minibatch for the trained models through the layout's executor.
 
-    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage). The policy loss
+    Returns this rank's last-stage stats as 0-dim device tensors (zeros on ranks without a last stage), and the token
+    positions the forward computed over all data-parallel shards (padding included; packed rows with
+    ``ppo.microbatch_tokens``). The policy loss
     weighs each token by :func:`loss_weights` of the whole minibatch and the value loss divides by ``loss_denom``, so
     that the accumulated gradient is ``ppo.loss_agg_mode``'s loss (the value loss's token mean) of the whole minibatch.
     ``ppo.tis_cap`` > 0 weights each token's policy loss by ``min(pi_old / pi_engine, tis_cap)`` (needs
     ``mb.engine_logprobs``); ``ppo.kl_loss_coef`` > 0 passes the Reference's log-probs to the policy loss.
     """
     ppo = cfg.ppo
-    # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
-    scale = executor.microbatches * layout.dp
-    weights = loss_weights(mb.response_mask, ppo.loss_agg_mode, cfg.generation.max_new_tokens) * scale
     rows = mb.batch_size // layout.dp
-    shard = mb.split(rows)[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
-    denom = (mb.response_mask.sum() / scale).expand(shard.batch_size).contiguous()
+    shards = mb.split(rows)
+    shard = shards[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
+    packings = packed_shards(shards, ppo.microbatch_tokens) if ppo.microbatch_tokens else None
+    packed = packings[layout.dp_rank] if packings is not None else None
+    positions = sum(p.positions for p in packings) if packings is not None else mb.batch_size * mb.seq_len
+    microbatches = len(packed.rows) if packed is not None else executor.microbatches
+    # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
+    scale = microbatches * layout.dp
+    weights = loss_weights(mb.response_mask, ppo.loss_agg_mode, cfg.generation.max_new_tokens) * scale
+    denom = (mb.response_mask.sum() / scale).expand(microbatches if packed is not None else shard.batch_size).contiguous()
     actor_targets = {
         **shard.targets("tokens", "response_mask", "logprobs", "advantages"),
         "loss_denom": denom,
@@ -132,8 +140,25 @@ def _forward_backward(
     critic_targets = None
     if layout.critic_stage is not None:
         critic_targets = {**shard.targets("response_mask", "values", "returns"), "loss_denom": denom}
-    critic_inputs = shard.tokens if critic_targets is not None else None
-    result = executor.schedule.step(shard.tokens, critic_inputs, actor_targets, critic_targets, record=record)
+    if packed is None:
+        critic_inputs = shard.tokens if critic_targets is not None else None
+        result = executor.schedule.step(shard.tokens, critic_inputs, actor_targets, critic_targets, record=record)
+    else:
+        assert isinstance(executor.schedule, LocalSchedule), "packed micro-batches run at pp = 1 (check_packing)"
+
+        def pack(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: v if k == "loss_denom" else packed.pack(v) for k, v in targets.items()}
+
+        tokens = packed.pack(shard.tokens)
+        result = executor.schedule.step(
+            tokens,
+            tokens if critic_targets is not None else None,
+            pack(actor_targets),
+            pack(critic_targets) if critic_targets is not None else None,
+            record=record,
+            documents=packed.documents,
+            microbatches=microbatches,
+        )
     out: dict[str, torch.Tensor] = {}
     actor_keys = (*POLICY_STATS, *first_minibatch_stats(cfg), *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
     for model, keys in (("actor", actor_keys), ("critic", VALUE_STATS)):
@@ -144,7 +169,14 @@ def _forward_backward(
     # each Critic replica's last stage reports its own micro-batches: a 1/K share of the mean
     if layout.critic_replicas > 1 and "critic" in result:
         out.update({k: out[k] / layout.critic_replicas for k in VALUE_STATS})
-    return out
+    return out, positions
+
+
+def packed_shards(shards: list[Experience], microbatch_tokens: int) -> list[PackedRows]:
+    """Each data-parallel shard's packed rows (:mod:`fusedrl.rlhf.packing`), the same row count on every shard."""
+    lengths = [sequence_lengths(s.response_mask) for s in shards]
+    rows = pack_rows(lengths, microbatch_tokens)
+    return [PackedRows.of(r, n, microbatch_tokens) for r, n in zip(rows, lengths)]
 
 
 def _skip_update(norms: list[torch.Tensor], stats: dict[str, torch.Tensor]) -> bool:
@@ -167,6 +199,7 @@ class MinibatchResult:
     grad_norm_actor: torch.Tensor  # global norms before clipping, identical on every rank
     grad_norm_critic: torch.Tensor | None  # None without a Critic
     skipped: bool  # a non-finite loss or gradient norm: no optimizer stepped (identical on every rank)
+    positions: int  # token positions computed over all data-parallel shards, padding included
 
 
 def ppo_minibatches(cfg: JobConfig, exp: Experience, step: int) -> Iterator[Experience]:
@@ -205,7 +238,7 @@ def train_minibatch(
     ``step`` is the iteration, for messages; ``record``: record the executor's timeline
     (``executor.schedule.timeline``).
     """
-    stats = _forward_backward(cfg, layout, executor, mb, record=record)
+    stats, positions = _forward_backward(cfg, layout, executor, mb, record=record)
     layout.tied.sum_gradients()
     norms = []
     # the Critic's norm over one replica's stages (every replica holds the same averaged gradients)
@@ -232,7 +265,7 @@ def train_minibatch(
     for optimizer, sched in opt.pairs():
         optimizer.zero_grad(set_to_none=True)
         sched.step()
-    return MinibatchResult(stats, norms[0], norms[1] if len(norms) > 1 else None, skipped)
+    return MinibatchResult(stats, norms[0], norms[1] if len(norms) > 1 else None, skipped, positions)
 
 
 @dataclass
@@ -244,6 +277,7 @@ class UpdateResult:
     updates: int
     figures: dict[str, float]  # identical on every rank: gradient norms, skipped updates, learning rates
     timeline: Timeline | None  # the last minibatch's pipeline timeline of all ranks, on recorded iterations
+    positions: int  # token positions the training forward computed per epoch, over all data-parallel shards
 
 
 def ppo_update(
@@ -265,7 +299,7 @@ def ppo_update(
     bubbles: list[float] = []
     timeline: Timeline | None = None
     norms: dict[str, list[torch.Tensor]] = {"actor": [], "critic": []}
-    skipped, updates = 0, 0
+    skipped, updates, positions = 0, 0, 0
     for mb in ppo_minibatches(cfg, exp, step):
         result = train_minibatch(cfg, layout, executor, opt, mb, step=step, record=record)
         if not first:
@@ -281,12 +315,13 @@ def ppo_update(
         if result.grad_norm_critic is not None:
             norms["critic"].append(result.grad_norm_critic)
         skipped += result.skipped
+        positions += result.positions
         updates += 1
     figures: dict[str, float] = {f"grad_norm_{m}": float(torch.stack(v).mean()) for m, v in norms.items() if v}
     figures.update({"skipped_updates": skipped, **opt.learning_rates()})
     if bubbles:
         figures["bubble_ratio"] = sum(bubbles) / len(bubbles)
-    return UpdateResult(sums, first, updates, figures, timeline)
+    return UpdateResult(sums, first, updates, figures, timeline, positions // cfg.ppo.epochs)
 
 
 def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device) -> torch.Tensor:

@@ -8,27 +8,21 @@ from fusedrl.config import JobConfig
 from fusedrl.hardware import Peak
 from fusedrl.models import model_flavor, scoring_flavors
 from fusedrl.models.figures import forward_flops
-from fusedrl.rlhf import Experience
-from fusedrl.rlhf.advantages import last_token_index
-
-
-def sequence_lengths(exp: Experience) -> list[int]:
-    """Prompt + response tokens of each row (rows are right-padded; every scored row has a response token)."""
-    return (last_token_index(exp.response_mask) + 1).tolist()
 
 
 def compute_figures(
     cfg: JobConfig,
     lengths: list[int],
     response_tokens: int,
-    trained_shape: tuple[int, int],
+    trained_positions: int,
     times: dict[str, float],
     peak_flops: dict[str, float],
     world: int,
 ) -> dict[str, float]:
     """``train_tokens_per_s`` (real tokens trained, every epoch), ``train_mfu``, ``pad_frac`` (the share of the
     trained positions that are padding) and ``score_mfu`` of one iteration whose trained (and scored) sequences have
-    ``lengths`` and ``response_tokens`` response tokens, trained as a ``trained_shape`` ``[rows, positions]`` batch;
+    ``lengths`` and ``response_tokens`` response tokens, trained over ``trained_positions`` token positions per epoch
+    (padding included);
     ``times`` holds ``time_training`` and ``time_scoring``; ``peak_flops`` one rank's matmul FLOP/s by dtype name."""
     epochs, t = cfg.ppo.epochs, cfg.training
     policy = forward_flops(model_flavor(cfg, "actor"), "policy", lengths, response_tokens)
@@ -36,7 +30,7 @@ def compute_figures(
     reference, values = scoring_flavors(cfg)  # the Critic (when trained) among the scoring value models
     trained = policy + critic
     scored = (policy if reference is not None else 0.0) + sum(forward_flops(f, "value", lengths, 0) for f in values)
-    out = {"pad_frac": 1.0 - sum(lengths) / max(1, trained_shape[0] * trained_shape[1])}
+    out = {"pad_frac": 1.0 - sum(lengths) / max(1, trained_positions)}
     train_s, score_s = times.get("time_training", 0.0), times.get("time_scoring", 0.0)
     if train_s > 0:
         out["train_tokens_per_s"] = epochs * sum(lengths) / train_s

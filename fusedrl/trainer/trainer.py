@@ -73,11 +73,12 @@ from fusedrl.rlhf import (
     recompute_logprobs,
     reward_fn_metrics,
     sample_groups,
+    sequence_lengths,
     zero_variance_groups,
 )
 from fusedrl.rollout_fusion import RolloutResult
 from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
-from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s, sequence_lengths
+from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s
 
 log = logging.getLogger("fusedrl.trainer")
 
@@ -318,7 +319,7 @@ class Trainer:
         if self.rank == 0:
             log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
         updates = self.cfg.ppo.epochs * (self.cfg.ppo.batch_size // self.cfg.ppo.minibatch_size)
-        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **self.opt.learning_rates()}, None)
+        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **self.opt.learning_rates()}, None, 0)
 
     def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
         """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times."""
@@ -395,7 +396,7 @@ class Trainer:
             trained, sampling_stats = self.dynamic_sampling(step, scored, timers)
         if self.frozen is not None:
             self.frozen.release()
-        trained_lengths, response_tokens = sequence_lengths(trained), int(trained.response_mask.sum())
+        trained_lengths, response_tokens = sequence_lengths(trained.response_mask), int(trained.response_mask.sum())
         with timers("advantages"):
             exp, adv_stats = compute_advantages(cfg, trained)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
@@ -436,7 +437,13 @@ class Trainer:
         record.update(length_stats(lengths))
         record.update(
             compute_figures(
-                cfg, trained_lengths, response_tokens, (exp.batch_size, exp.seq_len), record, self.peak_flops, self.world
+                cfg,
+                trained_lengths,
+                response_tokens,
+                update.positions or exp.batch_size * exp.seq_len,
+                record,
+                self.peak_flops,
+                self.world,
             )
         )
         record.update(adv_stats)

@@ -1,0 +1,106 @@
+"""Packed training micro-batches (``ppo.microbatch_tokens`` > 0): each micro-batch is one row holding several
+sequences back to back (document-causal attention, positions restarting at 0: :mod:`fusedrl.models.documents`), so
+the forward and backward compute no padding between sequences, only at the end of a row.
+
+Sequences are spread over the fewest rows of at most ``microbatch_tokens`` tokens that hold every data-parallel shard
+(the same count on every shard: FSDP2's collectives run once per micro-batch), longest first into the least-filled
+row; all rows of a step have one length, rounded up to a multiple of 1/32 of the budget. Every per-token field is laid
+out the same way, so the losses are unchanged: a loss weight is per token (:func:`~fusedrl.rlhf.update.loss_weights`
+of the whole minibatch), and position ``t`` of a row predicts token ``t + 1``, which at a document's end is the next
+document's first token: a prompt token, never scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fusedrl.buckets import evenly_spaced, round_up
+
+
+def sequence_lengths(response_mask: torch.Tensor) -> list[int]:
+    """Prompt + response tokens of each right-padded row: up to its last response token (1 for a row without one,
+    which no loss counts)."""
+    m = response_mask.bool()
+    positions = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    return (torch.where(m, positions, 0).amax(dim=1) + 1).tolist()
+
+
+def pack_rows(lengths_by_shard: Sequence[Sequence[int]], capacity: int) -> list[list[list[int]]]:
+    """For each data-parallel shard, its sequences (indices into its ``lengths``) in rows of at most ``capacity``
+    tokens: the fewest rows that hold every shard, the same count on each, longest first into the least-filled row.
+    Deterministic: every rank computes the same rows."""
+    longest = max((n for lengths in lengths_by_shard for n in lengths), default=0)
+    if longest > capacity:
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit ppo.microbatch_tokens = {capacity}; raise it to at least the "
+            "longest sequence (data.max_prompt_len + generation.max_new_tokens)"
+        )
+    count = max(1, max(-(-sum(lengths) // capacity) for lengths in lengths_by_shard))
+    while True:
+        packed = [_fill(lengths, count, capacity) for lengths in lengths_by_shard]
+        if all(rows is not None for rows in packed):
+            return [rows for rows in packed if rows is not None]
+        count += 1
+
+
+def _fill(lengths: Sequence[int], count: int, capacity: int) -> list[list[int]] | None:
+    """``lengths``' indices in ``count`` rows, longest first into the least-filled one; None when one does not fit."""
+    rows: list[list[int]] = [[] for _ in range(count)]
+    filled = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        row = min(range(count), key=lambda r: (filled[r], r))
+        if filled[row] + lengths[i] > capacity:
+            return None
+        rows[row].append(i)
+        filled[row] += lengths[i]
+    return [sorted(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where each sequence of a ``[B, S]`` batch goes in ``[rows, length]`` packed rows (:meth:`pack` lays a per-token
+    tensor out so), and the rows' document ids (``documents``: a sequence's index in its row; the padding at a row's
+    end is one more document)."""
+
+    rows: list[list[int]]
+    lengths: list[int]
+    length: int
+
+    @staticmethod
+    def of(rows: list[list[int]], lengths: Sequence[int], capacity: int) -> PackedRows:
+        """``rows`` of sequences of ``lengths``, each row ``length`` long: the longest row's tokens rounded up to a
+        multiple of ``capacity`` / 32 (at least 16), so that the steps of a run see few shapes."""
+        longest = max(sum(lengths[i] for i in row) for row in rows)
+        return PackedRows(rows, list(lengths), round_up(longest, evenly_spaced(capacity, count=32)))
+
+    def pack(self, per_token: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """``per_token`` ``[B, S]`` (right-padded) as ``[rows, length]``: each row's sequences back to back, then
+        ``fill``."""
+        out = per_token.new_full((len(self.rows), self.length), fill)
+        for r, row in enumerate(self.rows):
+            start = 0
+            for i in row:
+                n = self.lengths[i]
+                out[r, start : start + n] = per_token[i, :n]
+                start += n
+        return out
+
+    @property
+    def documents(self) -> torch.Tensor:
+        """``[rows, length]`` document ids: a sequence's index in its row, the row's padding the next index."""
+        out = torch.empty(len(self.rows), self.length, dtype=torch.long)
+        for r, row in enumerate(self.rows):
+            start = 0
+            for d, i in enumerate(row):
+                out[r, start : start + self.lengths[i]] = d
+                start += self.lengths[i]
+            out[r, start:] = len(row)
+        return out
+
+    @property
+    def positions(self) -> int:
+        """Positions computed per pass over the rows (padding included)."""
+        return len(self.rows) * self.length
