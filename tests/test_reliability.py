@@ -139,12 +139,13 @@ def _ppo_step(
         if poison == "grad":
             actor.weight.grad[0, 1] = float("inf")
         reported = torch.tensor(float("nan")) if poison == "loss" else policy_loss.detach()
-        return {
+        stats = {
             k: torch.zeros(()) for keys in (rlhf.POLICY_STATS, rlhf.FIRST_MINIBATCH_STATS, rlhf.VALUE_STATS) for k in keys
         } | {
             "policy_loss": reported,
             "value_loss": value_loss.detach(),
         }
+        return stats, mb.batch_size * mb.seq_len  # and the positions computed
 
     monkeypatch.setattr(rlhf.update, "_forward_backward", fake_minibatch)  # what train_minibatch calls
     layout = SimpleNamespace(
