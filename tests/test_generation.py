@@ -70,6 +70,25 @@ def test_sampled_output_does_not_depend_on_the_batch(model):
     assert request_seed(7, "target") != request_seed(7, "target2")
 
 
+@torch.no_grad()
+def test_samples_of_one_prompt_share_a_prefill_and_equal_separate_prefills(model, monkeypatch):
+    """A GRPO group (n requests of one prompt) is prefilled once per distinct prompt, and every request's tokens and
+    log-probs equal those of a request prefilled on its own."""
+    prompts = [_prompt(5, 1), _prompt(9, 2), _prompt(5, 3)]
+    requests = [Request(f"p{p}s{s}", prompts[p], SAMPLED) for p in range(3) for s in range(4)]
+    engine = GenerationEngine(model, max_slots=16, max_len=64, seed=7)
+    rows: list[int] = []
+    prefill = engine._prefill_fn
+    monkeypatch.setattr(engine, "_prefill_fn", lambda tokens, *a: rows.append(tokens.shape[0]) or prefill(tokens, *a))
+    together = engine.generate(requests)
+    assert rows == [3]  # 12 requests, 3 distinct prompts: one prefill row each
+    for request, got in zip(requests, together):
+        alone = GenerationEngine(model, max_slots=16, max_len=64, seed=7).generate([request])[0]
+        assert got.tokens == alone.tokens, request.id
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    assert len({tuple(r.tokens) for r in together[:4]}) > 1  # the group's samples differ: their own random streams
+
+
 def test_continuous_batching_with_more_requests_than_slots(model):
     params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (2, 9, 4, 1, 7, 3, 5)]
     requests = [Request(i, _prompt(2 + i, 100 + i), p) for i, p in enumerate(params)]

@@ -676,19 +676,30 @@ class GenerationEngine:
             self._prefill(to_prefill)
 
     def _prefill(self, slots: list[_Slot]) -> None:
+        """Prefill ``slots`` (fresh or resumed from tokens). Slots whose tokens are identical (a GRPO group's samples
+        of one prompt) share one prefill: it runs once, into the first one's cache row, whose filled positions are
+        then copied to the others', and they sample from the same logits, each with its own random stream."""
         seqs = [s.request.prompt + s.generated[:-1] for s in slots]
         index = [self._active.index(s) for s in slots]
-        width = max(len(x) for x in seqs)
-        lengths = [len(x) for x in seqs]
-        tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
-        for row, seq in enumerate(seqs):
+        first: dict[tuple[int, ...], int] = {}  # each distinct token sequence -> its row among the prefilled ones
+        shared = [first.setdefault(tuple(seq), len(first)) for seq in seqs]
+        unique = [seqs[shared.index(u)] for u in range(len(first))]
+        owners = [index[shared.index(u)] for u in range(len(first))]
+        width = max(len(x) for x in unique)
+        lengths = [len(x) for x in unique]
+        tokens = torch.zeros(len(unique), width, dtype=torch.int64)
+        for row, seq in enumerate(unique):
             tokens[row, : len(seq)] = torch.tensor(seq)
         logits = self._call(
             self._prefill_fn,
             tokens.to(self.device),
-            torch.tensor(index, device=self.device),
+            torch.tensor(owners, device=self.device),
             torch.tensor(lengths, device=self.device),
-        )[: len(slots)]
+        )[: len(unique)]
+        for i, u in zip(index, shared):
+            if i != owners[u]:
+                self._forward.move_slot(owners[u], i, lengths[u])
+        logits = logits[torch.tensor(shared, device=self.device)]
         # Requests resumed from tokens already have their pending token; only fresh ones sample here.
         fresh = [row for row, s in enumerate(slots) if not s.generated]
         if fresh:
