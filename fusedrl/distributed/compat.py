@@ -97,6 +97,11 @@ def onednn_pack_linear_weight(weight: torch.Tensor, rows_hint: int) -> torch.Ten
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 natively on this CPU (``torch.ops.mkldnn``'s own check; no public API)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def onednn_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``onednn_pack_linear_weight(weight, ...)``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -93,11 +93,13 @@ def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _can_use_cpu_layouts(model: TransformerDecoder) -> bool:
-    """Plain fp32 or bf16 CPU weights only (not tensor-parallel DTensors, whose linears must run their own hooks)."""
+    """Plain fp32 CPU weights, or bf16 ones where oneDNN runs bf16 natively (not tensor-parallel DTensors, whose
+    linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
     plain = not any(isinstance(p, DTensor) for p in model.parameters())
-    dtypes = (torch.float32, torch.bfloat16)
-    return plain and weight.device.type == "cpu" and weight.dtype in dtypes and torch.backends.mkldnn.is_available()
+    if not (plain and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()):
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and compat.onednn_bf16_supported())
 
 
 class _SlotForward(nn.Module):
