@@ -14,6 +14,9 @@ float rounding can flip a near tie). Tokens/s counts generated tokens over wall 
 is excluded (a warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
 ``--repeats`` times each, and the best time per mode counts.
 
+Prefill sharing (``--prefill-groups 4,8,16``): the eager engine's prefill (and one sampled token) of 16 prompts, all
+distinct, against 16 / n distinct prompts of n samples each, which the engine prefills once per prompt.
+
 Compilation: each compiled engine's graphs and the time of the calls that compiled them (``engine.compile_stats``);
 then a compiled engine with the default batch and length buckets of ``--graphs-slots`` slots and a
 ``--graphs-max-len`` cache (the debug configs' 16 and 160 by default) generates a mix of prompt and response lengths
@@ -115,6 +118,36 @@ def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int) -> dic
     }
 
 
+def prefill_sharing(
+    model: TransformerDecoder, requests: int, prompt_len: int, groups: list[int], repeats: int, device: str
+) -> dict[str, dict[str, float]]:
+    """Seconds of the eager engine's prefill (and one sampled token) of ``requests`` prompts of ``prompt_len`` tokens:
+    all distinct, against ``requests / n`` distinct prompts of ``n`` samples each (a GRPO group, which the engine
+    prefills once), per ``n`` in ``groups``; the two interleaved, best of ``repeats``."""
+    vocab = model.tok_embeddings.num_embeddings
+    engine = GenerationEngine(model, max_slots=requests, max_len=prompt_len + 1)
+    params = SamplingParams(max_new_tokens=1)
+    distinct = _prompts(requests, prompt_len, vocab, seed=1, device="cpu").tolist()
+    calls = iter(range(1 << 30))
+
+    def run(prompts: list[list[int]]) -> float:
+        call = next(calls)
+        reqs = [Request(f"{call}/{i}", p, params, seed=i) for i, p in enumerate(prompts)]
+        return _seconds(lambda: engine.generate(reqs, progress=False))
+
+    run(distinct)  # warm-up
+    out = {}
+    for n in groups:
+        shared = [distinct[i // n] for i in range(requests)]
+        best = {"distinct_s": float("inf"), "shared_s": float("inf")}
+        with torch.no_grad():
+            for _ in range(repeats):
+                best["distinct_s"] = min(best["distinct_s"], run(distinct))
+                best["shared_s"] = min(best["shared_s"], run(shared))
+        out[str(n)] = best
+    return out
+
+
 def _seconds(run) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -154,6 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
         default="default",
         choices=("default", "reduce-overhead", "max-autotune"),
         help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)",
+    )
+    p.add_argument(
+        "--prefill-groups",
+        default="4,8,16",
+        help="samples per prompt of the prefill-sharing figures (16 requests; empty: skip them)",
     )
     p.add_argument("--graphs-slots", type=int, default=16, help="slots of the bucketed compile run (0: skip it)")
     p.add_argument("--graphs-max-len", type=int, default=160, help="cache length of the bucketed compile run")
@@ -243,6 +281,16 @@ def main(argv: list[str] | None = None) -> dict:
             "compiled graphs (calls that compiled them, s): "
             + ", ".join(f"batch {b}: {g['graphs']} ({g['compile_s']:.1f})" for b, g in graphs.items())
         )
+    sharing = {}
+    if args.prefill_groups:
+        groups = [int(n) for n in args.prefill_groups.split(",")]
+        sharing = prefill_sharing(model, 16, args.prompt_len, groups, max(args.repeats, 3), args.device)
+        for n, t in sharing.items():
+            print(
+                f"prefill of 16 x {args.prompt_len}-token prompts + 1 token, {n} samples per prompt: 16 distinct prompts "
+                f"{t['distinct_s'] * 1e3:.0f} ms, {-(-16 // int(n))} prompts shared {t['shared_s'] * 1e3:.0f} ms "
+                f"({t['distinct_s'] / t['shared_s']:.1f}x)"
+            )
     bucketed = {}
     if not args.no_compile and args.graphs_slots:
         bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len)
@@ -259,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_overhead_s": compile_s,
         "compiled_graphs": graphs,
         "bucketed_compile": bucketed,
+        "prefill_sharing": sharing,
         "roofline_fraction": roofline,
         "model": label,
         "device": args.device,
