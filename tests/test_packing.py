@@ -1,6 +1,6 @@
 """Packed training micro-batches (ppo.microbatch_tokens): the row layout, document-causal attention, and a packed
-update equal to the padded one in float32 (losses, stats and gradients) on one rank, dp_shard = 2 and tp = 2, in
-every loss aggregation mode."""
+update equal to the padded one in float32 (losses, stats and gradients) on one rank, dp_shard = 2, tp = 2 and pp = 2
+(the fused schedule), in every loss aggregation mode."""
 
 from __future__ import annotations
 
@@ -65,13 +65,16 @@ def test_document_spans_attention_equals_each_sequence_alone():
     assert DocumentSpans.from_ids(documents).lengths == (tuple(lengths),)
 
 
-def test_a_budget_below_the_longest_sequence_or_a_pipeline_is_refused_in_one_line():
+def test_a_budget_below_the_longest_sequence_or_a_pipelines_rows_is_refused_in_one_line():
     cfg = load_config(["--job.config_file", DEBUG, "--ppo.microbatch_tokens=100"])
     with pytest.raises(ConfigError, match=r"ppo.microbatch_tokens = 100 .*smaller than the longest sequence.*160"):
         run_checks(cfg, 4)
-    cfg = load_config(["--job.config_file", DEBUG, "--ppo.microbatch_tokens=512"])
-    with pytest.raises(ConfigError, match=r"parallelism.pp = 1 only.*--ppo.microbatch_tokens=0 or --parallelism.pp=1"):
+    cfg = load_config(["--job.config_file", DEBUG, "--ppo.microbatch_tokens=512"])  # pp = 2, micro-batches of 4
+    with pytest.raises(ConfigError, match=r"parallelism.pp = 2 .*raise it to at least 800, or set 0"):
         run_checks(cfg, 4)
+    run_checks(load_config(["--job.config_file", DEBUG, "--ppo.microbatch_tokens=800"]), 4)
+    with pytest.raises(ValueError, match=r"does not fit 2 packed rows of ppo.microbatch_tokens = 64"):
+        pack_rows([[40, 40, 40]], 64, count=2)
 
 
 def _minibatch(batch: int, vocab: int) -> Experience:
@@ -93,7 +96,7 @@ def _minibatch(batch: int, vocab: int) -> Experience:
     )
 
 
-def _packed_equals_padded(dp_shard: int, tp: int) -> bool:
+def _packed_equals_padded(pp: int, dp_shard: int, tp: int) -> bool:
     import torch.distributed as dist
 
     from fusedrl.layouts import build_rollout_layout, build_training_layout, load_initial_weights
@@ -106,7 +109,7 @@ def _packed_equals_padded(dp_shard: int, tp: int) -> bool:
         [
             "--job.config_file",
             DEBUG,
-            "--parallelism.pp=1",
+            f"--parallelism.pp={pp}",
             f"--parallelism.dp_shard={dp_shard}",
             f"--parallelism.tp={tp}",
             "--model.actor_path=",
@@ -126,7 +129,9 @@ def _packed_equals_padded(dp_shard: int, tp: int) -> bool:
     for mode in MODES:
         cfg.ppo.loss_agg_mode = mode
         runs = []
-        for tokens in (0, cfg.sequence_budget):
+        # pp = 1: the fewest rows of the smallest budget; pp = 2: the program's micro-batch count, the budget it needs
+        budget = cfg.sequence_budget if pp == 1 else (cfg.ppo.microbatch_size + 1) * cfg.sequence_budget
+        for tokens in (0, budget):
             cfg.ppo.microbatch_tokens = tokens
             for stage in stages:
                 stage.zero_grad(set_to_none=True)
@@ -149,9 +154,10 @@ def _packed_equals_padded(dp_shard: int, tp: int) -> bool:
 
 
 def test_packed_update_equals_padded_on_one_rank(rank_pools):
-    assert rank_pools(1).run(_packed_equals_padded, 1, 1) == [True]
+    assert rank_pools(1).run(_packed_equals_padded, 1, 1, 1) == [True]
 
 
-@pytest.mark.parametrize(("dp_shard", "tp"), [(2, 1), (1, 2)], ids=["dp_shard2", "tp2"])
-def test_packed_update_equals_padded_on_two_ranks(two_ranks, dp_shard, tp):
-    assert two_ranks.run(_packed_equals_padded, dp_shard, tp) == [True, True]
+@pytest.mark.parametrize(("pp", "dp_shard", "tp"), [(1, 2, 1), (1, 1, 2), (2, 1, 1)], ids=["dp_shard2", "tp2", "pp2"])
+def test_packed_update_equals_padded_on_two_ranks(two_ranks, pp, dp_shard, tp):
+    """pp = 2: the fused Actor + Critic schedule of the debug config, the document ids passed to every stage."""
+    assert two_ranks.run(_packed_equals_padded, pp, dp_shard, tp) == [True, True]

@@ -35,7 +35,7 @@ ORDER = (
     "models",  # models: checkpoint folders, flavors, vocabulary, sequence length
     "model_split",  # distributed: the models' layers over pipeline stages, heads over TP ranks
     "schedule_memory",  # rlhf: fusion.schedule_memory_gib against the fallback schedule's peak
-    "packing",  # rlhf: ppo.microbatch_tokens holds the longest sequence, at pp = 1
+    "packing",  # rlhf: ppo.microbatch_tokens holds the longest sequence (and a pipeline's rows)
     "device",  # distributed: training.device
     "float8",  # distributed: float8 training
     "tokenizer",  # components: the tokenizer loads and fits the Actor's vocabulary

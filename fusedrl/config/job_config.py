@@ -314,9 +314,10 @@ class PPOSection:
     microbatch_tokens: int = _key(
         0,
         "Packed training micro-batches: > 0 puts the sequences of each data-parallel shard's minibatch back to back in "
-        "the fewest rows of at most this many tokens (one row per micro-batch, attention within each sequence), so no "
-        "padding between sequences is computed; at least data.max_prompt_len + generation.max_new_tokens; pp = 1 only "
-        "for now. 0: micro-batches of microbatch_size right-padded rows.",
+        "rows of at most this many tokens (one row per micro-batch, attention within each sequence), so no padding "
+        "between sequences is computed: at pp = 1 the fewest rows, at least data.max_prompt_len + "
+        "generation.max_new_tokens; at pp >= 2 the program's micro-batch count, at least (microbatch_size + 1) x that. "
+        "0: micro-batches of microbatch_size right-padded rows.",
         at_least(0),
     )
     epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))

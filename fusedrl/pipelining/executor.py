@@ -95,6 +95,8 @@ def _minibatch_to_device(
     return tuple(move(t) for t in inputs), tuple({k: move(v) for k, v in d.items()} for d in targets)
 
 
+_DOCUMENTS = "documents"  # packed rows' document ids, carried with a step's targets until they are split
+
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
 
@@ -284,6 +286,7 @@ class FusedPipelineSchedule:
         critic_targets: dict[str, torch.Tensor] | None,
         *,
         record: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> dict[str, ModelStepResult]:
         """Forward, backward and gradient reduction of one minibatch for every model it trains.
 
@@ -291,11 +294,15 @@ class FusedPipelineSchedule:
         micro-batch loss and stats on the rank that holds its last stage (each Critic replica's last stage: over
         that replica's micro-batches). ``record``: time every compute action into :attr:`timeline` (else it is
         None after the step). Without a Critic, ``critic_inputs`` and ``critic_targets`` must be None and the
-        result holds the Actor's entry only.
+        result holds the Actor's entry only. Packed rows (:mod:`fusedrl.rlhf.packing`): ``documents`` are the inputs'
+        ``[B, S]`` document ids, split like them and passed to every stage's forward as ``documents=``.
         """
         inputs, targets = _model_batches(self.models, actor_inputs, critic_inputs, actor_targets, critic_targets)
+        if documents is not None:  # split with each model's rows, like a target
+            targets = {m: {**t, _DOCUMENTS: documents} for m, t in targets.items()}
         moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(inputs.values()), tuple(targets.values()))
         split = {m: self._split(m, x, t) for m, x, t in zip(self.models, moved_inputs, moved_targets)}
+        stage_kwargs = {m: [{"documents": t.pop(_DOCUMENTS)} if _DOCUMENTS in t else {} for t in split[m][1]] for m in split}
         stages = {m: self._stage(m, split[m][0][0]) for m in self.models}  # same build order on every rank
         for st in stages.values():
             st.clear_runtime_states()
@@ -319,7 +326,7 @@ class FusedPipelineSchedule:
             n_mb = self.program.microbatches[m]
             if a.kind == "F":
                 args = (split[m][0][a.microbatch],) if st.is_first else ()
-                out = st.forward_one_chunk(a.microbatch, args, {}, save_forward_output=False)
+                out = st.forward_one_chunk(a.microbatch, args, stage_kwargs[m][a.microbatch], save_forward_output=False)
                 if st.is_last:
                     loss, mb_stats = self.models[m].loss_fn(out, split[m][1][a.microbatch])
                     pending_loss[(m, a.microbatch)] = loss / n_mb

@@ -32,8 +32,8 @@ def check_schedule_memory(startup: Startup) -> None:
 
 
 def check_packing(startup: Startup) -> None:
-    """``ppo.microbatch_tokens`` (packed rows) holds the longest sequence, and runs at pp = 1 (a pipeline program is
-    planned for a fixed micro-batch count; packed minibatches vary theirs); raises ConfigError."""
+    """``ppo.microbatch_tokens`` (packed rows) holds the longest sequence, and at pp >= 2 (where a packed minibatch
+    keeps the program's micro-batch count) any minibatch's rows; raises ConfigError."""
     cfg = startup.cfg
     tokens = cfg.ppo.microbatch_tokens
     if tokens == 0:
@@ -45,9 +45,10 @@ def check_packing(startup: Startup) -> None:
             f"generation.max_new_tokens = {cfg.sequence_budget}; raise it to at least {cfg.sequence_budget}, or set 0 "
             "(no packing)"
         )
-    if cfg.parallelism.pp > 1:
+    need = (cfg.ppo.microbatch_size + 1) * cfg.sequence_budget
+    if cfg.parallelism.pp > 1 and tokens < need:
         raise ConfigError(
-            f"ppo.microbatch_tokens = {tokens} ({where}) packs micro-batches at parallelism.pp = 1 only (a pipeline "
-            f"program is planned for a fixed micro-batch count), got pp = {cfg.parallelism.pp}; set "
-            "--ppo.microbatch_tokens=0 or --parallelism.pp=1"
+            f"ppo.microbatch_tokens = {tokens} ({where}): with parallelism.pp = {cfg.parallelism.pp} a packed minibatch "
+            f"keeps the pipeline program's micro-batch count, and a row then takes up to (ppo.microbatch_size + 1) x "
+            f"the longest sequence = {need} tokens; raise it to at least {need}, or set 0 (no packing)"
         )

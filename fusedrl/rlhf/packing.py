@@ -2,9 +2,11 @@
 sequences back to back (document-causal attention, positions restarting at 0: :mod:`fusedrl.models.documents`), so
 the forward and backward compute no padding between sequences, only at the end of a row.
 
-Sequences are spread over the fewest rows of at most ``microbatch_tokens`` tokens that hold every data-parallel shard
-(the same count on every shard: FSDP2's collectives run once per micro-batch), longest first into the least-filled
-row; all rows of a step have one length, rounded up to a multiple of 1/32 of the budget. Every per-token field is laid
+Sequences are spread over rows of at most ``microbatch_tokens`` tokens, longest first into the least-filled row, the
+same count on every data-parallel shard (FSDP2's collectives run once per micro-batch): at pp = 1 the fewest rows that
+hold every shard, at pp >= 2 the pipeline program's micro-batch count (one row per micro-batch; longest first into the
+least-filled row keeps a row below (``microbatch_size`` + 1) x the longest sequence). All rows of a step have one
+length, rounded up to a multiple of 1/32 of the budget. Every per-token field is laid
 out the same way, so the losses are unchanged: a loss weight is per token (:func:`~fusedrl.rlhf.update.loss_weights`
 of the whole minibatch), and position ``t`` of a row predicts token ``t + 1``, which at a document's end is the next
 document's first token: a prompt token, never scored.
@@ -28,16 +30,26 @@ def sequence_lengths(response_mask: torch.Tensor) -> list[int]:
     return (torch.where(m, positions, 0).amax(dim=1) + 1).tolist()
 
 
-def pack_rows(lengths_by_shard: Sequence[Sequence[int]], capacity: int) -> list[list[list[int]]]:
+def pack_rows(lengths_by_shard: Sequence[Sequence[int]], capacity: int, count: int | None = None) -> list[list[list[int]]]:
     """For each data-parallel shard, its sequences (indices into its ``lengths``) in rows of at most ``capacity``
-    tokens: the fewest rows that hold every shard, the same count on each, longest first into the least-filled row.
-    Deterministic: every rank computes the same rows."""
+    tokens, longest first into the least-filled row, the same row count on each shard: the fewest rows that hold
+    every shard, or exactly ``count`` (a pipeline program's micro-batch count; ValueError when they cannot hold a
+    shard). Deterministic: every rank computes the same rows."""
     longest = max((n for lengths in lengths_by_shard for n in lengths), default=0)
     if longest > capacity:
         raise ValueError(
             f"a sequence of {longest} tokens does not fit ppo.microbatch_tokens = {capacity}; raise it to at least the "
             "longest sequence (data.max_prompt_len + generation.max_new_tokens)"
         )
+    if count is not None:
+        rows = [_fill(lengths, count, capacity) for lengths in lengths_by_shard]
+        if any(r is None for r in rows):
+            raise ValueError(
+                f"the minibatch does not fit {count} packed rows of ppo.microbatch_tokens = {capacity} tokens (the "
+                "pipeline program's micro-batch count); raise ppo.microbatch_tokens to (ppo.microbatch_size + 1) x "
+                "the longest sequence, which always fits"
+            )
+        return [r for r in rows if r is not None]
     count = max(1, max(-(-sum(lengths) // capacity) for lengths in lengths_by_shard))
     while True:
         packed = [_fill(lengths, count, capacity) for lengths in lengths_by_shard]

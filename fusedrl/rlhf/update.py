@@ -119,7 +119,9 @@ def _forward_backward(
     rows = mb.batch_size // layout.dp
     shards = mb.split(rows)
     shard = shards[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
-    packings = packed_shards(shards, ppo.microbatch_tokens) if ppo.microbatch_tokens else None
+    local = isinstance(executor.schedule, LocalSchedule)  # pp = 1: a packed minibatch sets its own micro-batch count
+    count = None if local else executor.microbatches
+    packings = packed_shards(shards, ppo.microbatch_tokens, count) if ppo.microbatch_tokens else None
     packed = packings[layout.dp_rank] if packings is not None else None
     positions = sum(p.positions for p in packings) if packings is not None else mb.batch_size * mb.seq_len
     microbatches = len(packed.rows) if packed is not None else executor.microbatches
@@ -144,21 +146,19 @@ def _forward_backward(
         critic_inputs = shard.tokens if critic_targets is not None else None
         result = executor.schedule.step(shard.tokens, critic_inputs, actor_targets, critic_targets, record=record)
     else:
-        assert isinstance(executor.schedule, LocalSchedule), "packed micro-batches run at pp = 1 (check_packing)"
 
         def pack(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: v if k == "loss_denom" else packed.pack(v) for k, v in targets.items()}
 
         tokens = packed.pack(shard.tokens)
-        result = executor.schedule.step(
-            tokens,
-            tokens if critic_targets is not None else None,
-            pack(actor_targets),
-            pack(critic_targets) if critic_targets is not None else None,
-            record=record,
-            documents=packed.documents,
-            microbatches=microbatches,
-        )
+        args = (tokens, tokens if critic_targets is not None else None, pack(actor_targets))
+        packed_critic = pack(critic_targets) if critic_targets is not None else None
+        if isinstance(executor.schedule, LocalSchedule):
+            result = executor.schedule.step(
+                *args, packed_critic, record=record, documents=packed.documents, microbatches=microbatches
+            )
+        else:
+            result = executor.schedule.step(*args, packed_critic, record=record, documents=packed.documents)
     out: dict[str, torch.Tensor] = {}
     actor_keys = (*POLICY_STATS, *first_minibatch_stats(cfg), *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
     for model, keys in (("actor", actor_keys), ("critic", VALUE_STATS)):
@@ -172,10 +172,11 @@ def _forward_backward(
     return out, positions
 
 
-def packed_shards(shards: list[Experience], microbatch_tokens: int) -> list[PackedRows]:
-    """Each data-parallel shard's packed rows (:mod:`fusedrl.rlhf.packing`), the same row count on every shard."""
+def packed_shards(shards: list[Experience], microbatch_tokens: int, count: int | None = None) -> list[PackedRows]:
+    """Each data-parallel shard's packed rows (:mod:`fusedrl.rlhf.packing`), the same row count on every shard (exactly
+    ``count`` when given: a pipeline program's micro-batches)."""
     lengths = [sequence_lengths(s.response_mask) for s in shards]
-    rows = pack_rows(lengths, microbatch_tokens)
+    rows = pack_rows(lengths, microbatch_tokens, count)
     return [PackedRows.of(r, n, microbatch_tokens) for r, n in zip(rows, lengths)]
 
 
