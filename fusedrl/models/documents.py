@@ -32,8 +32,8 @@ class DocumentSpans:
 
     @staticmethod
     def from_ids(documents: torch.Tensor) -> DocumentSpans:
-        """From ``[rows, seq]`` document ids, equal within a document and different between neighbours (one host
-        read of the ids)."""
+        """From ``[rows, seq]`` document ids, equal within a document and different between neighbours (read on the
+        host: the executors keep them there, so no device-to-host copy)."""
         if documents.dim() != 2:
             raise ValueError(f"document ids must be [rows, seq], got shape {tuple(documents.shape)}")
         rows = []

@@ -95,8 +95,6 @@ def _minibatch_to_device(
     return tuple(move(t) for t in inputs), tuple({k: move(v) for k, v in d.items()} for d in targets)
 
 
-_DOCUMENTS = "documents"  # packed rows' document ids, carried with a step's targets until they are split
-
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]]
 """``loss_fn(last_stage_output, targets_of_the_micro_batch) -> (scalar loss, stats)``."""
 
@@ -298,11 +296,13 @@ class FusedPipelineSchedule:
         ``[B, S]`` document ids, split like them and passed to every stage's forward as ``documents=``.
         """
         inputs, targets = _model_batches(self.models, actor_inputs, critic_inputs, actor_targets, critic_targets)
-        if documents is not None:  # split with each model's rows, like a target
-            targets = {m: {**t, _DOCUMENTS: documents} for m, t in targets.items()}
         moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(inputs.values()), tuple(targets.values()))
         split = {m: self._split(m, x, t) for m, x, t in zip(self.models, moved_inputs, moved_targets)}
-        stage_kwargs = {m: [{"documents": t.pop(_DOCUMENTS)} if _DOCUMENTS in t else {} for t in split[m][1]] for m in split}
+        # the document ids stay on the host: a stage reads their spans without a device-to-host copy
+        stage_kwargs: dict[str, list[dict[str, torch.Tensor]]] = {
+            m: [{} for _ in split[m][0]] if documents is None else [{"documents": d} for d in self._split(m, documents, {})[0]]
+            for m in self.models
+        }
         stages = {m: self._stage(m, split[m][0][0]) for m in self.models}  # same build order on every rank
         for st in stages.values():
             st.clear_runtime_states()
@@ -421,11 +421,7 @@ class LocalSchedule:
             _ActionClock(dist.get_rank(self.group) if dist.is_initialized() else 0, self.group, self.device) if record else None
         )
         results = {}
-        extra = () if documents is None else (documents,)
-        moved_inputs, moved_targets = _minibatch_to_device(
-            self.device, (*batches[0].values(), *extra), tuple(batches[1].values())
-        )
-        moved_documents = moved_inputs[-1] if documents is not None else None
+        moved_inputs, moved_targets = _minibatch_to_device(self.device, tuple(batches[0].values()), tuple(batches[1].values()))
         for m, inputs, targets in zip(self.models, moved_inputs, moved_targets):
             spec, n_mb = self.models[m], microbatches or self.microbatches[m]
             if inputs.shape[0] % n_mb:
@@ -440,10 +436,10 @@ class LocalSchedule:
                 rows = slice(i * size, (i + 1) * size)
                 if clock:
                     clock.start()
-                if moved_documents is None:
+                if documents is None:
                     out = spec.module(inputs[rows])
-                else:
-                    out = spec.module(inputs[rows], documents=moved_documents[rows])
+                else:  # the ids stay on the host (see FusedPipelineSchedule.step)
+                    out = spec.module(inputs[rows], documents=documents[rows])
                 loss, mb_stats = spec.loss_fn(out, {k: v[rows] for k, v in targets.items()})
                 if clock:
                     clock.stop(Action(m, 0, i, "F"))
