@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
+# Read once, when torch loads GNU OpenMP: so before the first torch import. By default, once a thread other than the
+# main one has run a parallel region (gloo runs a collective's copies on its own threads), the main thread's OpenMP
+# workers sleep between parallel regions, and waking them costs more than a small kernel: on 2 threads a bf16
+# [16, 576] x [576, 1536] linear took 47 us before the trainer's first large gloo collective and 92 us after, and
+# the whole decode ran 1.9x slower (docs/ppo.md, "Threads"). "active" keeps them ready; an idle process still sleeps.
+os.environ.setdefault("OMP_WAIT_POLICY", "active")
 
-from fusedrl.components import init_logging
-from fusedrl.config import InputError, JobConfig, load_config, run_checks
-from fusedrl.distributed import Heartbeat, describe_failure, init_distributed
-from fusedrl.tasks import load_task
-from fusedrl.trainer import Trainer, use_device
+import torch.distributed as dist  # noqa: E402
+
+from fusedrl.components import init_logging  # noqa: E402
+from fusedrl.config import InputError, JobConfig, load_config, run_checks  # noqa: E402
+from fusedrl.distributed import Heartbeat, describe_failure, init_distributed  # noqa: E402
+from fusedrl.tasks import load_task  # noqa: E402
+from fusedrl.trainer import Trainer, use_device  # noqa: E402
 
 USAGE = """\
 usage: torchrun --nproc_per_node N -m fusedrl.train --job.config_file FILE [--section.key=VALUE ...]

@@ -24,6 +24,7 @@ OWNERS = {
     "resume": "components",
     "reward": "rlhf",
     "sampling": "generation",
+    "engine_compile": "generation",
     "recompute": "rlhf",
     "data": "components",
     "models": "models",
@@ -143,6 +144,11 @@ RULES = [
     (["--model.reward=none", "--model.reward_path="], "reward", 'model.reward = "none" and model.reward_fn is unset'),
     (["--generation.temperature=0"], "sampling", "generation.temperature = 0.0 (command line): PPO samples"),
     (["--generation.top_k=5"], "sampling", "generation.top_k = 5 (command line): the PPO ratio and KL"),
+    (
+        ["--generation.compile=true", "--generation.compile_mode=reduce-overhead"],
+        "engine_compile",
+        "generation.compile_mode = reduce-overhead (command line) records CUDA graphs of the whole decode step",
+    ),
     (["--ppo.tis_cap=2", "--ppo.recompute_logprobs=false"], "recompute", "ppo.tis_cap = 2.0 (command line): truncated"),
     (
         ["--generation.quantize=int8_weight_only", "--ppo.recompute_logprobs=false"],

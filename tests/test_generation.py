@@ -267,6 +267,35 @@ def test_compiled_decode_and_prefill_equal_eager(model, tmp_path, monkeypatch):
     assert any(p.is_file() for p in (tmp_path / "cache").rglob("*"))
 
 
+@pytest.mark.slow
+def test_per_layer_compiled_decode_equals_eager_in_a_few_graphs(model):
+    """compile_scope="layer": one graph serves every layer's decode step and one the sampling, each with symbolic batch
+    and attended length, plus their one-row forms: 4 graphs in all while 5 requests of different lengths run through 3
+    slots (batches of 3, 2 and 1 rows, two length buckets, prefills of 1-3 rows); the tokens are eager's."""
+    requests = [
+        Request(i, _prompt(3 + 6 * i, 50 + i), SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=4 + 3 * i))
+        for i in range(5)
+    ]
+    buckets = dict(max_slots=3, max_len=64, len_buckets=[16, 32, 64])
+    eager = GenerationEngine(model, **buckets).generate(requests)
+    engine = GenerationEngine(model, **buckets, compile=True, compile_scope="layer")
+    compiled = engine.generate([Request(r.id, r.prompt, r.sampling) for r in requests])
+    for e, c in zip(eager, compiled):
+        assert c.tokens == e.tokens
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+    assert engine.compile_stats.graphs == 4
+    greedy = [Request(10 + i, _prompt(5 + 7 * i, 60 + i), GREEDY) for i in range(4)]  # no sampling: the argmax graphs
+    engine.generate(greedy)
+    assert engine.compile_stats.graphs == 6
+
+
+def test_cuda_graphs_need_the_whole_step_compiled(model):
+    with pytest.raises(ValueError, match="compile_scope='step'"):
+        GenerationEngine(model, max_len=32, compile=True, compile_scope="layer", mode="reduce-overhead")
+    with pytest.raises(ValueError, match="unknown compile scope"):
+        GenerationEngine(model, max_len=32, compile=True, compile_scope="block")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("quantize", [None, "int8_weight_only"])
 def test_load_weights_replaces_the_generation_weights(model, quantize):
     torch.manual_seed(123)

@@ -441,3 +441,15 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
         ConfigError, match=r"model.reference_path = .*another architecture than the Actor's \(it differs in family"
     ):
         prepare([*base, f"--model.reference_path={qwen}"])
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "active"), ("passive", "passive")])
+def test_the_training_command_keeps_openmp_threads_awake_unless_told_otherwise(given, expected):
+    """``fusedrl.train`` sets OMP_WAIT_POLICY before torch loads OpenMP (docs/ppo.md, "Threads"), and leaves a value the
+    environment gives alone."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = "import os, sys, fusedrl.train; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split()[-2:] == ["True", expected]

@@ -23,9 +23,12 @@ then a compiled engine with the default batch and length buckets of ``--graphs-s
 that visits every batch bucket and several length buckets, and its graph count and compile time are printed: what
 a training job's engine compiles.
 
-On a GPU each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode
-step must read every weight and the batch's KV cache once, so ``roofline tok/s = batch / ((weight bytes +
-batch x mean context x KV bytes per token) / --hbm-bytes-per-s)`` (default 4.8e12 B/s, an H200's HBM3e).
+Each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode step must read every
+weight and the batch's KV cache once, so ``roofline tok/s = batch / ((weight bytes + batch x mean context x KV
+bytes per token) / --hbm-bytes-per-s)`` (default on a GPU 4.8e12 B/s, an H200's HBM3e; on the CPU this machine's
+read bandwidth at ``--threads``, measured once by ``fusedrl.hardware.cached_peak``).
+
+``--compile-scope`` (``layer`` by default) is the compiled engine's ``compile_scope``.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from torchtune.generation import generate as torchtune_generate
 from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.hardware import H200_SXM
+from fusedrl.generation.engine import CompileScope
+from fusedrl.hardware import H200_SXM, cached_peak
 from fusedrl.models import ModelFlavor, build_model, from_pretrained, resolve_flavor
 from fusedrl.models.figures import kv_bytes_per_token
 
@@ -94,11 +98,11 @@ def _engine_runner(engine: GenerationEngine, prompts: torch.Tensor, new_tokens: 
     return run
 
 
-def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int) -> dict[str, float]:
+def bucketed_compile(model: TransformerDecoder, slots: int, max_len: int, scope: CompileScope) -> dict[str, float]:
     """Graphs and compile seconds of a compiled engine with default buckets over a mixed-length generation: 3x
     ``slots`` requests, prompts of 4 to max_len / 3 tokens, responses of 1 to the rest (a long tail: the batch
     shrinks through every batch bucket at the end)."""
-    engine = GenerationEngine(model, max_slots=slots, max_len=max_len, compile=True)
+    engine = GenerationEngine(model, max_slots=slots, max_len=max_len, compile=True, compile_scope=scope)
     g = torch.Generator().manual_seed(0)
     vocab = model.tok_embeddings.num_embeddings
     requests = []
@@ -189,6 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch.compile mode of the compiled engine (reduce-overhead: CUDA graphs)",
     )
     p.add_argument(
+        "--compile-scope",
+        default="layer",
+        choices=("layer", "step"),
+        help="what the compiled engine compiles: one layer's decode reused by every layer, or the whole step",
+    )
+    p.add_argument(
         "--prefill-groups",
         default="4,8,16",
         help="samples per prompt of the prefill-sharing figures (16 requests; empty: skip them)",
@@ -196,12 +206,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--graphs-slots", type=int, default=16, help="slots of the bucketed compile run (0: skip it)")
     p.add_argument("--graphs-max-len", type=int, default=160, help="cache length of the bucketed compile run")
     p.add_argument(
-        "--hbm-bytes-per-s", type=float, default=H200_SXM.hbm_bytes_per_s, help="memory bandwidth of the roofline (GPU only)"
+        "--hbm-bytes-per-s",
+        type=float,
+        default=None,
+        help="memory bandwidth of the roofline (default: an H200's HBM on a GPU, the measured read bandwidth on the CPU)",
     )
     args = p.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.hbm_bytes_per_s is not None:
+        bandwidth = args.hbm_bytes_per_s
+    elif args.device == "cuda":
+        bandwidth = H200_SXM.hbm_bytes_per_s
+    else:
+        bandwidth = cached_peak("cpu", args.threads).memory_read_bytes_per_s
     dtype = getattr(torch, args.dtype)
     hf_model = None
     if args.model:
@@ -228,7 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
     compile_s: dict[str, float] = {}
     graphs: dict[str, dict[str, float]] = {}
     sampling = "greedy" if greedy else "temperature 1"
-    print(f"{label}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {sampling}, {args.threads} thread(s)")
+    print(
+        f"{label}: prompt {args.prompt_len} + {args.new_tokens} new tokens, {sampling}, {args.threads} thread(s); "
+        f"roofline at {bandwidth / 1e9:.0f} GB/s"
+    )
     print(f"{'batch':>5} " + " ".join(f"{m + ' tok/s':>16}" for m in modes) + f" {'best/' + baseline:>18}")
     speedup: dict[str, float] = {}
     roofline: dict[str, dict[str, float]] = {}
@@ -247,7 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
         if "compiled" in modes:
             # One length bucket (as the figures before the symbolic attended length were measured).
             mode = None if args.compile_mode == "default" else args.compile_mode
-            compiled = GenerationEngine(model, max_slots=b, max_len=max_len, compile=True, mode=mode, len_buckets=[max_len])
+            compiled = GenerationEngine(
+                model,
+                max_slots=b,
+                max_len=max_len,
+                compile=True,
+                compile_scope=args.compile_scope,
+                mode=mode,
+                len_buckets=[max_len],
+            )
             runners["compiled"] = _engine_runner(compiled, prompts, args.new_tokens, greedy)
         if "int8_eager" in modes:
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, quantize="int8_weight_only")
@@ -270,10 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
         if greedy:
             differing_rows[str(b)] = sum(x != y for x, y in zip(ours["tokens"], theirs["tokens"]))
             line += f"  greedy tokens equal in {b - differing_rows[str(b)]}/{b} rows"
-        if args.device == "cuda":
-            roof = roofline_tokens_per_s(model, flavor, b, args.prompt_len, args.new_tokens, args.hbm_bytes_per_s)
-            roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
-            line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
+        roof = roofline_tokens_per_s(model, flavor, b, args.prompt_len, args.new_tokens, bandwidth)
+        roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
+        line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
         print(line)
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
@@ -293,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
     bucketed = {}
     if not args.no_compile and args.graphs_slots:
-        bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len)
+        bucketed = bucketed_compile(model, args.graphs_slots, args.graphs_max_len, args.compile_scope)
         print(
             f"bucketed engine ({args.graphs_slots} slots, max_len {args.graphs_max_len}: {bucketed['batch_buckets']} batch x "
             f"{bucketed['len_buckets']} length buckets), {3 * args.graphs_slots} mixed-length requests: "

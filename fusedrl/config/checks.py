@@ -30,6 +30,7 @@ ORDER = (
     "resume",  # components: checkpoint.resume = true finds a checkpoint
     "reward",  # rlhf: the rule-based reward function and the Reward model
     "sampling",  # generation: a sampling distribution PPO can use
+    "engine_compile",  # generation: the engine's compile scope and mode
     "recompute",  # rlhf: what needs the old log-probs recomputed
     "data",  # components: the dataset
     "models",  # models: checkpoint folders, flavors, vocabulary, sequence length

@@ -215,7 +215,14 @@ class GenerationSection:
         "Most padded tokens (rows x longest sample) per scoring forward; longer scoring micro-batches are cut.",
         at_least(1),
     )
-    compile: bool = _key(False, "Compile the decode step and the prefill with torch.compile (bucketed batch shapes).")
+    compile: bool = _key(False, "Compile the engine's decode with torch.compile, as compile_scope says.")
+    compile_scope: Literal["layer", "step"] = _key(
+        "layer",
+        "What compile = true compiles: layer (one decoder layer's decode step, reused by every layer, and the "
+        "sampling; batch and length symbolic: a bounded compile, ~15 s on a 2-core CPU for SmolLM2-135M) or step (the "
+        "whole decode step with its sampling, one graph per batch bucket, and the prefill; needed for "
+        "compile_mode = reduce-overhead's CUDA graphs).",
+    )
     backend: Literal["inductor", "eager", "aot_eager", "tensorrt"] = _key(
         "inductor",
         "torch.compile backend when compile = true: inductor, eager / aot_eager (debugging), or tensorrt (GPU, needs fusedrl[tensorrt]).",

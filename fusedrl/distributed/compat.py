@@ -121,6 +121,13 @@ def mark_dim_dynamic(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+def mark_static(tensor: torch.Tensor) -> None:
+    """Keep every size of ``tensor`` a constant in graphs that torch.compile(dynamic=True) builds (otherwise a size
+    that happens to equal another input's at the first compile is merged with it, and a later call recompiles);
+    torch.compiler has no public form of ``torch._dynamo.mark_static``."""
+    torch._dynamo.mark_static(tensor)
+
+
 def allow_recompiles(graphs: int) -> None:
     """Let one compiled function hold at least ``graphs`` graphs (dynamo's ``recompile_limit``, 8 by default) before
     it falls back to eager."""

@@ -17,11 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtune.modules import FeedForward, MultiHeadAttention, TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules import FeedForward, MultiHeadAttention, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
 from tqdm.auto import tqdm
 
 from fusedrl.buckets import doubling, round_up
-from fusedrl.config import GenerationSection
+from fusedrl.config import ConfigError, GenerationSection, Startup
+from fusedrl.config.loader import source_of
 from fusedrl.distributed import compat
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
@@ -30,6 +31,8 @@ from fusedrl.models import QKNormProjection
 
 _T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
+CompileScope = Literal["step", "layer"]
+COMPILE_SCOPES: tuple[str, ...] = ("step", "layer")
 QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
 BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
 
@@ -102,6 +105,18 @@ def _can_use_cpu_layouts(model: TransformerDecoder) -> bool:
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and compat.onednn_bf16_supported())
 
 
+def check_compile(startup: Startup) -> None:
+    """Startup check (raises ConfigError): CUDA graphs (``compile_mode = "reduce-overhead"``) record the whole decode
+    step, so they need ``compile_scope = "step"``."""
+    g = startup.cfg.generation
+    if g.compile and g.compile_scope == "layer" and g.compile_mode == "reduce-overhead":
+        raise ConfigError(
+            f"generation.compile_mode = reduce-overhead ({source_of(startup.cfg, 'generation.compile_mode')}) records CUDA "
+            "graphs of the whole decode step, but generation.compile_scope = layer compiles one layer: set "
+            "--generation.compile_scope=step, or compile_mode = default"
+        )
+
+
 class _SlotForward(nn.Module):
     """Prefill and decode over the slot KV cache, calling the decoder's own submodules.
 
@@ -123,6 +138,7 @@ class _SlotForward(nn.Module):
         attn = model.layers[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weight = model.tok_embeddings.weight
+        self.dtype: torch.dtype = kv_dtype or weight.dtype  # the cache's (a plain attribute: no guard on a buffer)
         # One spare position past max_len, never written or attended: with it, the attended slice kc[:b, :L] is
         # never contiguous, so a compiled decode step's symbolic L needs no separate graph for L == max_len.
         shape = (slots, max_len + 1, self.num_kv_heads, self.head_dim)
@@ -130,13 +146,13 @@ class _SlotForward(nn.Module):
         # write the whole buffer back every step, on a buffer of its own it stays an in-place scatter.
         for i in range(len(model.layers)):
             for kind in "kv":
-                buf = torch.zeros(shape, dtype=kv_dtype or weight.dtype, device=weight.device)
+                buf = torch.zeros(shape, dtype=self.dtype, device=weight.device)
+                compat.mark_static(buf)  # compiled per layer, only the batch and attended length are symbolic
                 self.register_buffer(f"{kind}_{i}", buf, persistent=False)
         self.register_buffer("columns", torch.arange(max_len, device=weight.device), persistent=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.cache(0)[0].dtype
+        # the engine swaps in compiled forms of these two when it compiles per layer
+        self.decode_layer: Callable[..., torch.Tensor] = self._decode_layer
+        self.sample_rows: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _sample_rows
 
     def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s slot cache (k, v), each [slots, max_len, kv_heads, head_dim]."""
@@ -158,11 +174,19 @@ class _SlotForward(nn.Module):
             for c in self.cache(i):
                 c[dst, :length] = c[src, :length]
 
+    @staticmethod
+    def _linear_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.fusedrl.cpu_linear(x, weight, bias)
+        return _linear_cpu(x, weight, bias)
+
     def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_layouts and type(module) is nn.Linear:
-            if torch.compiler.is_compiling():
-                return torch.ops.fusedrl.cpu_linear(x, module.weight, module.bias)
-            return _linear_cpu(x, module.weight, module.bias)
+            return self._linear_of(x, module.weight, module.bias)
+        if self.cpu_layouts and isinstance(module, TiedLinear):  # the LM head of tied embeddings
+            weight = module.tied_module.weight  # the token embedding's
+            assert isinstance(weight, torch.Tensor)
+            return self._linear_of(x, weight, None)
         if type(module) is QKNormProjection:  # Qwen3: its linear through the cached layouts too, then the per-head norm
             return module.normalize(self._linear(module.linear, x))
         return module(x)
@@ -218,17 +242,31 @@ class _SlotForward(nn.Module):
         tokens/positions [b]: the pending token of each row and its position; mask [b, 1, 1, L] marks
         the cache columns each row attends to (L is the length bucket). Returns float logits [b, V].
         """
-        b, length = tokens.shape[0], mask.shape[-1]
-        rows = torch.arange(b, device=tokens.device)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
         h = self.model.tok_embeddings(tokens[:, None])
         for i, layer in enumerate(self.model.layers):
-            q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
-            kc, vc = self.cache(i)
-            kc.index_put_((rows, positions), k[:, 0].to(kc.dtype))
-            vc.index_put_((rows, positions), v[:, 0].to(vc.dtype))
-            out = self._attend(layer.attn, q, kc[:b, :length], vc[:b, :length], mask=mask)
-            h = self._block(layer, h, out)
+            h = self.decode_layer(layer, h, *self.cache(i), rows, positions, mask)
         return self._linear(self.model.output, self.model.norm(h[:, 0])).float()
+
+    def _decode_layer(
+        self,
+        layer: TransformerSelfAttentionLayer,
+        h: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer of a decode step: ``h`` [b, 1, dim] of rows 0..b-1 through ``layer``, their keys and values
+        written into the layer's cache ``kc``/``vc`` at ``positions``. Every layer has the same structure, so that
+        compiled (``compile_scope = "layer"``) one graph serves them all."""
+        b, length = h.shape[0], mask.shape[-1]
+        q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
+        kc.index_put_((rows, positions), k[:, 0].to(kc.dtype))
+        vc.index_put_((rows, positions), v[:, 0].to(vc.dtype))
+        out = self._attend(layer.attn, q, kc[:b, :length], vc[:b, :length], mask=mask)
+        return self._block(layer, h, out)
 
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Right-padded tokens [n, P] at positions 0..P-1 into cache rows ``slots``; logits [n, V] at lengths-1.
@@ -258,7 +296,7 @@ class _SlotForward(nn.Module):
         included."""
         tokens, pos = ints[:, _SlotState.TOKEN].contiguous(), ints[:, _SlotState.POSITION].contiguous()
         mask = (columns[None, :] <= pos[:, None])[:, None, None, :]
-        sampled, logprobs = _sample_rows(self(tokens, pos, mask), ints, floats, any_sampled, any_filtered)
+        sampled, logprobs = self.sample_rows(self(tokens, pos, mask), ints, floats, any_sampled, any_filtered)
         return sampled, logprobs, _SlotState.advanced(ints, sampled)
 
 
@@ -371,10 +409,14 @@ class GenerationEngine:
             for an 8B model with 64 slots).
         seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
             number of tokens it has sampled (see :mod:`.sampling`).
-        compile: compile the decode step with its sampling (batch padded to ``batch_buckets``, attended length
-            to ``len_buckets`` but symbolic: one graph per batch bucket; with ``mode="reduce-overhead"`` a CUDA
-            graph per (batch, length) bucket pair that occurs) and the prefill (one graph with symbolic rows and
-            prompt length, another for a single row).
+        compile: compile as ``compile_scope`` says.
+        compile_scope: ``"step"``: the whole decode step with its sampling (batch padded to ``batch_buckets``,
+            attended length to ``len_buckets`` but symbolic: one graph per batch bucket; with
+            ``mode="reduce-overhead"`` a CUDA graph per (batch, length) bucket pair that occurs) and the prefill (one
+            graph with symbolic rows and prompt length, another for a single row). ``"layer"``: one decoder layer's
+            decode, a graph that every layer reuses, and the sampling, both with symbolic batch and length (a
+            graph each for one row and for more), so that compiling costs the same whatever the model's depth and
+            the buckets visited; the prefill and the LM head stay eager.
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
@@ -393,6 +435,7 @@ class GenerationEngine:
         max_len: int,
         seed: int = 0,
         compile: bool = False,
+        compile_scope: CompileScope = "step",
         backend: str = "inductor",
         mode: str | None = None,
         quantize: Quantize | None = None,
@@ -404,6 +447,12 @@ class GenerationEngine:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise ValueError(f"unknown quantize mode {quantize!r}; valid: {', '.join(QUANTIZE_MODES)} or None")
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"unknown compile scope {compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}")
+        if compile and compile_scope == "layer" and mode == "reduce-overhead":
+            raise ValueError(
+                "mode='reduce-overhead' records CUDA graphs of the whole decode step: use compile_scope='step' with it"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {backend!r}; valid: {', '.join(BACKENDS)}")
         if compile and backend == "tensorrt":
@@ -417,6 +466,7 @@ class GenerationEngine:
         self.source_model = model
         self.max_slots, self.max_len, self.seed = max_slots, max_len, seed
         self.quantize, self.compile, self.backend, self.mode = quantize, compile, backend, mode
+        self.compile_scope = compile_scope
         self.kv_dtype = kv_dtype
         self.batch_buckets = tuple(sorted(set(batch_buckets or doubling(1, max_slots))))
         self.len_buckets = tuple(sorted(set(len_buckets or doubling(64, max_len))))
@@ -453,6 +503,7 @@ class GenerationEngine:
             max_len=max_len,
             seed=seed,
             compile=section.compile,
+            compile_scope=section.compile_scope,
             backend=section.backend,
             mode=None if section.compile_mode == "default" else section.compile_mode,
             quantize=None if section.quantize == "none" else section.quantize,
@@ -478,7 +529,11 @@ class GenerationEngine:
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward.sample_step
         self._prefill_fn: Callable[..., torch.Tensor] = self._forward.prefill
         self.compile_stats = CompileStats()
-        if self.compile:
+        if self.compile and self.compile_scope == "layer":
+            forward = self._forward
+            forward.decode_layer = torch.compile(forward.decode_layer, backend=self.backend, mode=self.mode, dynamic=True)
+            forward.sample_rows = torch.compile(forward.sample_rows, backend=self.backend, mode=self.mode, dynamic=True)
+        elif self.compile:
             compat.allow_recompiles(4 * len(self.batch_buckets))  # a graph per batch bucket and sampling flags
             self._decode = torch.compile(self._forward.sample_step, backend=self.backend, mode=self.mode, dynamic=False)
             # prefill: one graph over symbolic rows and prompt length (padding a prompt to a length bucket would
@@ -708,7 +763,8 @@ class GenerationEngine:
             rows = torch.tensor([index[r] for r in fresh], device=self.device)
             sampled_slots = [slots[r] for r in fresh]
             ints, floats = self._state.ints[rows], self._state.floats[rows]
-            tokens, logprobs = _sample_rows(logits[fresh], ints, floats, *self._sampling_flags(sampled_slots))
+            flags = self._sampling_flags(sampled_slots)
+            tokens, logprobs = self._call(self._forward.sample_rows, logits[fresh], ints, floats, *flags)
             self._state.ints[rows] = _SlotState.advanced(ints, tokens)
             self._record(sampled_slots, tokens, logprobs)
 
@@ -718,8 +774,8 @@ class GenerationEngine:
         # the host knows every cache length: the length bucket needs no device read
         length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
         columns = self._forward.columns[:length]
-        if self.compile:  # one graph per batch bucket: the attended length is symbolic (its buckets bound the CUDA
-            compat.mark_dim_dynamic(columns, 0)  # graphs recorded, one per length)
+        if self.compile and self.compile_scope == "step":  # one graph per batch bucket: the attended length is
+            compat.mark_dim_dynamic(columns, 0)  # symbolic (its buckets bound the CUDA graphs recorded, one per length)
         # rows past n: free slots (token 0 at position 0, cleared when their request left)
         tokens, logprobs, ints = self._call(
             self._decode, self._state.ints[:b], self._state.floats[:b], columns, *self._sampling_flags(self._active)
