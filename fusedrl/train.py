@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
-# Read once, when torch loads GNU OpenMP: so before the first torch import. By default, once a thread other than the
-# main one has run a parallel region (gloo runs a collective's copies on its own threads), the main thread's OpenMP
-# workers sleep between parallel regions, and waking them costs more than a small kernel: on 2 threads a bf16
+# Read once, when torch loads GNU OpenMP: so before the first torch import. With the default policy, once gloo has run
+# a large collective (it copies tensors on threads of its own), the main thread's OpenMP workers are woken for each
+# parallel region (as we read it: more OpenMP threads than cores stop their spinning), which costs more than a small
+# kernel: on 2 threads a bf16
 # [16, 576] x [576, 1536] linear took 47 us before the trainer's first large gloo collective and 92 us after, and
 # the whole decode ran 1.9x slower (docs/ppo.md, "Threads"). "active" keeps them ready; an idle process still sleeps.
 os.environ.setdefault("OMP_WAIT_POLICY", "active")

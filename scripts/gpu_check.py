@@ -170,7 +170,18 @@ def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) 
     if dry_run:
         bench = ["--flavor", "debug", "--batch-sizes", "1,2", "--new-tokens", "8", "--no-compile", "--repeats", "1"]
     else:
-        bench = ["--device", "cuda", "--flavor", "llama3_2_1b", "--dtype", "bfloat16", "--compile-mode", "reduce-overhead"]
+        bench = [
+            "--device",
+            "cuda",
+            "--flavor",
+            "llama3_2_1b",
+            "--dtype",
+            "bfloat16",
+            "--compile-scope",
+            "step",
+            "--compile-mode",
+            "reduce-overhead",
+        ]
         # no bucketed compile run: its graphs of a 1B model would not fit the step's limit
         bench += ["--batch-sizes", "1,32", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "1", "--graphs-slots", "0"]
     result = _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], limit, env)
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         else [
             "--training.device=cuda",
             "--generation.compile=true",
+            "--generation.compile_scope=step",
             "--generation.compile_mode=reduce-overhead",
         ]
     )

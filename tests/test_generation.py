@@ -254,7 +254,9 @@ def test_compiled_decode_and_prefill_equal_eager(model, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     requests = [Request(i, _prompt(2 + 5 * i, 30 + i), SAMPLED) for i in range(3)]
     eager = GenerationEngine(model, max_slots=4, max_len=32).generate(requests)
-    compiled_engine = GenerationEngine(model, max_slots=4, max_len=32, compile=True, batch_buckets=[4], len_buckets=[32])
+    compiled_engine = GenerationEngine(
+        model, max_slots=4, max_len=32, compile=True, compile_scope="step", batch_buckets=[4], len_buckets=[32]
+    )
     compiled = compiled_engine.generate([Request(r.id, r.prompt, r.sampling) for r in requests])
     for e, c in zip(eager, compiled):
         assert c.tokens == e.tokens
@@ -318,7 +320,7 @@ def test_weights_changed_in_place_after_decoding_are_used(compile):
     # (an optimizer step, load_state_dict, weight sync) after a first decode must reach the next decode.
     torch.manual_seed(5)
     model = build_model("debug").eval()
-    buckets = dict(batch_buckets=[1], len_buckets=[32]) if compile else {}
+    buckets = dict(batch_buckets=[1], len_buckets=[32], compile_scope="step") if compile else {}
     engine = GenerationEngine(model, max_slots=1, max_len=32, compile=compile, **buckets)
     prompt = _prompt(5, 11)
     first = engine.generate([Request(0, prompt, GREEDY)])[0]

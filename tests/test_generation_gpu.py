@@ -22,7 +22,7 @@ def test_cuda_graph_decode_equals_eager():
     g = torch.Generator().manual_seed(1)
     requests = [Request(i, torch.randint(0, 512, (2 + 5 * i,), generator=g).tolist(), SAMPLED) for i in range(5)]
     eager = GenerationEngine(model, max_slots=4, max_len=64).generate(requests)
-    graphs = GenerationEngine(model, max_slots=4, max_len=64, compile=True, mode="reduce-overhead")
+    graphs = GenerationEngine(model, max_slots=4, max_len=64, compile=True, compile_scope="step", mode="reduce-overhead")
     compiled = graphs.generate([Request(r.id, r.prompt, r.sampling) for r in requests])
     for e, c in zip(eager, compiled):
         assert c.tokens == e.tokens

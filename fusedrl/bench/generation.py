@@ -3,7 +3,7 @@
     python -m fusedrl.bench.generation [--json] [--quantize] [--new-tokens N] [--batch-sizes 1,8,32]
     python -m fusedrl.bench.generation --model models/SmolLM2-135M-Instruct --batch-sizes 1,16 --json
     python -m fusedrl.bench.generation --device cuda --flavor llama3_2_1b --dtype bfloat16 \
-        --compile-mode reduce-overhead --batch-sizes 1,8,32,128 --json     # on a GPU
+        --compile-scope step --compile-mode reduce-overhead --batch-sizes 1,8,32,128 --json     # on a GPU
 
 Same model, same prompts (random ids, one length), same number of new tokens per request (forced: no stop tokens);
 on CPU ``--threads`` threads (``torch.set_num_threads``). ``--flavor`` (``debug_large`` by default): random weights,

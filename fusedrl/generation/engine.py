@@ -410,13 +410,13 @@ class GenerationEngine:
         seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
             number of tokens it has sampled (see :mod:`.sampling`).
         compile: compile as ``compile_scope`` says.
-        compile_scope: ``"step"``: the whole decode step with its sampling (batch padded to ``batch_buckets``,
+        compile_scope: ``"layer"`` (default): one decoder layer's decode, a graph that every layer reuses, and the
+            sampling, both with symbolic batch and length (a graph each for one row and for more), so that compiling
+            costs the same whatever the model's depth and the buckets visited; the prefill and the LM head stay eager.
+            ``"step"``: the whole decode step with its sampling (batch padded to ``batch_buckets``,
             attended length to ``len_buckets`` but symbolic: one graph per batch bucket; with
             ``mode="reduce-overhead"`` a CUDA graph per (batch, length) bucket pair that occurs) and the prefill (one
-            graph with symbolic rows and prompt length, another for a single row). ``"layer"``: one decoder layer's
-            decode, a graph that every layer reuses, and the sampling, both with symbolic batch and length (a
-            graph each for one row and for more), so that compiling costs the same whatever the model's depth and
-            the buckets visited; the prefill and the LM head stay eager.
+            graph with symbolic rows and prompt length, another for a single row).
         backend / mode: passed to ``torch.compile`` (``mode="reduce-overhead"`` uses CUDA graphs on GPU);
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
@@ -435,7 +435,7 @@ class GenerationEngine:
         max_len: int,
         seed: int = 0,
         compile: bool = False,
-        compile_scope: CompileScope = "step",
+        compile_scope: CompileScope = "layer",
         backend: str = "inductor",
         mode: str | None = None,
         quantize: Quantize | None = None,
