@@ -30,6 +30,7 @@ def _check(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # past _check's own 600 s, so that its TimeoutExpired names the command
 def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(tmp_path):
     summary, _ = _check("--out", str(tmp_path))
     assert summary["ok"] and summary["dry_run"] and STEPS <= set(summary)
@@ -47,6 +48,7 @@ def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_ste
         assert "scripts/smollm2_from_gguf.py" in recipe["skipped"]
 
 
+@pytest.mark.timeout(900)
 def test_gpu_check_only_runs_the_named_step(tmp_path):
     summary, _ = _check("--out", str(tmp_path), "--only", "generation_bench")
     assert summary["ok"] and set(summary) & STEPS == {"generation_bench"}
