@@ -10,7 +10,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from fusedrl.models import QKNormProjection
 _T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
 CompileScope = Literal["step", "layer"]
-COMPILE_SCOPES: tuple[str, ...] = ("step", "layer")
+COMPILE_SCOPES: tuple[str, ...] = get_args(CompileScope)
 QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
 BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
 

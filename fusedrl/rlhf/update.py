@@ -151,14 +151,17 @@ def _forward_backward(
             return {k: v if k == "loss_denom" else packed.pack(v) for k, v in targets.items()}
 
         tokens = packed.pack(shard.tokens)
-        args = (tokens, tokens if critic_targets is not None else None, pack(actor_targets))
-        packed_critic = pack(critic_targets) if critic_targets is not None else None
-        if isinstance(executor.schedule, LocalSchedule):
-            result = executor.schedule.step(
-                *args, packed_critic, record=record, documents=packed.documents, microbatches=microbatches
-            )
-        else:
-            result = executor.schedule.step(*args, packed_critic, record=record, documents=packed.documents)
+        # a pipeline program keeps its own micro-batch count (the rows were packed to it)
+        counted = {"microbatches": microbatches} if local else {}
+        result = executor.schedule.step(
+            tokens,
+            tokens if critic_targets is not None else None,
+            pack(actor_targets),
+            pack(critic_targets) if critic_targets is not None else None,
+            record=record,
+            documents=packed.documents,
+            **counted,
+        )
     out: dict[str, torch.Tensor] = {}
     actor_keys = (*POLICY_STATS, *first_minibatch_stats(cfg), *(("kl_loss",) if ppo.kl_loss_coef > 0 else ()))
     for model, keys in (("actor", actor_keys), ("critic", VALUE_STATS)):
