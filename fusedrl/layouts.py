@@ -44,6 +44,7 @@ from fusedrl.distributed import (
     ParallelDims,
     TiedEmbeddings,
     apply_activation_checkpointing,
+    apply_compile,
     apply_fsdp,
     apply_tp,
     convert_to_float8,
@@ -138,6 +139,8 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
         module = split_decoder(build_model(flavor, role, device="meta"), stages, apply_head=role == "value")[index]
         if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
             convert_to_float8(module)
+        if t.compile:  # compiled inside the layer's call: checkpointing and FSDP2's hooks wrap it
+            apply_compile(module)
         if dims.tp > 1:
             apply_tp(module, tp_mesh, vocab_parallel=() if flavor.tie_word_embeddings else VOCAB_MODULES)
         if t.activation_checkpointing == "full":
@@ -175,6 +178,8 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
 
     def model(flavor: ModelFlavor, role: Role, dtype: str) -> nn.Module:
         module = cast_parameters(build_model(flavor, role, device="meta"), DTYPES[dtype])  # RoPE tables stay float32
+        if t.compile:  # the scoring forward; the engine runs its own decode and prefill
+            apply_compile(module)
         if dims.gen_tp > 1:
             apply_tp(module, mesh["gen_tp"])
         if materialize:

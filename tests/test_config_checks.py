@@ -33,6 +33,7 @@ OWNERS = {
     "packing": "rlhf",
     "device": "distributed",
     "float8": "distributed",
+    "training_compile": "distributed",
     "tokenizer": "components",
 }
 
@@ -172,6 +173,11 @@ RULES = [
     ),
     (["--fusion.schedule_memory_gib=1e-9"], "schedule_memory", "fusion.schedule_memory_gib = 1e-09"),
     (["--ppo.microbatch_tokens=100"], "packing", "ppo.microbatch_tokens = 100 (command line) is smaller than the longest"),
+    (
+        ["--training.compile=true", "--parallelism.gen_tp=2"],
+        "training_compile",
+        "training.compile = true with parallelism.gen_tp = 2",
+    ),
     (["--data.chat_template=true"], "tokenizer", "data.chat_template = true, but the tokenizer"),
     (["--model.tokenizer_path=/no/tokenizer.json"], "tokenizer", 'model.tokenizer_path = "/no/tokenizer.json" (command'),
 ]

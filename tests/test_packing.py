@@ -39,11 +39,14 @@ def test_packed_rows_lay_out_tokens_and_documents():
     assert lengths == [3, 3, 2]
     tokens = torch.arange(15).view(3, 5)
     packed = PackedRows.of([[0, 2], [1]], lengths, 64)
-    assert packed.length == 16  # the longer row's 5 tokens, rounded up to a multiple of max(16, 64 / 32)
-    pad = [0] * 11
+    assert packed.length == 8  # the longer row's 5 tokens, rounded up to a multiple of max(8, 64 / 64)
+    pad = [0] * 3
     assert packed.pack(tokens).tolist() == [[0, 1, 2, 10, 11, *pad], [5, 6, 7, 0, 0, *pad]]
-    assert packed.documents.tolist() == [[0, 0, 0, 1, 1, *[2] * 11], [0, 0, 0, *[1] * 13]]
-    assert packed.positions == 32
+    assert packed.documents.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 1, 1, 1, 2, 2]]
+    assert packed.positions == 16
+    assert PackedRows.of([[0, 2], [1]], [300, 3, 90], 480).length == 392  # 390 tokens, a multiple of 480 / 64 = 8
+    # padding comes in pieces no longer than the longest sequence
+    assert PackedRows.of([[0]], [3], 512).documents.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2]]
     # a row without a response token packs as one token, which no loss counts
     assert sequence_lengths(torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])) == [3, 1]
 

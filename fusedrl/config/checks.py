@@ -39,6 +39,7 @@ ORDER = (
     "packing",  # rlhf: ppo.microbatch_tokens holds the longest sequence (and a pipeline's rows)
     "device",  # distributed: training.device
     "float8",  # distributed: float8 training
+    "training_compile",  # distributed: regional compilation of the trained and scoring models
     "tokenizer",  # components: the tokenizer loads and fits the Actor's vocabulary
 )
 

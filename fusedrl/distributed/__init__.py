@@ -1,7 +1,8 @@
 """Parallel layouts: ParallelDims / DeviceMesh, FSDP2, tensor parallelism, pipeline stage splitting, full state
-dicts from a training layout, float8, the layout's startup checks; a heartbeat that names dead ranks after a failed
-collective."""
+dicts from a training layout, float8, regional compilation, the layout's startup checks; a heartbeat that names dead
+ranks after a failed collective."""
 
+from fusedrl.distributed.compile import CompiledLayer, apply_compile
 from fusedrl.distributed.float8 import check_float8, convert_to_float8
 from fusedrl.distributed.fsdp import apply_activation_checkpointing, apply_fsdp, transformer_layers
 from fusedrl.distributed.heartbeat import Heartbeat, describe_failure
@@ -24,6 +25,7 @@ from fusedrl.distributed.state_dict import gather_full_state_dict
 from fusedrl.distributed.tp import VOCAB_MODULES, apply_tp
 
 __all__ = [
+    "CompiledLayer",
     "DecoderStage",
     "Heartbeat",
     "ParallelDims",
@@ -31,6 +33,7 @@ __all__ = [
     "TiedEmbeddings",
     "VOCAB_MODULES",
     "apply_activation_checkpointing",
+    "apply_compile",
     "apply_fsdp",
     "apply_tp",
     "check_device",

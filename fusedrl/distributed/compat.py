@@ -115,6 +115,14 @@ def compiled_graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def compile_seconds() -> float:
+    """Wall time torch.compile has spent compiling in this process so far, forward and backward graphs (dynamo's
+    cumulative timers; no public API reports them)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent()["total_wall_time"]
+
+
 def mark_dim_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Let torch.compile take ``tensor``'s size along ``dim`` as symbolic (one graph for every size) where it can;
     torch.compiler has no public form of ``torch._dynamo.maybe_mark_dynamic``."""

@@ -88,6 +88,11 @@ def _document_causal_attention(
     to torchtune's own call (``fallback``)."""
     if not isinstance(mask, DocumentSpans):
         return fallback(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    return _attend_documents(q, k, v, mask, dropout_p)
+
+
+@torch.compiler.disable  # the spans change every step: compiled layers (fusedrl.distributed.compile) run this eager
+def _attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentSpans, dropout_p: float) -> torch.Tensor:
     b, heads, s, dim = q.shape
     if len(mask.lengths) != b or any(sum(row) != s for row in mask.lengths):
         raise ValueError(f"DocumentSpans of rows {[sum(r) for r in mask.lengths]} do not match the attention's [{b}, {s}] input")

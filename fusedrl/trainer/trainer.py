@@ -50,6 +50,7 @@ from fusedrl.components import (
 )
 from fusedrl.config import JobConfig
 from fusedrl.distributed import select_device
+from fusedrl.distributed.compat import compile_seconds
 from fusedrl.generation import GenerationEngine, WeightSync
 from fusedrl.hardware import cached_peak, reuse_host_memory
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
@@ -83,9 +84,21 @@ from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s
 log = logging.getLogger("fusedrl.trainer")
 
 
-PHASES = ("weight_sync", "generation", "scoring", "scoring_exposed", "advantages", "recompute", "training", "step", "outside")
+PHASES = (
+    "weight_sync",
+    "generation",
+    "scoring",
+    "scoring_exposed",
+    "advantages",
+    "recompute",
+    "training",
+    "step",
+    "outside",
+    "compile",
+)
 """The timed phases of an iteration (``time_<phase>`` in the metrics; ``step`` is the whole iteration;
-``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save)."""
+``outside`` is the time between the previous iteration and this one: its metrics logging and checkpoint save;
+``compile`` is torch.compile's compile time during the iteration, a part of the other phases' times)."""
 
 
 STDOUT_KEYS = (
@@ -382,7 +395,7 @@ class Trainer:
         cfg = self.cfg
         trace = ChromeTrace() if step in cfg.metrics.trace else None
         timers = PhaseTimers(sync_cuda=self.device.type == "cuda", trace=trace, pid=self.rank)
-        step_start = time.perf_counter()
+        step_start, compile_start = time.perf_counter(), compile_seconds()
         with timers("weight_sync"):
             for sync in self.syncs:
                 sync.sync()
@@ -413,6 +426,7 @@ class Trainer:
             update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
         timers.add("outside", self.outside_s)
+        timers.add("compile", compile_seconds() - compile_start)
 
         # Per-sample figures are of the whole batch (every rank holds it); phase times are the slowest rank's.
         record = reduce_iteration(
