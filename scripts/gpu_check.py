@@ -40,6 +40,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 STEP_LIMITS_S = {"pytest_gpu": 120, "smollm2_recipe": 210, "generation_bench": 150}
 """Each step's wall-clock limit: 480 s together, 8 of the 10 minutes one command may run on a lent GPU machine."""
+DRY_RUN_GUARD = 4
+"""The CPU dry run checks that every step works, not how fast: its steps are killed at this many times their GPU
+limit, a hang guard that a loaded CI machine does not reach (at 1x, two busy cores made every step overrun)."""
 METRIC_KEYS = (
     "samples_per_s",
     "time_step",
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and name not in args.only:
                 continue
             limit, start = STEP_LIMITS_S[name], time.perf_counter()
-            result = step(limit)
+            result = step(limit * (DRY_RUN_GUARD if args.dry_run else 1))
             entry = {"limit_s": limit, "seconds": round(time.perf_counter() - start, 1), **result}
             (out / f"{name}.json").write_text(json.dumps(entry, indent=1))
             summary[name] = {k: v for k, v in entry.items() if k != "output_tail"}
