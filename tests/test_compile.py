@@ -1,6 +1,6 @@
 """Regional compilation (training.compile): compiled decoder layers give the eager values and gradients (float32),
 compile a bounded number of graphs whatever the packing, and a compiled training layout's packed update equals the
-eager one at pp = 2 (FSDP2 hooks, the fused schedule); tp = 2 is refused (torch 2.13's compiled layer gave its
+eager one at pp = 2 (FSDP2 hooks, the fused schedule), with and without activation checkpointing; tp = 2 is refused (torch 2.13's compiled layer gave its
 DTensor input no gradient, or failed to compile after other graphs in the same process)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_graphs():
     assert graphs[1:] == [graphs[1]] * (len(packings) - 1), graphs
 
 
-def _compiled_update_equals_eager(pp: int) -> bool:
+def _compiled_update_equals_eager(pp: int, checkpointing: str) -> bool:
     import torch.distributed as dist
     from test_packing import _minibatch
 
@@ -71,6 +71,7 @@ def _compiled_update_equals_eager(pp: int) -> bool:
                 "--model.reward_path=",
                 "--ppo.entropy_coef=0.01",
                 f"--training.compile={compile_}",
+                f"--training.activation_checkpointing={checkpointing}",
                 *dtypes,
             ]
         )
@@ -97,8 +98,9 @@ def _compiled_update_equals_eager(pp: int) -> bool:
 
 
 @pytest.mark.slow
-def test_compiled_update_equals_eager_with_a_pipeline(two_ranks):
-    assert two_ranks.run(_compiled_update_equals_eager, 2) == [True, True]
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_compiled_update_equals_eager_with_a_pipeline(two_ranks, checkpointing):
+    assert two_ranks.run(_compiled_update_equals_eager, 2, checkpointing) == [True, True]
 
 
 def test_compile_with_tensor_parallelism_is_refused_in_one_line():
