@@ -1,7 +1,8 @@
 """Regional compilation (training.compile): compiled decoder layers give the eager values and gradients (float32),
 compile a bounded number of graphs whatever the packing, and a compiled training layout's packed update equals the
-eager one at pp = 2 (FSDP2 hooks, the fused schedule), with and without activation checkpointing; tp = 2 is refused (torch 2.13's compiled layer gave its
-DTensor input no gradient, or failed to compile after other graphs in the same process)."""
+eager one at pp = 2 (FSDP2 hooks, the fused schedule), with and without activation checkpointing; tp = 2 is refused
+(torch 2.13's compiled layer gave its DTensor input no gradient, or failed to compile after other graphs in the same
+process)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 from fusedrl.config import ConfigError, load_config, run_checks
 from fusedrl.distributed import CompiledLayer, apply_compile, split_decoder
@@ -48,46 +48,27 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_graphs():
     assert graphs[1:] == [graphs[1]] * (len(packings) - 1), graphs
 
 
-def _compiled_update_equals_eager(pp: int, checkpointing: str) -> bool:
+def _compiled_update_equals_eager(checkpointing: str) -> bool:
+    """A pipeline (pp = 2) packed update with compiled layers equals the eager one (float32)."""
     import torch.distributed as dist
-    from test_packing import _minibatch
+    from test_packing import _minibatch, debug_update_layout, full_grads
 
-    from fusedrl.layouts import build_rollout_layout, build_training_layout, load_initial_weights
-    from fusedrl.rlhf import build_executor
     from fusedrl.rlhf.update import _forward_backward
 
     torch.set_num_threads(1)
-    dtypes = [f"--training.{k}=float32" for k in ("mixed_precision_param", "frozen_dtype", "rollout_dtype", "kv_cache_dtype")]
     runs = []
     for compile_ in ("false", "true"):
-        cfg = load_config(
-            [
-                "--job.config_file",
-                DEBUG,
-                f"--parallelism.pp={pp}",
-                "--parallelism.dp_shard=1",
-                "--model.actor_path=",
-                "--model.critic_path=",
-                "--model.reward_path=",
-                "--ppo.entropy_coef=0.01",
-                f"--training.compile={compile_}",
-                f"--training.activation_checkpointing={checkpointing}",
-                *dtypes,
-            ]
-        )
-        cfg.ppo.microbatch_tokens = cfg.sequence_budget if pp == 1 else (cfg.ppo.microbatch_size + 1) * cfg.sequence_budget
-        device = torch.device("cpu")
         torch.manual_seed(0)  # the same random initial weights in both layouts
-        layout = build_training_layout(cfg, device)
-        load_initial_weights(cfg, layout, build_rollout_layout(cfg, device))
-        stages = [s for s in (layout.actor_stage, layout.critic_stage) if s is not None]
-        compiled_layers = [isinstance(m, CompiledLayer) for s in stages for m in s.modules()]
-        assert any(compiled_layers) == (compile_ == "true")
-        stats, _ = _forward_backward(cfg, layout, build_executor(cfg, layout, device), _minibatch(cfg.ppo.minibatch_size, 500))
-        grads = [
-            (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for s in stages for p in s.parameters()
-        ]
-        runs.append((stats, grads))
+        cfg, layout, executor, stages = debug_update_layout(
+            "--parallelism.pp=2",
+            "--parallelism.dp_shard=1",
+            f"--training.compile={compile_}",
+            f"--training.activation_checkpointing={checkpointing}",
+        )
+        cfg.ppo.microbatch_tokens = (cfg.ppo.microbatch_size + 1) * cfg.sequence_budget  # the least pp = 2 accepts
+        assert any(isinstance(m, CompiledLayer) for s in stages for m in s.modules()) == (compile_ == "true")
+        stats, _ = _forward_backward(cfg, layout, executor, _minibatch(cfg.ppo.minibatch_size, 500))
+        runs.append((stats, full_grads(stages)))
     (eager, eager_grads), (compiled, compiled_grads) = runs
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -100,7 +81,7 @@ def _compiled_update_equals_eager(pp: int, checkpointing: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_compiled_update_equals_eager_with_a_pipeline(two_ranks, checkpointing):
-    assert two_ranks.run(_compiled_update_equals_eager, 2, checkpointing) == [True, True]
+    assert two_ranks.run(_compiled_update_equals_eager, checkpointing) == [True, True]
 
 
 def test_compile_with_tensor_parallelism_is_refused_in_one_line():

@@ -99,36 +99,48 @@ def _minibatch(batch: int, vocab: int) -> Experience:
     )
 
 
-def _packed_equals_padded(pp: int, dp_shard: int, tp: int) -> bool:
-    import torch.distributed as dist
-
+def debug_update_layout(*overrides: str):
+    """The debug config in float32 with random weights (and ``overrides``): its config, training layout, executor and
+    trained stages, built on this rank (collective)."""
     from fusedrl.layouts import build_rollout_layout, build_training_layout, load_initial_weights
     from fusedrl.rlhf import build_executor
-    from fusedrl.rlhf.update import _forward_backward
 
-    torch.set_num_threads(1)
     dtypes = [f"--training.{k}=float32" for k in ("mixed_precision_param", "frozen_dtype", "rollout_dtype", "kv_cache_dtype")]
     cfg = load_config(
         [
             "--job.config_file",
             DEBUG,
-            f"--parallelism.pp={pp}",
-            f"--parallelism.dp_shard={dp_shard}",
-            f"--parallelism.tp={tp}",
             "--model.actor_path=",
             "--model.critic_path=",
             "--model.reward_path=",
             "--ppo.kl_loss_coef=0.05",
             "--ppo.entropy_coef=0.01",
             *dtypes,
+            *overrides,
         ]
     )
     device = torch.device("cpu")
     layout = build_training_layout(cfg, device)
     load_initial_weights(cfg, layout, build_rollout_layout(cfg, device))
-    executor = build_executor(cfg, layout, device)
-    mb = _minibatch(cfg.ppo.minibatch_size, 500)
     stages = [s for s in (layout.actor_stage, layout.critic_stage) if s is not None]
+    return cfg, layout, build_executor(cfg, layout, device), stages
+
+
+def full_grads(stages: list) -> list[torch.Tensor]:
+    """Copies of the stages' whole gradients (a sharded one gathered)."""
+    return [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for s in stages for p in s.parameters()]
+
+
+def _packed_equals_padded(pp: int, dp_shard: int, tp: int) -> bool:
+    import torch.distributed as dist
+
+    from fusedrl.rlhf.update import _forward_backward
+
+    torch.set_num_threads(1)
+    cfg, layout, executor, stages = debug_update_layout(
+        f"--parallelism.pp={pp}", f"--parallelism.dp_shard={dp_shard}", f"--parallelism.tp={tp}"
+    )
+    mb = _minibatch(cfg.ppo.minibatch_size, 500)
     for mode in MODES:
         cfg.ppo.loss_agg_mode = mode
         runs = []
@@ -139,12 +151,7 @@ def _packed_equals_padded(pp: int, dp_shard: int, tp: int) -> bool:
             for stage in stages:
                 stage.zero_grad(set_to_none=True)
             stats, positions = _forward_backward(cfg, layout, executor, mb)
-            grads = [
-                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                for stage in stages
-                for p in stage.parameters()
-            ]
-            runs.append((stats, grads, positions))
+            runs.append((stats, full_grads(stages), positions))
         (padded, padded_grads, padded_positions), (packed, packed_grads, packed_positions) = runs
         assert packed_positions < padded_positions, (mode, packed_positions, padded_positions)
         # every loss and token-mean stat; not logprob_diff_max, a mean of per-micro-batch maxima (split-dependent)

@@ -120,7 +120,7 @@ def compile_seconds() -> float:
     cumulative timers; no public API reports them)."""
     from torch._dynamo.utils import calculate_time_spent
 
-    return calculate_time_spent()["total_wall_time"]
+    return calculate_time_spent().get("total_wall_time", 0.0)  # older torch set it only after a first compile
 
 
 def mark_dim_dynamic(tensor: torch.Tensor, dim: int) -> None:
