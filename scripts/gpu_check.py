@@ -5,13 +5,19 @@ limits sum to 8 minutes, within one command of a lent GPU machine:
 
 1. ``pytest_gpu`` (2 min): ``pytest -m gpu tests``, the GPU-marked tests (those needing 2+ GPUs skip with that
    reason);
-2. ``smollm2_recipe`` (3.5 min): one PPO iteration of ``train_configs/smollm2_135m_ppo.toml`` on one device (pp = 1,
+2. ``smollm2_recipe`` (3.5 min): two PPO iterations (the second reported as ``steady_state``: the first compiles) of ``train_configs/smollm2_135m_ppo.toml`` on one device (pp = 1,
    bf16, compiled decode with CUDA graphs) with the architecture and tokenizer of ``--real-model`` (default
    ``models/SmolLM2-135M-Instruct``, from ``scripts/smollm2_from_gguf.py``) at full size: its weights when the folder
    has them, else random weights drawn here from its config.json (only the config and tokenizer files need to travel
    to a GPU machine; the dry run shrinks it to 2 layers of width 64); skipped, with the reason, without that folder;
 3. ``generation_bench`` (2.5 min): ``python -m fusedrl.bench.generation`` on a ~1B bf16 flavor, decode tokens/s at
    batch 1 and 32 next to torchtune's ``generate``, and each as a fraction of the memory-bandwidth roofline.
+
+Before the steps, a preflight (a second, not counted in the limits) writes ``preflight.json``: the Python version, the
+GPU, driver and CUDA version (``nvidia-smi``), the versions of the distributions the figures depend on
+(:data:`REPORTED`), and the carried wheels; it refuses to start (exit 1, nothing else run) when a distribution of
+``scripts/gpu_wheels.txt`` is not installed (the wheels were not carried) or a carried wheel does not fit this
+Python (a wheel tagged for another minor version, as multiprocess is).
 
 Each step's result is written to ``--out`` (default ``$OUT``, the folder whose files come back from a lent GPU
 machine, else a new temporary folder) as ``<step>.json`` when it ends, so a run killed from outside still returns the
@@ -37,6 +43,11 @@ ROOT = Path(__file__).resolve().parents[1]
 REAL_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
+
+WHEELS_LIST = ROOT / "scripts" / "gpu_wheels.txt"
+CARRIED_WHEELS = ROOT / ".whl"
+REPORTED = ("torch", "triton", "transformers", "datasets", "pyarrow", "huggingface-hub", "torchtune", "torchao")
+"""Distributions whose versions the preflight records."""
 
 STEP_LIMITS_S = {"pytest_gpu": 120, "smollm2_recipe": 210, "generation_bench": 150}
 """Each step's wall-clock limit: 480 s together, 8 of the 10 minutes one command may run on a lent GPU machine."""
@@ -120,6 +131,73 @@ def prepare_real_model(src: Path, dst: Path, tiny: bool) -> None:
     arithmetic.write_prompts(dst / "arithmetic.jsonl", 1024)
 
 
+def _version(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gpu() -> dict[str, str]:
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return {}
+    if not lines:
+        return {}
+    name, driver, memory = (field.strip() for field in lines[0].split(","))
+    return {"gpu": name, "driver": driver, "memory": memory, "count": str(len(lines))}
+
+
+def _misfit_wheel(wheel: Path) -> str | None:
+    """Why ``wheel`` does not install on this interpreter, or None. A tag packaging accepts can still name another
+    minor version (``py311`` is compatible on 3.12 by packaging's rules, yet multiprocess's py311 wheel is a copy of
+    3.11's multiprocessing): a minor-specific Python tag must name this one."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    tags = parse_wheel_filename(wheel.name)[3]
+    if not tags & set(sys_tags()):
+        return "no tag this interpreter supports"
+    this = f"{sys.version_info.major}{sys.version_info.minor}"
+    fitting = [t for t in tags if t.abi == "abi3" or t.interpreter in ("py3", "py2") or t.interpreter.endswith(this)]
+    return None if fitting else f"tagged for {', '.join(sorted({t.interpreter for t in tags}))}, not Python {this}"
+
+
+def preflight(out: Path) -> dict:
+    """The machine and versions (written to ``out/preflight.json``); ``exit`` 1 with ``error`` when the carried
+    wheels are missing or do not fit this Python."""
+    pins = [line.split("==")[0] for line in WHEELS_LIST.read_text().splitlines() if line and not line.startswith("#")]
+    wheels = sorted(CARRIED_WHEELS.glob("*.whl"))
+    misfits = {w.name: why for w in wheels if (why := _misfit_wheel(w)) is not None}
+    missing = [name for name in pins if _version(name) is None]
+    entry: dict = {
+        "python": sys.version.split()[0],
+        **_gpu(),
+        "versions": {name: _version(name) for name in REPORTED},
+        "carried_wheels": [w.name for w in wheels],
+    }
+    errors = []
+    if missing:
+        errors.append(
+            f"{', '.join(missing)} not installed: build the wheels with `python scripts/gpu_wheels.py` on a machine with an "
+            f"index and carry {CARRIED_WHEELS.name}/ with the checkout (docs/gpu.md)"
+        )
+    if misfits:
+        errors.append(
+            "carried wheels that do not fit this Python: "
+            + "; ".join(f"{name} ({why})" for name, why in misfits.items())
+            + ": rebuild them with `python scripts/gpu_wheels.py` (it downloads for CPython 3.12)"
+        )
+    entry |= {"exit": 1 if errors else 0, **({"error": "; ".join(errors)} if errors else {})}
+    (out / "preflight.json").write_text(json.dumps(entry, indent=1))
+    print(f"gpu_check: preflight: {json.dumps(entry)}", flush=True)
+    return entry
+
+
 def _iterations(folder: Path) -> list[dict]:
     metrics = folder / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -158,15 +236,16 @@ def _recipe_step(py: str, env: dict[str, str], limit: float, args: argparse.Name
         "--parallelism.pp=1",
         *device,
         *(small if args.dry_run else bf16),
-        "--training.steps=1",
+        "--training.steps=2",  # the first iteration compiles; the second is the steady state
         "--checkpoint.interval=0",
         "--checkpoint.export_hf=false",
         f"--job.output_dir={out / 'smollm2_run'}",
     ]
     result = _run("SmolLM2 recipe, one device", cmd, limit - (time.perf_counter() - start), env)
     iterations = _iterations(out / "smollm2_run")
-    code = result["exit"] or (0 if len(iterations) == 1 else 1)
-    return {"exit": code, "iterations": iterations, "output_tail": result["output"][-3000:]}
+    code = result["exit"] or (0 if len(iterations) == 2 else 1)
+    steady = iterations[1] if len(iterations) == 2 else None
+    return {"exit": code, "iterations": iterations, "steady_state": steady, "output_tail": result["output"][-3000:]}
 
 
 def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) -> dict:
@@ -189,7 +268,7 @@ def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) 
         bench += ["--batch-sizes", "1,32", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "1", "--graphs-slots", "0"]
     result = _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], limit, env)
     figures = _last_json(result["output"]) or {}
-    keys = ("speedup_vs_torchtune", "modes", "roofline_fraction", "compiled_graphs")
+    keys = ("speedup_vs_torchtune", "modes", "roofline_fraction", "compile_overhead_s", "compiled_graphs")
     entry = {"exit": result["exit"], **{k: figures.get(k) for k in keys}}
     return entry | {"output_tail": result["output"][-3000:]}
 
@@ -226,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2_recipe": lambda limit: _recipe_step(py, env, limit, args, work, device),
         "generation_bench": lambda limit: _generation_step(py, env, limit, args.dry_run),
     }
-    summary: dict = {"dry_run": args.dry_run, "out": str(out)}
+    summary: dict = {"dry_run": args.dry_run, "out": str(out), "preflight": preflight(out)}
+    if summary["preflight"]["exit"]:
+        summary["ok"] = False
+        print(json.dumps(summary), flush=True)
+        return 1
     try:
         for name, step in steps.items():
             if args.only and name not in args.only:

@@ -433,6 +433,44 @@ def test_a_decode_step_sends_nothing_to_the_device_and_reads_back_once(model, mo
     assert created == [] and len(reads) == 5
 
 
+def test_decode_attention_is_a_call_cuda_serves_without_the_math_backend(model, monkeypatch):
+    """CUDA's SDPA serves a masked call with GQA (``enable_gqa``, fewer KV heads than query heads) only with its
+    math backend (float32 upcast, K/V repeated per query head). Every masked call the engine makes (its decode steps)
+    must have as many query heads as KV heads, and its unmasked ones (the prefill) be causal: the calls a GPU runs,
+    checked here on the CPU."""
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa", False), kwargs.get("is_causal")))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    GenerationEngine(model, max_slots=2, max_len=32).generate([Request(i, _prompt(3 + i, i), GREEDY) for i in range(3)])
+    masked = [c for c in calls if c[2]]
+    unmasked = [c for c in calls if not c[2]]
+    assert model.layers[0].attn.num_kv_heads < model.layers[0].attn.num_heads  # the debug model has GQA
+    assert masked and all(q_heads == kv_heads and not gqa for q_heads, kv_heads, _, gqa, _ in masked)
+    assert unmasked and all(causal for *_, causal in unmasked)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_generation_runs_without_the_math_backend():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    cuda_model = build_model("debug").eval().to("cuda", torch.bfloat16)
+    requests = [Request(i, _prompt(3 + 5 * i, i), GREEDY) for i in range(5)]
+    free = GenerationEngine(cuda_model, max_slots=4, max_len=64).generate(requests)
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fast):  # raises "No available kernel" where a call would need the math backend
+        restricted = GenerationEngine(cuda_model, max_slots=4, max_len=64).generate(requests)
+    assert [r.tokens for r in restricted] == [r.tokens for r in free]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_decode_step_synchronizes_once():

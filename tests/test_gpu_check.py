@@ -2,6 +2,8 @@
 its summary; and the library and the check import on the GPU image with only the wheels scripts/gpu_wheels.txt
 lists."""
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +36,8 @@ def _check(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
 def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(tmp_path):
     summary, _ = _check("--out", str(tmp_path))
     assert summary["ok"] and summary["dry_run"] and STEPS <= set(summary)
+    preflight = json.loads((tmp_path / "preflight.json").read_text())
+    assert preflight == summary["preflight"] and preflight["exit"] == 0 and preflight["versions"]["torch"]
     assert sum(summary[name]["limit_s"] for name in STEPS) <= 8 * 60
     for name in STEPS:  # each step's file, written as it ended, holds the summary's entry and the output's tail
         written = json.loads((tmp_path / f"{name}.json").read_text())
@@ -43,7 +47,8 @@ def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_ste
     assert set(summary["generation_bench"]["speedup_vs_torchtune"]) == {"1", "2"}
     recipe = summary["smollm2_recipe"]  # skipped without the SmolLM2 folder (.ci/run builds it)
     if (ROOT / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
-        assert len(recipe["iterations"]) == 1 and recipe["iterations"][0]["samples_per_s"] > 0
+        assert len(recipe["iterations"]) == 2 and recipe["steady_state"] == recipe["iterations"][1]
+        assert all(it["samples_per_s"] > 0 for it in recipe["iterations"])
     else:
         assert "scripts/smollm2_from_gguf.py" in recipe["skipped"]
 
@@ -52,7 +57,36 @@ def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_ste
 def test_gpu_check_only_runs_the_named_step(tmp_path):
     summary, _ = _check("--out", str(tmp_path), "--only", "generation_bench")
     assert summary["ok"] and set(summary) & STEPS == {"generation_bench"}
-    assert [p.name for p in tmp_path.iterdir()] == ["generation_bench.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["generation_bench.json", "preflight.json"]
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_refuses_to_start_without_the_carried_wheels_or_with_wheels_for_another_python(tmp_path, monkeypatch, capsys):
+    check = _gpu_check_module()
+    listed = tmp_path / "gpu_wheels.txt"
+    listed.write_text("# comment\nno-such-distribution-here==1.0\npytest==0\n")
+    carried = tmp_path / "whl"
+    carried.mkdir()
+    other = f"py3{sys.version_info.minor - 1}"
+    for name in (f"multiprocess-0.70.19-{other}-none-any.whl", "dill-0.4.1-py3-none-any.whl"):
+        (carried / name).touch()
+    monkeypatch.setattr(check, "WHEELS_LIST", listed)
+    monkeypatch.setattr(check, "CARRIED_WHEELS", carried)
+    out = tmp_path / "out"
+    assert check.main(["--dry-run", "--out", str(out)]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["preflight.json"]  # no step ran
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    error = summary["preflight"]["error"]
+    assert not summary["ok"] and "no-such-distribution-here not installed" in error and "pytest" not in error.split(":")[0]
+    assert f"multiprocess-0.70.19-{other}-none-any.whl" in error and "dill" not in error
+    assert summary["preflight"]["versions"]["torch"] == importlib.metadata.version("torch")
 
 
 @pytest.mark.slow

@@ -57,7 +57,8 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: str) ->
 def _torchtune_runner(model, prompts: torch.Tensor, new_tokens: int):
     model = copy.deepcopy(model)  # torchtune caches are fixed to one batch size once set up
     dtype = model.tok_embeddings.weight.dtype
-    model.setup_caches(batch_size=prompts.shape[0], dtype=dtype, decoder_max_seq_len=prompts.shape[1] + new_tokens)
+    with prompts.device:  # torchtune makes its caches on the default device
+        model.setup_caches(batch_size=prompts.shape[0], dtype=dtype, decoder_max_seq_len=prompts.shape[1] + new_tokens)
     rng = torch.Generator(device=prompts.device).manual_seed(0)
 
     def run():

@@ -213,23 +213,26 @@ class _SlotForward(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
 
-    def _attend(self, attn: MultiHeadAttention, q, k, v, *, mask=None, is_causal=False) -> torch.Tensor:
-        # q [b, s, H, hd], k/v [b, L, KV, hd] -> [b, s, H*hd]; GQA without materialising repeated heads.
-        dtype = self.dtype
-        if mask is not None and q.device.type == "cpu":
-            # a decode step on the CPU: SDPA's CPU kernel with a mask runs bf16 ~6x slower than float32 at one query
-            # per row (SmolLM2-135M, 16 rows x 9 heads x 128 columns: 865 us against 142 us, the casts included)
-            dtype = torch.float32
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2).to(dtype),
-            k.transpose(1, 2).to(dtype),
-            v.transpose(1, 2).to(dtype),
-            attn_mask=mask,
-            is_causal=is_causal,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        b, _, s, _ = out.shape
-        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim).to(q.dtype)
+    def _attend(self, attn: MultiHeadAttention, q, k, v, *, mask=None) -> torch.Tensor:
+        """q [b, s, H, hd], k/v [b, L, KV, hd] -> [b, s, H*hd], in the cache's dtype; GQA without repeating K/V.
+
+        A prefill (no ``mask``) is causal over the prompt: SDPA's ``enable_gqa``, which CUDA's flash kernel serves.
+        A decode step (``mask`` [b, 1, 1, L], one query per row) regroups the query heads that share a KV head as
+        that head's queries ([b, KV, H / KV, hd]): an attention without GQA, whose boolean mask CUDA's
+        memory-efficient kernel takes (with ``enable_gqa`` and a mask SDPA falls back to the math backend, which
+        upcasts to float32 and repeats K/V per query head), and which the CPU kernel runs in bf16 as fast as in
+        float32 (with one query per head it ran bf16 ~6x slower).
+        """
+        b, s = q.shape[:2]
+        k, v = k.transpose(1, 2).to(self.dtype), v.transpose(1, 2).to(self.dtype)
+        if mask is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(self.dtype), k, v, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads
+            ).transpose(1, 2)
+        else:
+            grouped = q.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped.to(self.dtype), k, v, attn_mask=mask)
+        out = out.reshape(b, s, self.num_heads * self.head_dim).to(q.dtype)
         return self._linear(attn.output_proj, out)
 
     def _block(self, layer: TransformerSelfAttentionLayer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -282,7 +285,7 @@ class _SlotForward(nn.Module):
             kc, vc = self.cache(i)
             kc[slots[:, None], pos[None, :]] = k.to(kc.dtype)  # the cache's dtype may differ from the weights'
             vc[slots[:, None], pos[None, :]] = v.to(vc.dtype)
-            h = self._block(layer, h, self._attend(layer.attn, q, k, v, is_causal=True))
+            h = self._block(layer, h, self._attend(layer.attn, q, k, v))
         last = h[torch.arange(n, device=tokens.device), lengths - 1]
         return self._linear(self.model.output, self.model.norm(last)).float()
 
