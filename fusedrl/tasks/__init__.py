@@ -6,6 +6,8 @@
 (``fusedrl.tasks.debug:TASK``: synthetic prompts, the ``true_score`` evaluation, its SFT Actor and Reward model).
 :mod:`.arithmetic`: one-line arithmetic questions with an exact checker, the real-model recipe's task
 (``fusedrl.tasks.arithmetic:TASK``: its reward function).
+:mod:`.word_problems`: generated multi-step word problems whose worked answers vary in length, the reasoning recipe's
+task (``fusedrl.tasks.word_problems:TASK``: its exact checker).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ import argparse
 import json
 import random
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 from fusedrl.tasks import Task
+from fusedrl.tasks.chat import greedy_responses, text_reward, write_chat_prompts
 
 LARGER = "Which number is larger, {a} or {b}? Answer with the number only."
 SUM = "What is {a} + {b}? Answer with the number only."
@@ -57,61 +57,26 @@ def score(prompt: str, response: str, finished: bool) -> float:
     return float(finished and bool(numbers) and int(numbers[-1]) == answer)
 
 
-def reward_fn(
-    prompts: Sequence[str],
-    responses: Sequence[str],
-    *,
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
-    finished: Sequence[bool],
-) -> list[float]:
-    """:func:`score` of each sample, as the trainer's rule-based reward
-    (``--model.reward_fn=fusedrl.tasks.arithmetic:reward_fn``)."""
-    return [score(p, r, f) for p, r, f in zip(prompts, responses, finished, strict=True)]
+reward_fn = text_reward(score)
+""":func:`score` of each sample, as the trainer's rule-based reward (``--model.reward_fn=fusedrl.tasks.arithmetic:reward_fn``)."""
 
 
 def write_prompts(path: str | Path, count: int, seed: int = 0) -> Path:
-    """``count`` questions as a jsonl file of ``{"messages": [user turn], "answer": int}`` records (data.format =
-    "jsonl", data.prompt_key = "messages": the tokenizer's chat template renders each)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """``count`` questions as a jsonl file of chat turns with their answers (:func:`.chat.write_chat_prompts`)."""
     rng = random.Random(seed)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for _ in range(count):
-            question, answer = sample_question(rng)
-            f.write(json.dumps({"messages": [{"role": "user", "content": question}], "answer": answer}) + "\n")
-    tmp.replace(path)
-    return path
+    return write_chat_prompts(path, (sample_question(rng) for _ in range(count)))
 
 
 def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
     """Greedy accuracy of the HF checkpoint ``folder`` (with its tokenizer) on ``count`` fresh questions (``seed``
     other than the training prompts' 0), overall and per kind, and the mean response length in tokens."""
-    from fusedrl.components import load_tokenizer
-    from fusedrl.generation import GenerationEngine, Request, SamplingParams
-    from fusedrl.models import from_pretrained
-
-    tokenizer = load_tokenizer(folder)
-    render = getattr(tokenizer, "render_chat", None)
-    if render is None:
-        raise ValueError(f"the tokenizer of {folder} has no chat template; the questions are chat turns")
-    model = from_pretrained(folder).model.eval()
     rng = random.Random(seed)
     questions = [sample_question(rng)[0] for _ in range(count)]
-    prompts = [render([{"role": "user", "content": q}]) for q in questions]
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tokenizer.stop_token_ids)
-    requests = [Request(i, tokenizer.encode(p, add_bos=False), greedy) for i, p in enumerate(prompts)]
-    max_len = max(len(r.prompt) for r in requests) + max_new_tokens
-    results = sorted(GenerationEngine(model, max_slots=32, max_len=max_len).generate(requests), key=lambda r: r.id)
-    stops = set(tokenizer.stop_token_ids)
     scores: dict[str, list[float]] = {"larger": [], "sum": []}
-    lengths = []
-    for prompt, question, r in zip(prompts, questions, results):
-        finished = bool(r.tokens) and r.tokens[-1] in stops
-        text = tokenizer.decode(r.tokens[:-1] if finished else r.tokens)
-        scores["larger" if _LARGER.search(question) else "sum"].append(score(prompt, text, finished))
-        lengths.append(len(r.tokens))
+    lengths: list[int] = []
+    for question, r in zip(questions, greedy_responses(folder, questions, max_new_tokens)):
+        scores["larger" if _LARGER.search(question) else "sum"].append(score(r.prompt, r.text, r.finished))
+        lengths.append(r.tokens)
     every = scores["larger"] + scores["sum"]
     out = {"accuracy": sum(every) / len(every), "response_len_mean": sum(lengths) / len(lengths)}
     out.update({f"accuracy_{kind}": sum(v) / len(v) for kind, v in scores.items() if v})
