@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from fusedrl.bench.e2e import LAYOUTS, ROOT, main, pick_cores, pin_process, rank_cores
+from fusedrl.bench.e2e import LAYOUTS, ROOT, main, migration_summary, pick_cores, pin_process, rank_cores
 from fusedrl.config import ConfigError
 from fusedrl.train import prepare
 
@@ -60,3 +60,17 @@ def test_pin_process_pins_threads_started_before_and_after() -> None:
         before.join()
         if after is not None:
             after.join()
+
+
+def test_migration_summary_counts_migrations_and_the_simulators_error() -> None:
+    records = [
+        {"migration_kept": 1, "migration_moved": 6, "auto_threshold": 8, "rollout_predicted_s": 9.0, "rollout_s": 10.0},
+        {"migration_kept": 0, "migration_moved": 0, "auto_threshold": 0, "rollout_predicted_s": 12.0, "rollout_s": 10.0},
+        {"migration_kept": 0, "migration_moved": 0},  # decided before any scoring cost: no simulation
+    ]
+    summary = migration_summary(records)
+    assert summary["iterations_migrated"] == 1 and summary["moved_per_iteration"] == 2.0
+    assert summary["auto_threshold"] == 4.0 and summary["predicted_iterations"] == 2
+    assert summary["prediction_error"] == pytest.approx(0.15)
+    fixed = migration_summary([{"migration_kept": 1, "migration_moved": 3}])
+    assert fixed["auto_threshold"] is None and fixed["prediction_error"] is None

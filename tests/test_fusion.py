@@ -1,6 +1,6 @@
 """Inter-stage fusion: migration plans, the rollout simulator, and fused vs unfused rollouts on 2 and 4 ranks."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pytest
 import torch
@@ -370,6 +370,7 @@ def _run_scenarios(scenarios: dict) -> dict:
                     for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
                 },
                 migration=None if r.migration is None else r.migration.as_dict(),
+                auto=None if r.auto is None else asdict(r.auto),
                 spans=spans,
             )
         out[name] = res
@@ -473,6 +474,10 @@ def test_four_ranks_fusion_changes_no_output(rank_pools):
     assert auto is not None, "with these costs the simulator finds migrating worthwhile"
     candidates = {0} | {max(1, round(f * 24)) for f in DEFAULT_FRACTIONS}
     assert auto["threshold"] in candidates and auto["unfinished"] <= auto["threshold"]  # chosen by the simulator
+    decision = results["auto_kv"][True]["auto"]  # the simulator's choice and prediction, reported with the rollout
+    assert decision["threshold"] == auto["threshold"] and 1 <= decision["min_kept"] < 4
+    assert 0 < decision["at_s"] <= auto["time_s"] < decision["predicted_s"]
+    assert all(results[name][fusion]["auto"] is None for name in ("reprefill", "own_group") for fusion in (False, True))
 
 
 def _score_on_one_rank(lengths: list[int], micro_batch_size: int) -> tuple[list[list[tuple[int, int]]], list, list]:

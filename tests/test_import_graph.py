@@ -11,7 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fusedrl"
 
 # The layers of docs/architecture.md, in import order: a package may import only packages of earlier layers
-# (or its own). Top-level modules (buckets.py, layouts.py, train.py) count as packages of their own; a package's
+# (or its own). Top-level modules (buckets.py, layouts.py, train.py, plot.py) count as packages of their own; a package's
 # ``__main__.py`` is part of its package, like any other module of it.
 LAYERS = [
     {"buckets", "hardware"},
@@ -26,7 +26,7 @@ LAYERS = [
     {"tasks"},
     {"trainer"},
     {"memory"},
-    {"train"},
+    {"train", "plot"},
     {"testing"},
     {"bench"},
 ]

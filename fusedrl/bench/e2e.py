@@ -115,9 +115,11 @@ LENGTH_FIGURES = ("p50", "p90", "p99", "max")
 
 
 def summarize(histories: dict[str, list[dict]]) -> dict:
-    """samples/s over the measured steps (total samples / total step time), mean seconds per phase, and the response
-    lengths the rollout saw: per iteration p50 / p90 / p99 (averaged over iterations) and the longest."""
-    out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}, "response_len": {}}
+    """samples/s over the measured steps (total samples / total step time), mean seconds per phase, the response
+    lengths the rollout saw (per iteration p50 / p90 / p99, averaged over iterations, and the longest), and the
+    inter-stage fusion's migrations: iterations that migrated, requests moved per iteration, and where the "auto"
+    threshold simulated a rollout, the simulator's prediction of its length beside the measured one."""
+    out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}, "response_len": {}, "migration": {}}
     for mode, records in histories.items():
         out["samples_per_s"][mode] = _samples_per_s(records)
         out["phases"][mode] = {p: sum(r[f"time_{p}"] for r in records) / len(records) for p in PHASES}
@@ -127,8 +129,24 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
         out["response_len"][mode] = {
             q: (max if q == "max" else statistics.fmean)(r[f"response_len_{q}"] for r in records) for q in LENGTH_FIGURES
         }
+        out["migration"][mode] = migration_summary(records)
     out["speedup"] = out["samples_per_s"]["on"] / out["samples_per_s"]["off"]
     return out
+
+
+def migration_summary(records: list[dict]) -> dict[str, float | None]:
+    """Migrations over ``records`` (iteration metrics) and the rollout simulator's prediction error (mean of
+    |predicted - measured| / measured over the iterations it predicted; None when it predicted none)."""
+    predicted = [(r["rollout_predicted_s"], r["rollout_s"]) for r in records if "rollout_predicted_s" in r]
+    return {
+        "iterations_migrated": sum(r["migration_kept"] > 0 for r in records),
+        "moved_per_iteration": statistics.fmean(r["migration_moved"] for r in records),
+        "auto_threshold": statistics.fmean(r["auto_threshold"] for r in records if "auto_threshold" in r)
+        if any("auto_threshold" in r for r in records)
+        else None,
+        "predicted_iterations": len(predicted),
+        "prediction_error": statistics.fmean(abs(p - m) / m for p, m in predicted) if predicted else None,
+    }
 
 
 def _samples_per_s(records: list[dict]) -> float:
@@ -173,6 +191,17 @@ def _fusions(
         for m in MODES:
             lengths = layout["response_len"][m]
             print(f"response tokens, fusions {m}: " + ", ".join(f"{q} {lengths[q]:.1f}" for q in LENGTH_FIGURES))
+        moves = layout["migration"]["on"]
+        line = f"migrations, fusions on: {moves['iterations_migrated']} of {steps} iterations, "
+        line += f"{moves['moved_per_iteration']:.1f} requests moved per iteration"
+        if moves["auto_threshold"] is not None:
+            line += f", auto threshold {moves['auto_threshold']:.1f} requests (mean; 0: never migrate)"
+        if moves["prediction_error"] is not None:
+            line += (
+                f"; the simulator's rollout length off by {100 * moves['prediction_error']:.1f}% "
+                f"(mean over {moves['predicted_iterations']} iterations)"
+            )
+        print(line)
         print(f"speedup (samples/s, on / off): {layout['speedup']:.3f}x", flush=True)
     pinned, shared = result["layouts"].get("one_rank_per_core"), result["layouts"].get("oversubscribed")
     result["speedup"] = None if pinned is None else pinned["speedup"]

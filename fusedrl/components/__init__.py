@@ -1,5 +1,5 @@
 """Training plumbing reusable by any loop: tokenizers, prompt data, optimizers, LR schedules,
-metrics and checkpoints."""
+metrics, progress and checkpoints."""
 
 from fusedrl.components.checkpoint import CheckpointManager, check_resume, export_hf, resume_step
 from fusedrl.components.data import (
@@ -25,6 +25,7 @@ from fusedrl.components.metrics import (
     save_gantt_png,
 )
 from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm
+from fusedrl.components.progress import Progress
 from fusedrl.components.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -44,6 +45,7 @@ __all__ = [
     "PromptDataset",
     "PromptLoader",
     "PhaseTimers",
+    "Progress",
     "build_lr_scheduler",
     "build_optimizer",
     "check_data",

@@ -532,6 +532,12 @@ class MetricsSection:
         "only. A recorded step adds a barrier and per-action timing to training.",
         at_least(0),
     )
+    progress: bool = _key(
+        True,
+        "Show the progress of long phases on rank 0 (the rollout's requests and tokens/s, the update's minibatches, "
+        "checkpoint saves, the export): a bar where stderr is a terminal, else a line every 10 s. Nothing goes to the "
+        "metrics.",
+    )
 
 
 def microbatch_count(minibatch: int, dp: int, microbatch: int) -> int:

@@ -3,7 +3,7 @@ rank's generation instance, generation + scoring of the batch, and its inter-sta
 
 from __future__ import annotations
 
-from fusedrl.components import PromptBatch, Tokenizer
+from fusedrl.components import Progress, PromptBatch, Tokenizer
 from fusedrl.config import JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.layouts import RolloutLayout
@@ -85,18 +85,34 @@ def build_controller(
 
 
 def generate_and_score(
-    controller: MigrationController[Experience], requests: list[Request], pad_id: int
+    controller: MigrationController[Experience], requests: list[Request], pad_id: int, progress: Progress | None = None
 ) -> tuple[RolloutResult[Experience], Experience]:
     """Generate and score this rank's requests (collective); every rank receives the whole scored batch
-    in sample-id order."""
-    result = controller.run(requests, gather=True)
+    in sample-id order. ``progress``: see :meth:`MigrationController.run`."""
+    result = controller.run(requests, gather=True, progress=progress)
     exp = Experience.concat(result.scored, pad_token_id=pad_id)
     assert exp.sample_ids is not None  # Scorer.score sets sample_ids on every scored batch
     return result, exp.select(exp.sample_ids.argsort())
 
 
 def migration_metrics(result: RolloutResult) -> dict[str, float]:
-    """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank)."""
+    """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank), and where the
+    "auto" threshold simulated the rollout, its last choice (``auto_threshold``: 0 = never migrate), when it chose
+    (``auto_at_s``) and the simulated rollout's length (``rollout_predicted_s``, beside the measured ``rollout_s``)."""
+    auto = {}
+    if result.auto is not None:
+        a = result.auto
+        auto = {
+            "auto_threshold": a.threshold,
+            "auto_min_kept": a.min_kept,
+            "auto_at_s": a.at_s,
+            "rollout_predicted_s": a.predicted_s,
+            "rollout_s": result.rollout_s,
+        }
+    return _migration_figures(result) | auto
+
+
+def _migration_figures(result: RolloutResult) -> dict[str, float]:
     m = result.migration
     if m is None:
         return {

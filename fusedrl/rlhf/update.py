@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from fusedrl.buckets import evenly_spaced, round_up
-from fusedrl.components import build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
+from fusedrl.components import Progress, build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.config import JobConfig
 from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
 from fusedrl.pipelining import LocalSchedule, Timeline, pipeline_forward
@@ -293,11 +293,12 @@ def ppo_update(
     step: int,
     *,
     record: bool = False,
+    progress: Progress | None = None,
 ) -> UpdateResult:
     """PPO epochs x minibatches (:func:`ppo_minibatches`), one :func:`train_minibatch` update each.
 
     ``record``: record the executor's timeline of every minibatch and gather it over the pipeline group
-    (the metrics then carry ``bubble_ratio``)."""
+    (the metrics then carry ``bubble_ratio``). ``progress``: one unit per minibatch updated."""
     sums: dict[str, torch.Tensor] = {}
     first: dict[str, torch.Tensor] = {}
     bubbles: list[float] = []
@@ -321,6 +322,8 @@ def ppo_update(
         skipped += result.skipped
         positions += result.positions
         updates += 1
+        if progress is not None:
+            progress.update(1)
     figures: dict[str, float] = {f"grad_norm_{m}": float(torch.stack(v).mean()) for m, v in norms.items() if v}
     figures.update({"skipped_updates": skipped, **opt.learning_rates()})
     if bubbles:

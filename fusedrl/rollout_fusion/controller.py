@@ -43,7 +43,7 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from fusedrl.components.metrics import ChromeTrace
+from fusedrl.components import ChromeTrace, Progress
 from fusedrl.config import FusionSection
 from fusedrl.distributed import group_devices
 from fusedrl.generation import (
@@ -106,6 +106,16 @@ class Measurements:
 
 
 @dataclass
+class AutoDecision:
+    """The "auto" threshold's last decision in a rollout, from the rollout simulator (identical on every rank)."""
+
+    threshold: int  # unfinished-count threshold chosen (0: never migrate, the simulated best)
+    min_kept: int
+    at_s: float  # seconds into the rollout when it was simulated
+    predicted_s: float  # the simulated rollout's end with that choice, seconds from the rollout's start
+
+
+@dataclass
 class RolloutResult(Generic[T]):
     """One rank's outcome of a rollout (generation + scoring)."""
 
@@ -116,6 +126,7 @@ class RolloutResult(Generic[T]):
     migration: MigrationStats | None
     trace: ChromeTrace  # spans of every rank (pid = rank): decode, migrate, score
     measurements: Measurements
+    auto: AutoDecision | None = None  # the "auto" threshold's last simulated decision (None: none was simulated)
 
     @property
     def scoring_exposed_s(self) -> float:
@@ -203,9 +214,10 @@ class MigrationController(Generic[T]):
         )
 
     # ------------------------------------------------------------------------------------------ rollout
-    def run(self, requests: Sequence[Request], *, gather: bool = False) -> RolloutResult[T]:
+    def run(self, requests: Sequence[Request], *, gather: bool = False, progress: Progress | None = None) -> RolloutResult[T]:
         """Generate and score this instance's ``requests`` (the same on every rank of an instance; a collective over
-        the groups)."""
+        the groups). ``progress`` counts the requests this engine finishes (its total follows migration) and shows
+        its decode tokens/s."""
         for r in requests:
             if not isinstance(r.id, int):
                 raise ValueError(f"request id {r.id!r} is not an int; the controller needs int ids (sample ids)")
@@ -215,7 +227,7 @@ class MigrationController(Generic[T]):
         all_ids = [i for ids in ids_per_rank for i in ids]
         if len(set(all_ids)) != len(all_ids):
             raise ValueError("request ids must be unique across ranks")
-        run = _Rollout(self, rank, world, len(all_ids))
+        run = _Rollout(self, rank, world, len(all_ids), progress)
         run.execute()
         end = run.clock()
         self._reconcile(run.scored_ids, all_ids)
@@ -238,6 +250,7 @@ class MigrationController(Generic[T]):
             migration=run.migration,
             trace=trace,
             measurements=run.measurements,
+            auto=run.auto_decision,
         )
 
     def _reconcile(self, scored_ids: list[int], all_ids: list[int]) -> None:
@@ -280,8 +293,10 @@ _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, re
 class _Rollout:
     """State of one rank during one rollout."""
 
-    def __init__(self, ctl: MigrationController, rank: int, world: int, batch: int) -> None:
+    def __init__(self, ctl: MigrationController, rank: int, world: int, batch: int, progress: Progress | None) -> None:
         self.ctl, self.engine, self.rank, self.world, self.batch = ctl, ctl.engine, rank, world, batch
+        self.progress = progress
+        self.decoded = 0  # tokens this engine decoded (for the progress's tokens/s)
         self.finished: list[RequestResult] = []  # finished here, not yet scored
         self.scored: list[Any] = []
         self.scored_ids: list[int] = []
@@ -294,7 +309,9 @@ class _Rollout:
         self.observed_lengths: list[int] = []  # generated lengths of finished samples (all ranks'; for "auto")
         self.new_lengths: list[int] = []  # this rank's, not yet shared
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
+        self.auto_decision: AutoDecision | None = None  # the last simulation's choice and prediction
         self.auto_evaluated_at: int | None = None
+        self.auto_fallback_logged = False
         dist.barrier(group=ctl.control_group)
         self.t0 = time.perf_counter()
 
@@ -321,12 +338,15 @@ class _Rollout:
 
     def _step(self) -> None:
         stats = self.engine.stats()
-        start = self.clock()
+        start, before = self.clock(), len(self.finished)
         for res in self.engine.step():
             if not res.ok:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
         end = self.clock()
+        if self.progress is not None:
+            self.decoded += stats.active
+            self.progress.update(len(self.finished) - before, tok_s=self.decoded / max(end, 1e-9))
         if stats.waiting == 0 and stats.active:  # a pure decode step (no admission / prefill)
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
         elif stats.waiting:  # admission: tokens that entered the KV cache beyond one per decoded request
@@ -426,22 +446,29 @@ class _Rollout:
             self.new_lengths = []
             for _, _, lengths in details:
                 self.observed_lengths += lengths
-            choice: list[tuple[int, int] | None] = [None]
+            choice: list[tuple[int, int, AutoDecision | None] | None] = [None]
             if self.rank == 0:
                 choice[0] = self._simulate_threshold([(progress, finished) for progress, finished, _ in details])
             dist.broadcast_object_list(choice, group_src=0, group=ctl.control_group)
             # timings differ between an instance's ranks: all of them follow its TP rank 0 (hence instance 0's)
-            self.auto_choice, self.auto_evaluated_at = ctl._share(choice[0]), unfinished
+            shared = ctl._share(choice[0])
+            assert shared is not None  # rank 0 always decides
+            threshold, min_kept, decision = shared
+            self.auto_choice, self.auto_evaluated_at = (threshold, min_kept), unfinished
+            self.auto_decision = decision or self.auto_decision
         assert self.auto_choice is not None  # set together with auto_evaluated_at
         return self.auto_choice
 
-    def _simulate_threshold(self, details: list) -> tuple[int, int]:
+    def _simulate_threshold(self, details: list) -> tuple[int, int, AutoDecision | None]:
         costs = self.ctl._fitted_costs(self.measurements.decode)
         if costs is None:
-            log.info(
-                "auto migration threshold: no scoring cost measured yet, using %.0f%% of the batch", 100 * AUTO_FALLBACK_FRACTION
-            )
-            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch)), 1
+            if not self.auto_fallback_logged:  # once per rollout, not at every re-simulation
+                log.info(
+                    "auto migration threshold: too few scoring costs measured yet, using %.0f%% of the batch",
+                    100 * AUTO_FALLBACK_FRACTION,
+                )
+                self.auto_fallback_logged = True
+            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch)), 1, None
         observed = sorted(self.observed_lengths)
         instances = [
             [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
@@ -456,8 +483,9 @@ class _Rollout:
             prefill=False,
         )
         backlog = [finished for _, finished in details]
-        threshold, min_kept, _ = best_migration(instances, costs, config, backlog=backlog, batch_size=self.batch)
-        return threshold, min_kept
+        now = self.clock()
+        threshold, min_kept, times = best_migration(instances, costs, config, backlog=backlog, batch_size=self.batch)
+        return threshold, min_kept, AutoDecision(threshold, min_kept, now, now + times.total_s)
 
     # -------------------------------------------------------------------------------------- migration
     def _migrate(self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int) -> MigrationPlan:
@@ -509,6 +537,8 @@ class _Rollout:
         if self.rank in kept:
             self.finished = list(by_id.values())  # sent ones are scored elsewhere
         end = self.clock()
+        if self.progress is not None:  # requests left or joined this engine
+            self.progress.set_total(self.progress.done + self.engine.num_unfinished)
         self._span("migrate", start, end, moved=len(exported))
         own = (sent_req, sent_samples, end - start, start)
         if ctl.instance_group is not None:  # the instance's bytes: every rank's KV shards, its TP rank 0's samples

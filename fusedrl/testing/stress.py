@@ -69,6 +69,7 @@ def write_prompt_file(
 
 
 def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str]) -> dict[str, Any]:
+    from fusedrl.components import Progress
     from fusedrl.config import load_config
     from fusedrl.trainer import Trainer
 
@@ -92,8 +93,8 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
         settings.append((ctl.threshold, ctl.mode, ctl.check_interval))
         return train_step(step)
 
-    def audited_rollout(requests, gather: bool = False):
-        result = run_rollout(requests, gather=gather)
+    def audited_rollout(requests, gather: bool = False, progress: Progress | None = None):
+        result = run_rollout(requests, gather=gather, progress=progress)
         asked: list[list[int]] = [[] for _ in range(dist.get_world_size())]  # every slot is overwritten
         dist.all_gather_object(asked, [int(r.id) for r in requests])
         scored_ids: list[int] = []

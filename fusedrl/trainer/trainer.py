@@ -38,6 +38,7 @@ from fusedrl.components import (
     ChromeTrace,
     MetricsLogger,
     PhaseTimers,
+    Progress,
     PromptLoader,
     check_vocab,
     drop_steps_after,
@@ -320,12 +321,21 @@ class Trainer:
             history.append(record)
             start = time.perf_counter()
             self.metrics.log(self.step, record)
-            self.ckpt.save(self.step)
+            if self.ckpt.should_save(self.step):
+                with self.progress(f"step {self.step} checkpoint", 1, "saved") as progress:
+                    self.ckpt.save(self.step)
+                    progress.update(1)
             self.outside_s = time.perf_counter() - start
         if cfg.checkpoint.export_hf:
-            self.export()
+            with self.progress("export of the Actor", 1, "exported") as progress:
+                self.export()
+                progress.update(1)
         self.metrics.close()
         return history
+
+    def progress(self, desc: str, total: int, unit: str) -> Progress:
+        """A phase's progress, shown on rank 0 when ``metrics.progress`` is on."""
+        return Progress(desc, total, unit, enabled=self.rank == 0 and self.cfg.metrics.progress)
 
     def skipped_update(self, step: int) -> UpdateResult:
         """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
@@ -338,7 +348,8 @@ class Trainer:
         """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times."""
         batch = self.loader.next_batch()
         requests = build_requests(self.cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
-        result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id)
+        with self.progress(f"step {step} rollout (rank 0's engine)", len(requests), "req") as progress:
+            result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id, progress)
         timers.add("generation", result.decode_end_s)
         timers.add("scoring", result.scoring_s)
         timers.add("scoring_exposed", result.scoring_exposed_s)
@@ -420,8 +431,11 @@ class Trainer:
             assert exp.engine_logprobs is not None  # the scored batch's
             gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
         if exp.response_mask.any():
-            with timers("training"):
-                update = ppo_update(cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step))
+            minibatches = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
+            with timers("training"), self.progress(f"step {step} update", minibatches, "minibatch") as progress:
+                update = ppo_update(
+                    cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step), progress=progress
+                )
         else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
             update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
