@@ -23,6 +23,7 @@ def test_hand_written_problems_read_back():
     assert wp.answer_of(CHATML.format(STICKERS)) == 19
     assert wp.answer_of(CHATML.format(SHARED)) == 6
     assert wp.answer_of(STICKERS) == 19  # without a chat template
+    assert wp.answer_of(f"<s>[INST] {STICKERS} [/INST]") == 19  # a template's text on the story's line
 
 
 @pytest.mark.parametrize("difficulty", wp.DIFFICULTIES)

@@ -148,12 +148,13 @@ def answer_of(prompt: str) -> int:
     story = prompt[: start if start >= 0 else len(prompt)]
     sentences = [s.strip() for s in _SENTENCE.findall(story.splitlines()[-1] if story.strip() else "")]
     count, matched = 0, 0
-    for sentence in sentences:
+    for i, sentence in enumerate(sentences):
         if any(q.match(sentence) for q in _QUESTION_PATTERNS):
             matched += 1
             continue
         for template, pattern in _PATTERNS:
-            if m := pattern.match(sentence):
+            # the story's first sentence may follow a template's text on its line (e.g. Llama 2's "[INST] ")
+            if m := (pattern.search if i == 0 else pattern.match)(sentence):
                 groups = m.groupdict()
                 count = template.apply(count, int(groups.get("n") or 0), int(groups.get("k") or 0))
                 matched += 1
