@@ -138,12 +138,11 @@ def migration_summary(records: list[dict]) -> dict[str, float | None]:
     """Migrations over ``records`` (iteration metrics) and the rollout simulator's prediction error (mean of
     |predicted - measured| / measured over the iterations it predicted; None when it predicted none)."""
     predicted = [(r["rollout_predicted_s"], r["rollout_s"]) for r in records if "rollout_predicted_s" in r]
+    thresholds = [r["auto_threshold"] for r in records if "auto_threshold" in r]
     return {
         "iterations_migrated": sum(r["migration_kept"] > 0 for r in records),
         "moved_per_iteration": statistics.fmean(r["migration_moved"] for r in records),
-        "auto_threshold": statistics.fmean(r["auto_threshold"] for r in records if "auto_threshold" in r)
-        if any("auto_threshold" in r for r in records)
-        else None,
+        "auto_threshold": statistics.fmean(thresholds) if thresholds else None,
         "predicted_iterations": len(predicted),
         "prediction_error": statistics.fmean(abs(p - m) / m for p, m in predicted) if predicted else None,
     }

@@ -16,14 +16,11 @@ accuracy on fresh questions (e.g. the trained Actor, ``<output_dir>/actor_hf``),
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 from pathlib import Path
 
-from fusedrl.tasks import Task
-from fusedrl.tasks.chat import greedy_responses, text_reward, write_chat_prompts
+from fusedrl.tasks import Task, chat
 
 LARGER = "Which number is larger, {a} or {b}? Answer with the number only."
 SUM = "What is {a} + {b}? Answer with the number only."
@@ -57,14 +54,14 @@ def score(prompt: str, response: str, finished: bool) -> float:
     return float(finished and bool(numbers) and int(numbers[-1]) == answer)
 
 
-reward_fn = text_reward(score)
+reward_fn = chat.text_reward(score)
 """:func:`score` of each sample, as the trainer's rule-based reward (``--model.reward_fn=fusedrl.tasks.arithmetic:reward_fn``)."""
 
 
 def write_prompts(path: str | Path, count: int, seed: int = 0) -> Path:
     """``count`` questions as a jsonl file of chat turns with their answers (:func:`.chat.write_chat_prompts`)."""
     rng = random.Random(seed)
-    return write_chat_prompts(path, (sample_question(rng) for _ in range(count)))
+    return chat.write_chat_prompts(path, (sample_question(rng) for _ in range(count)))
 
 
 def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
@@ -74,7 +71,7 @@ def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens
     questions = [sample_question(rng)[0] for _ in range(count)]
     scores: dict[str, list[float]] = {"larger": [], "sum": []}
     lengths: list[int] = []
-    for question, r in zip(questions, greedy_responses(folder, questions, max_new_tokens)):
+    for question, r in zip(questions, chat.greedy_responses(folder, questions, max_new_tokens)):
         scores["larger" if _LARGER.search(question) else "sum"].append(score(r.prompt, r.text, r.finished))
         lengths.append(r.tokens)
     every = scores["larger"] + scores["sum"]
@@ -89,25 +86,18 @@ its prompts come from the file :func:`write_prompts` writes, rendered by the mod
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fusedrl.tasks.arithmetic", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    write = commands.add_parser("write", help="write the prompts as a jsonl file of chat messages")
-    write.add_argument("--out", type=Path, default=Path("data/arithmetic.jsonl"))
-    write.add_argument("--count", type=int, default=4096)
-    write.add_argument("--seed", type=int, default=0)
-    check = commands.add_parser("eval", help="greedy accuracy of an HF checkpoint folder on fresh questions")
-    check.add_argument("--model", type=Path, required=True, help="HF folder with its tokenizer (e.g. an actor_hf export)")
-    check.add_argument("--count", type=int, default=256)
-    check.add_argument("--seed", type=int, default=1, help="question seed (the training prompts use 0)")
-    args = parser.parse_args(argv)
-    if args.count < 1:
-        parser.error(f"--count {args.count}: must be at least 1")
+    parser, _, _ = chat.task_command_line(
+        "python -m fusedrl.tasks.arithmetic",
+        __doc__.split("\n\n")[0],
+        items="questions",
+        out=Path("data/arithmetic.jsonl"),
+        eval_count=256,
+    )
+    args = chat.parse_task_args(parser, argv)
     if args.command == "write":
         print(f"wrote {write_prompts(args.out, args.count, args.seed)} ({args.count} prompts)")
         return
-    figures = evaluate(args.model, args.count, args.seed)
-    print(f"{args.model}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
-    print(json.dumps(figures))
+    chat.print_figures(args.model, evaluate(args.model, args.count, args.seed))
 
 
 if __name__ == "__main__":

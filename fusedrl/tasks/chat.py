@@ -1,9 +1,10 @@
 """What the chat-question tasks (:mod:`.arithmetic`, :mod:`.word_problems`) share: a prompt file of user turns with
-their answers, their checkers as the trainer's reward functions, and a checkpoint's greedy responses to questions
-rendered by its chat template."""
+their answers, their checkers as the trainer's reward functions, a checkpoint's greedy responses to questions
+rendered by its chat template, and the tasks' ``write`` / ``eval`` command line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,39 @@ def text_reward(score: Callable[[str, str, bool], float]) -> RewardFn:
 
     reward_fn.__doc__ = f"``{score.__module__}.{score.__name__}`` of each sample, as the trainer's rule-based reward."
     return reward_fn
+
+
+def task_command_line(
+    prog: str, description: str, *, items: str, out: Path, eval_count: int
+) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(parser, its ``write`` command, its ``eval`` command) of a chat task's command line: ``write --out --count
+    --seed`` (4096 ``items`` from seed 0 by default) and ``eval --model --count --seed`` (``eval_count`` unseen ones
+    from seed 1); a task adds its own options to either. Parse with :func:`parse_task_args`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    commands = parser.add_subparsers(dest="command", required=True)
+    write = commands.add_parser("write", help=f"write the {items} as a jsonl file of chat messages")
+    write.add_argument("--out", type=Path, default=out)
+    write.add_argument("--count", type=int, default=4096)
+    write.add_argument("--seed", type=int, default=0)
+    check = commands.add_parser("eval", help=f"greedy accuracy of an HF checkpoint folder on unseen {items}")
+    check.add_argument("--model", type=Path, required=True, help="HF folder with its tokenizer (e.g. an actor_hf export)")
+    check.add_argument("--count", type=int, default=eval_count)
+    check.add_argument("--seed", type=int, default=1, help=f"seed of the {items} (the training prompts use 0)")
+    return parser, write, check
+
+
+def parse_task_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; a ``--count`` below 1 is a one-line error."""
+    args = parser.parse_args(argv)
+    if args.count < 1:
+        parser.error(f"--count {args.count}: must be at least 1")
+    return args
+
+
+def print_figures(model: Path, figures: dict[str, float]) -> None:
+    """An evaluation's figures: one readable line, then one JSON line."""
+    print(f"{model}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+    print(json.dumps(figures))
 
 
 @dataclass(frozen=True)

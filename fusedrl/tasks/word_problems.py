@@ -23,7 +23,6 @@ is read back from the prompt text (every sentence matches one template), so the 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import string
@@ -32,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusedrl.components import length_stats
-from fusedrl.tasks import Task
-from fusedrl.tasks.chat import greedy_responses, text_reward, write_chat_prompts
+from fusedrl.tasks import Task, chat
 
 INSTRUCTION = "Think step by step, then give the final answer as 'Answer: <number>'."
 FORMAT_BONUS = 0.1
@@ -187,10 +185,10 @@ def score_with_format(prompt: str, response: str, finished: bool) -> float:
     return score(prompt, response, finished) + FORMAT_BONUS * float(finished and final_answer(response)[1])
 
 
-reward_fn = text_reward(score)
+reward_fn = chat.text_reward(score)
 """:func:`score` of each sample (``--model.reward_fn=task`` with this task, or
 ``--model.reward_fn=fusedrl.tasks.word_problems:reward_fn``)."""
-reward_fn_with_format = text_reward(score_with_format)
+reward_fn_with_format = chat.text_reward(score_with_format)
 """:func:`score_with_format` of each sample (``--model.reward_fn=fusedrl.tasks.word_problems:reward_fn_with_format``)."""
 
 
@@ -206,7 +204,7 @@ def sample_problems(count: int, seed: int, difficulties: Sequence[int]) -> list[
 
 def write_prompts(path: str | Path, count: int, seed: int = 0, difficulties: Sequence[int] = (1, 2)) -> Path:
     """``count`` problems as a jsonl file of chat turns with their answers (:func:`.chat.write_chat_prompts`)."""
-    return write_chat_prompts(path, ((q, a) for _, q, a in sample_problems(count, seed, difficulties)))
+    return chat.write_chat_prompts(path, ((q, a) for _, q, a in sample_problems(count, seed, difficulties)))
 
 
 def evaluate(
@@ -216,7 +214,7 @@ def evaluate(
     prompts' 0): overall and per difficulty (``accuracy_d<k>``), the fraction that finished and states ``Answer:
     <number>`` (``formatted``), the fraction that finished, and the response lengths in tokens."""
     problems = sample_problems(count, seed, difficulties)
-    responses = greedy_responses(folder, [q for _, q, _ in problems], max_new_tokens)
+    responses = chat.greedy_responses(folder, [q for _, q, _ in problems], max_new_tokens)
     per: dict[int, list[float]] = {}
     for (difficulty, _, _), r in zip(problems, responses):
         per.setdefault(difficulty, []).append(score(r.prompt, r.text, r.finished))
@@ -244,29 +242,22 @@ def _difficulties(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fusedrl.tasks.word_problems", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    write = commands.add_parser("write", help="write the problems as a jsonl file of chat messages")
-    write.add_argument("--out", type=Path, default=Path("data/word_problems.jsonl"))
-    write.add_argument("--count", type=int, default=4096)
-    write.add_argument("--seed", type=int, default=0)
-    write.add_argument("--difficulty", type=_difficulties, default=(1, 2), help="operations per problem, e.g. 1,2")
-    check = commands.add_parser("eval", help="greedy accuracy of an HF checkpoint folder on unseen problems")
-    check.add_argument("--model", type=Path, required=True, help="HF folder with its tokenizer (e.g. an actor_hf export)")
-    check.add_argument("--count", type=int, default=128)
-    check.add_argument("--seed", type=int, default=1, help="problem seed (the training prompts use 0)")
-    check.add_argument("--difficulty", type=_difficulties, default=(1, 2), help="operations per problem, e.g. 1,2")
+    parser, write, check = chat.task_command_line(
+        "python -m fusedrl.tasks.word_problems",
+        __doc__.split("\n\n")[0],
+        items="problems",
+        out=Path("data/word_problems.jsonl"),
+        eval_count=128,
+    )
+    for command in (write, check):
+        command.add_argument("--difficulty", type=_difficulties, default=(1, 2), help="operations per problem, e.g. 1,2")
     check.add_argument("--max-new-tokens", type=int, default=384)
-    args = parser.parse_args(argv)
-    if args.count < 1:
-        parser.error(f"--count {args.count}: must be at least 1")
+    args = chat.parse_task_args(parser, argv)
     if args.command == "write":
         path = write_prompts(args.out, args.count, args.seed, args.difficulty)
         print(f"wrote {path} ({args.count} problems of difficulty {','.join(map(str, args.difficulty))})")
         return
-    figures = evaluate(args.model, args.count, args.seed, args.difficulty, args.max_new_tokens)
-    print(f"{args.model}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
-    print(json.dumps(figures))
+    chat.print_figures(args.model, evaluate(args.model, args.count, args.seed, args.difficulty, args.max_new_tokens))
 
 
 if __name__ == "__main__":

@@ -341,8 +341,7 @@ class Trainer:
         """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
         if self.rank == 0:
             log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
-        updates = self.cfg.ppo.epochs * (self.cfg.ppo.batch_size // self.cfg.ppo.minibatch_size)
-        return UpdateResult({}, {}, 0, {"skipped_updates": updates, **self.opt.learning_rates()}, None, 0)
+        return UpdateResult({}, {}, 0, {"skipped_updates": self.updates_per_step, **self.opt.learning_rates()}, None, 0)
 
     def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
         """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times."""
@@ -431,8 +430,7 @@ class Trainer:
             assert exp.engine_logprobs is not None  # the scored batch's
             gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
         if exp.response_mask.any():
-            minibatches = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
-            with timers("training"), self.progress(f"step {step} update", minibatches, "minibatch") as progress:
+            with timers("training"), self.progress(f"step {step} update", self.updates_per_step, "minibatch") as progress:
                 update = ppo_update(
                     cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step), progress=progress
                 )
