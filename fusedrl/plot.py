@@ -3,7 +3,8 @@
     python -m fusedrl.plot RUN_DIR [--out FILE.png] [--smooth N]
 
 Six panels over the iterations: the scores (``reward_mean``, the reward function's, the task's evaluation when
-logged: ``true_score``, ``eval/*``), response lengths (mean, p50, p90, max), the KL to the Reference and the
+logged: ``true_score``, ``[eval]``'s ``eval/accuracy``, ``eval/score`` and ``eval/pass@n`` as points), response lengths
+(mean, p50, p90, max, and the evaluation's mean), the KL to the Reference and the
 entropy, the clip fraction, the phases of each iteration stacked (:data:`STACKED_PHASES`) and samples/s.
 A figure the run did not log leaves its line out (a panel with none says so). ``--smooth N`` adds a moving mean over
 N iterations beside the noisy score curves. Needs matplotlib (``pip install 'fusedrl[viz]'``).
@@ -26,7 +27,13 @@ STACKED_PHASES = ("weight_sync", "generation", "scoring_exposed", "advantages", 
 between iterations (metrics and checkpoints): what an iteration costs."""
 PANELS: dict[str, tuple[str, ...]] = {
     "score": ("reward_mean", "reward_fn_mean", "true_score"),
-    "response length (tokens)": ("response_len_mean", "response_len_p50", "response_len_p90", "response_len_max"),
+    "response length (tokens)": (
+        "response_len_mean",
+        "response_len_p50",
+        "response_len_p90",
+        "response_len_max",
+        "eval/response_len_mean",
+    ),
     "KL and entropy": ("kl", "kl_loss", "entropy"),
     "clip fraction": ("clip_frac", "vf_clip_frac"),
     "phase seconds per iteration": tuple(f"time_{p}" for p in STACKED_PHASES),
@@ -56,8 +63,11 @@ def figure(records: Sequence[dict], title: str, smooth: int = 5) -> Figure:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ImportError("plotting needs matplotlib: pip install 'fusedrl[viz]'") from err
-    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/")})
-    panels = dict(PANELS, score=PANELS["score"] + tuple(eval_keys))
+    # [eval]'s grades (accuracy, score, pass@n) join the scores
+    grades = sorted(
+        {k for r in records for k in r if k.startswith("eval/") and k not in ("eval/response_len_mean", "eval/finished")}
+    )
+    panels = dict(PANELS, score=PANELS["score"] + tuple(grades))
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     for ax, (name, keys) in zip(axes.flat, panels.items()):
         drawn = 0
@@ -75,8 +85,11 @@ def figure(records: Sequence[dict], title: str, smooth: int = 5) -> Figure:
                 steps, values = _series(records, key)
                 if not steps:
                     continue
-                noisy = name == "score" and smooth > 1 and len(values) > smooth
-                line = ax.plot(steps, values, label=key, alpha=0.35 if noisy else 1.0, linewidth=1)[0]
+                noisy = name == "score" and smooth > 1 and len(values) > smooth and not key.startswith("eval/")
+                marker = "o" if key.startswith("eval/") else None  # every eval.interval iterations: points
+                line = ax.plot(steps, values, label=key, alpha=0.35 if noisy else 1.0, linewidth=1, marker=marker, markersize=3)[
+                    0
+                ]
                 if noisy:
                     ax.plot(steps, _moving_mean(values, smooth), color=line.get_color(), label=f"{key} ({smooth}-it. mean)")
                 drawn += 1
@@ -86,7 +99,8 @@ def figure(records: Sequence[dict], title: str, smooth: int = 5) -> Figure:
             ax.legend(fontsize=7, frameon=False)
         else:
             ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.suptitle(f"{title}: {len(records)} iterations", fontsize=11)
+    iterations = sum(1 for r in records if r["step"] > 0)  # step 0: the evaluation before the first
+    fig.suptitle(f"{title}: {iterations} iterations", fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -239,6 +239,7 @@ def _recipe_step(py: str, env: dict[str, str], limit: float, args: argparse.Name
         "--training.steps=2",  # the first iteration compiles; the second is the steady state
         "--checkpoint.interval=0",
         "--checkpoint.export_hf=false",
+        "--eval.interval=0",
         f"--job.output_dir={out / 'smollm2_run'}",
     ]
     result = _run("SmolLM2 recipe, one device", cmd, limit - (time.perf_counter() - start), env)

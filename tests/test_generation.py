@@ -3,6 +3,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fusedrl.config import GenerationSection
 from fusedrl.generation import (
@@ -332,6 +333,36 @@ def test_weights_changed_in_place_after_decoding_are_used(compile):
     ref_tokens, ref_logprobs = _reference_greedy(model, prompt, GREEDY.max_new_tokens)
     assert second.tokens == ref_tokens and second.tokens != first.tokens
     torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("in_one_storage", [False, True])
+def test_stacked_cpu_linear_follows_each_weight_of_its_group(rows, in_one_storage):
+    # q/k/v (and gate/up) run as one product of their stacked weights, cached; an in-place change of any one weight
+    # of the group (not only the first) must rebuild the stacked copy. The engine first moves a group's weights into
+    # one storage (the same Parameter objects, the same values), which the stacked layout then reads as one tensor.
+    from fusedrl.generation.engine import _linear_cpu, _stack_projections
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(16, n, bias=False) for n in (16, 4, 4)]
+    weights = [m.weight for m in linears]
+    if in_one_storage:
+        values = [w.detach().clone() for w in weights]
+        _stack_projections(linears)
+        assert [m.weight for m in linears] == weights and all(torch.equal(w, v) for w, v in zip(weights, values))
+        assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    biases = [torch.randn(16), None, torch.randn(4)]
+    x = torch.randn(rows, 16)
+
+    def expected():
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+    torch.testing.assert_close(_linear_cpu(x, weights, biases), expected())
+    with torch.no_grad():
+        weights[2].mul_(-3.0)
+        if in_one_storage:
+            linears[1].load_state_dict({"weight": torch.randn(4, 16)})  # as a weight sync writes: in place
+    torch.testing.assert_close(_linear_cpu(x, weights, biases), expected())
 
 
 def test_weight_sync_checks_the_stages_and_the_layout(model):

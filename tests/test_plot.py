@@ -26,7 +26,7 @@ def _records(n: int) -> list[dict]:
                 "time_training": 3.0,
                 "time_scoring_exposed": 0.0,  # hidden by the fusion: no bar
                 "samples_per_s": 5.0,
-                **({"eval/accuracy": 0.5} if step % 2 == 0 else {}),
+                **({"eval/accuracy": 0.5, "eval/response_len_mean": 12.0} if step % 2 == 0 else {}),
             }
         )
     return out
@@ -38,12 +38,15 @@ def _labels(ax) -> list[str]:
 
 
 def test_figure_draws_what_the_run_logged_and_says_what_it_did_not():
-    fig = plot.figure(_records(8), "run", smooth=3)
+    start = {"step": 0, "eval/accuracy": 0.25, "eval/response_len_mean": 11.0}  # [eval] before the first iteration
+    fig = plot.figure([start, *_records(8)], "run", smooth=3)
     axes = {ax.get_title(loc="left"): ax for ax in fig.axes}
     assert set(axes) == set(plot.PANELS)
     score = _labels(axes["score"])
     assert "reward_mean" in score and "reward_mean (3-it. mean)" in score and "eval/accuracy" in score
     assert "true_score" not in score  # not logged
+    assert "eval/response_len_mean" not in score and "eval/response_len_mean" in _labels(axes["response length (tokens)"])
+    assert fig._suptitle.get_text() == "run: 8 iterations"  # not counting the evaluation before the first (step 0)
     assert _labels(axes["phase seconds per iteration"]) == ["generation", "training"]  # in STACKED_PHASES order
     stacked = axes["phase seconds per iteration"].patches
     assert max(p.get_y() + p.get_height() for p in stacked) == pytest.approx(5.0)  # generation + training

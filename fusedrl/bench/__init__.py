@@ -7,5 +7,7 @@ NO_OUTPUT_OVERRIDES: tuple[str, ...] = (
     "--metrics.trace=[]",
     "--metrics.jsonl=false",
     "--metrics.tensorboard=false",
+    "--eval.interval=0",
 )
-"""Config overrides for a benchmark's trainer runs: no checkpoints, exports, traces or metrics files (and no resume)."""
+"""Config overrides for a benchmark's trainer runs: no checkpoints, exports, traces, metrics files or held-out evaluations
+(and no resume)."""

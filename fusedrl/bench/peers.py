@@ -158,6 +158,7 @@ def fusedrl_argv(
         "--fusion.inter_stage=false",
         "--fusion.intra_stage=false",
         "--checkpoint.export_hf=false",
+        "--eval.interval=0",
         "--checkpoint.interval=0",
         "--checkpoint.resume=false",
         "--metrics.jsonl=true",

@@ -10,6 +10,7 @@ from fusedrl.config.checks import Startup, StartupCheck, run_checks
 from fusedrl.config.job_config import (
     CheckpointSection,
     DataSection,
+    EvalSection,
     FusionSection,
     GenerationSection,
     JobConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointSection",
     "ConfigError",
     "DataSection",
+    "EvalSection",
     "FusionSection",
     "GenerationSection",
     "InputError",

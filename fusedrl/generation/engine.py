@@ -42,46 +42,88 @@ BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
 # debug_large's 100 MB of fp32 weights; docs/generation.md) aten's ``F.linear`` is not the fastest way to do
 # that: a one-row product runs ~1.1x faster than it on a contiguous [in, out] copy of the weight (~1.35x faster
 # than oneDNN's), and products of 4-32 rows (decode batches, prefills) 1.1-1.3x faster through oneDNN with the
-# weight prepacked into its blocked layout (an earlier AMD machine measured 1.3-2.5x for the latter). Each layout is cached per weight tensor and
-# rebuilt when the weight changes in place (its version counter moves: an optimizer step, load_state_dict), so
-# the engine keeps using the live weights; a model used at both row counts holds both copies.
+# weight prepacked into its blocked layout (an earlier AMD machine measured 1.3-2.5x for the latter). Each layout is
+# cached per group of weights (projections of one input, stacked) and rebuilt when one of them changes in place
+# (its version counter moves: an optimizer step, load_state_dict, weight sync), so the engine keeps using the live
+# weights; a model used at both row counts holds both copies.
 # oneDNN's row-count hint for choosing the packed layout: 64 ran 1-32-row decode 5-10% faster than 8 or 32.
 _PACK_ROWS_HINT = 64
-_LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+_LAYOUTS: dict[tuple[tuple[int, ...], str], tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 
 
-def _weight_layout(weight: torch.Tensor, kind: Literal["transposed", "packed"]) -> torch.Tensor:
-    key = (id(weight), kind)
+def _weight_layout(weights: list[torch.Tensor], kind: Literal["transposed", "packed"]) -> torch.Tensor:
+    """The cached ``kind`` layout of ``weights`` stacked along their output dimension."""
+    key = (tuple(id(w) for w in weights), kind)
+    versions = tuple(w._version for w in weights)
     entry = _LAYOUTS.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
-        w = weight.detach()
+    if entry is None or any(r() is not w for r, w in zip(entry[0], weights)) or entry[1] != versions:
+        w = _stacked(weights)
         copy_ = w.t().contiguous() if kind == "transposed" else compat.onednn_pack_linear_weight(w, _PACK_ROWS_HINT)
-        _LAYOUTS[key] = (weakref.ref(weight, lambda _: _LAYOUTS.pop(key, None)), weight._version, copy_)
+        refs = tuple(weakref.ref(w, lambda _: _LAYOUTS.pop(key, None)) for w in weights)
+        _LAYOUTS[key] = (refs, versions, copy_)
         return copy_
     return entry[2]
 
 
-def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _adjacent(weights: list[torch.Tensor]) -> bool:
+    """Whether ``weights`` lie one after another, contiguous, in one storage."""
+    storage = weights[0].untyped_storage().data_ptr()
+    return all(w.is_contiguous() and w.untyped_storage().data_ptr() == storage for w in weights) and all(
+        b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(weights, weights[1:])
+    )
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``weights`` ([out_i, in] each) as one [sum out_i, in] tensor: a view when they are adjacent (as
+    :func:`_stack_projections` leaves them), else a concatenated copy."""
+    first = weights[0].detach()
+    if _adjacent(weights):
+        return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+    return torch.cat([w.detach() for w in weights])
+
+
+@torch.no_grad()
+def _stack_projections(linears: list[nn.Module]) -> None:
+    """Move the weights of ``linears`` (projections of one input, same dtype and input size) into one storage, one
+    after another, keeping their Parameter objects (``.data`` is swapped: optimizers, weight sync and state dicts keep
+    working, and in-place updates keep moving each one's version counter): their stacked layout then reads them as
+    one tensor, without a concatenated copy at each rebuild (a transient the memory estimate does not count)."""
+    weights = [m.weight for m in linears]
+    if not _adjacent(weights):
+        stacked = torch.cat([w.detach() for w in weights])
+        offset = 0
+        for w in weights:
+            w.data = stacked[offset : offset + w.shape[0]]
+            offset += w.shape[0]
+
+
+def _linear_cpu(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """The projections ``F.linear(x, w, b)`` of ``weights``/``biases``, concatenated along the last dimension: one
+    product with the weights stacked (q/k/v, and the MLP's gate/up: 2 and 1 fewer calls per layer, whose fixed cost
+    dominates a one-row product of SmolLM2-135M's shapes: q/k/v 41 -> 22 us, gate/up 46 -> 39 us, bf16, 2 threads)."""
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([x.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
     # bf16 takes the packed layout at every row count (SmolLM2-135M's shapes, 2 threads of an AMD EPYC with
     # avx512_bf16: one row 25-28 us against F.linear's 46-48 and the transposed copy's 50-53; the LM head 1.1 ms
     # against 1.9 and 4.3)
-    if x.numel() == x.shape[-1] and weight.dtype == torch.float32:  # one row
-        out = x @ _weight_layout(weight, "transposed")
+    if x.numel() == x.shape[-1] and weights[0].dtype == torch.float32:  # one row
+        out = x @ _weight_layout(weights, "transposed")
         return out if bias is None else out + bias
-    return compat.onednn_packed_linear(x, _weight_layout(weight, "packed"), bias)
+    return compat.onednn_packed_linear(x, _weight_layout(weights, "packed"), bias)
 
 
-# ``fusedrl::cpu_linear(x, weight, bias)`` is ``F.linear`` through a cached layout of the weight. An operator
-# (not a Python call) so that torch.compile keeps it as one opaque node with the live weight as its input;
-# a plain torch.library op costs ~20 us less per call than a ``custom_op``.
+# ``fusedrl::cpu_linear(x, weights, biases)`` is ``_linear_cpu``: an operator (not a Python call) so that
+# torch.compile keeps it as one opaque node with the live weights as its inputs; a plain torch.library op costs
+# ~20 us less per call than a ``custom_op``.
 _LIB = torch.library.Library("fusedrl", "FRAGMENT")
-_LIB.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("cpu_linear(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIB.impl("cpu_linear", _linear_cpu, "CPU")
 
 
 @torch.library.register_fake("fusedrl::cpu_linear", lib=_LIB)
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -135,6 +177,10 @@ class _SlotForward(nn.Module):
         super().__init__()
         self.model = model
         self.cpu_layouts = cpu_layouts  # CPU fp32 linears through cached weight layouts (see _linear_cpu)
+        if cpu_layouts:  # q/k/v and gate/up each in one storage: their stacked layouts read them without a copy
+            for layer in model.layers:
+                for group in self._stackable(layer):
+                    _stack_projections(group)
         attn = model.layers[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weight = model.tok_embeddings.weight
@@ -175,37 +221,53 @@ class _SlotForward(nn.Module):
                 c[dst, :length] = c[src, :length]
 
     @staticmethod
-    def _linear_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _stackable(layer: TransformerSelfAttentionLayer) -> list[list[nn.Module]]:
+        """The groups of a layer's plain linears that read one input: q/k/v, the MLP's gate/up."""
+        attn, mlp = layer.attn, layer.mlp
+        groups = [[m.linear if type(m) is QKNormProjection else m for m in (attn.q_proj, attn.k_proj, attn.v_proj)]]
+        if type(mlp) is FeedForward and mlp.w3 is not None:
+            groups.append([mlp.w1, mlp.w3])
+        return [g for g in groups if all(type(m) is nn.Linear for m in g)]
+
+    def _linears(self, modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``modules`` (projections) applied to ``x``; plain linears on the cached CPU layouts, several at once
+        as one product of their stacked weights (Qwen3's normed projections: their linear, then their norm)."""
+        inner = [m.linear if type(m) is QKNormProjection else m for m in modules]
+        if not self.cpu_layouts or any(type(m) is not nn.Linear and not isinstance(m, TiedLinear) for m in inner):
+            return [m(x) for m in modules]
+        # the LM head of tied embeddings uses the token embedding's weight
+        weights: list[torch.Tensor] = [m.tied_module.weight if isinstance(m, TiedLinear) else m.weight for m in inner]  # type: ignore[misc]
+        biases: list[torch.Tensor | None] = [None if isinstance(m, TiedLinear) else m.bias for m in inner]  # type: ignore[misc]
         if torch.compiler.is_compiling():
-            return torch.ops.fusedrl.cpu_linear(x, weight, bias)
-        return _linear_cpu(x, weight, bias)
+            out = torch.ops.fusedrl.cpu_linear(x, weights, biases)
+        else:
+            out = _linear_cpu(x, weights, biases)
+        parts = out.split([w.shape[0] for w in weights], dim=-1) if len(weights) > 1 else (out,)
+        return [m.normalize(p) if type(m) is QKNormProjection else p for m, p in zip(modules, parts)]
 
     def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_layouts and type(module) is nn.Linear:
-            return self._linear_of(x, module.weight, module.bias)
-        if self.cpu_layouts and isinstance(module, TiedLinear):  # the LM head of tied embeddings
-            weight = module.tied_module.weight  # the token embedding's
-            assert isinstance(weight, torch.Tensor)
-            return self._linear_of(x, weight, None)
-        if type(module) is QKNormProjection:  # Qwen3: its linear through the cached layouts too, then the per-head norm
-            return module.normalize(self._linear(module.linear, x))
-        return module(x)
+        return self._linears([module], x)[0]
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not (self.cpu_layouts and type(mlp) is FeedForward):
             return mlp(x)
         ff: FeedForward = mlp  # checked above
-        # torchtune's FeedForward.forward, with each projection through _linear.
-        h = ff.activation(self._linear(ff.w1, x))
-        if ff.w3 is not None:
-            h = h * self._linear(ff.w3, x)
+        # torchtune's FeedForward.forward, with its projections through _linears.
+        if ff.w3 is None:
+            return self._linear(ff.w2, ff.activation(self._linear(ff.w1, x)))
+        gate, up = self._linears([ff.w1, ff.w3], x)
+        # gate and up are views of one buffer: the product in place, and the buffer freed before the down projection,
+        # hold no more than separate projections would
+        h = ff.activation(gate).mul_(up)
+        del gate, up
         return self._linear(ff.w2, h)
 
     def _qkv(self, attn: MultiHeadAttention, x: torch.Tensor, pos: torch.Tensor):
         b, s, _ = x.shape
-        q = self._linear(attn.q_proj, x).view(b, s, self.num_heads, self.head_dim)
-        k = self._linear(attn.k_proj, x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self._linear(attn.v_proj, x).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = self._linears([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if attn.pos_embeddings is not None:
             q = attn.pos_embeddings(q, input_pos=pos)
             k = attn.pos_embeddings(k, input_pos=pos)
@@ -268,6 +330,7 @@ class _SlotForward(nn.Module):
         q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
         kc.index_put_((rows, positions), k[:, 0].to(kc.dtype))
         vc.index_put_((rows, positions), v[:, 0].to(vc.dtype))
+        del k, v  # v is a view of the stacked q/k/v projection's output: freed before the attention and the MLP
         out = self._attend(layer.attn, q, kc[:b, :length], vc[:b, :length], mask=mask)
         return self._block(layer, h, out)
 
@@ -282,6 +345,9 @@ class _SlotForward(nn.Module):
         h = self.model.tok_embeddings(tokens)
         for i, layer in enumerate(self.model.layers):
             q, k, v = self._qkv(layer.attn, layer.sa_norm(h), pos[None, :].expand(n, p))
+            # v apart from the stacked q/k/v projection's output (RoPE made q and k new tensors): that buffer is then
+            # freed instead of living through the attention and the MLP
+            v = v.contiguous()
             kc, vc = self.cache(i)
             kc[slots[:, None], pos[None, :]] = k.to(kc.dtype)  # the cache's dtype may differ from the weights'
             vc[slots[:, None], pos[None, :]] = v.to(vc.dtype)

@@ -19,6 +19,7 @@ from typing import Any
 
 from fusedrl.components import Tokenizer
 from fusedrl.config import ConfigError, JobConfig, Startup, import_object
+from fusedrl.config.loader import source_of
 from fusedrl.rlhf import Experience, RewardFn
 
 EvalHook = Callable[[Experience, Tokenizer], dict[str, float]]
@@ -40,18 +41,34 @@ class TaskAssets:
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """A task's evaluation on prompts it does not train on (``[eval]``, :class:`fusedrl.tasks.evaluation.Evaluator`).
+
+    ``prompts(count, seed)``: prompt texts, as :attr:`Task.prompts` gives (user turns that the tokenizer's chat
+    template renders when ``chat``). ``grade(prompt, response, finished)``: the exact checker of one sample (the rendered
+    prompt, the response without its stop token, whether it ended with one): 1.0 for a right answer, less otherwise.
+    """
+
+    prompts: Callable[[int, int], list[str]]
+    grade: Callable[[str, str, bool], float]
+    chat: bool = False
+
+
+@dataclass(frozen=True)
 class Task:
     """One task's contribution to a run; every part is optional.
 
     ``prompts(count, seed)``: prompt texts for ``data.format = "synthetic"``. ``reward_fn``: a rule-based reward
     (:data:`fusedrl.rlhf.RewardFn`) that ``model.reward_fn = "task"`` selects. ``evaluate``: figures of each
-    iteration's scored batch, logged after the timed phases (``time_eval``). ``assets``: models built before training.
+    iteration's scored batch, logged after the timed phases (``time_eval``). ``held_out``: prompts and a checker for
+    ``[eval]``. ``assets``: models built before training.
     """
 
     name: str
     prompts: Callable[[int, int], list[str]] | None = None
     reward_fn: RewardFn | None = None
     evaluate: EvalHook | None = None
+    held_out: HeldOut | None = None
     assets: TaskAssets | None = None
 
 
@@ -81,10 +98,40 @@ def check_task(startup: Startup) -> None:
     task_reward_fn(cfg, task)
     if cfg.data.format == "synthetic":
         synthetic_prompts(cfg, task, count=1)
+    _check_eval(cfg, task)
     assets = task.assets if task is not None else None
     folder = assets.missing(cfg) if assets is not None else None
     if assets is not None and folder is not None:
         startup.assets[folder] = assets.flavor
+
+
+def _check_eval(cfg: JobConfig, task: Task | None) -> None:
+    """``[eval]`` has held-out prompts to grade and a sampling it can use."""
+    e = cfg.eval
+    if e.interval == 0:
+        return
+    _part(
+        task,
+        "held_out",
+        f"eval.interval = {e.interval} ({source_of(cfg, 'eval.interval')}) grades held-out prompts with the task's checker",
+        "set --job.task to a task with them (e.g. fusedrl.tasks.word_problems:TASK) or --eval.interval=0",
+    )
+    if e.n > 1 and e.temperature == 0:
+        raise ConfigError(
+            f"eval.n = {e.n} ({source_of(cfg, 'eval.n')}) samples per prompt, but eval.temperature = 0 makes them all the "
+            "same greedy sample; set --eval.temperature above 0 (e.g. 1.0) for pass@n, or --eval.n=1"
+        )
+    if e.path and cfg.data.format == "synthetic":
+        raise ConfigError(
+            f"eval.path = {e.path!r} ({source_of(cfg, 'eval.path')}) is read in [data]'s format, but data.format = "
+            "synthetic names no file format; set --data.format (jsonl, parquet or hf_disk), or leave eval.path empty"
+        )
+
+    if e.path and not Path(e.path).exists():
+        raise ConfigError(
+            f"eval.path = {e.path!r} ({source_of(cfg, 'eval.path')}): not found; give an existing {cfg.data.format} "
+            "prompt file, or leave it empty for the task's held-out prompts"
+        )
 
 
 def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> list[str] | None:
@@ -122,4 +169,4 @@ def _part(task: Task | None, name: str, need: str, fix: str) -> Any:
     return value
 
 
-__all__ = ["EvalHook", "Task", "TaskAssets", "check_task", "load_task", "synthetic_prompts", "task_reward_fn"]
+__all__ = ["EvalHook", "HeldOut", "Task", "TaskAssets", "check_task", "load_task", "synthetic_prompts", "task_reward_fn"]

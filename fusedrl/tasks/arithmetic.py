@@ -20,7 +20,7 @@ import random
 import re
 from pathlib import Path
 
-from fusedrl.tasks import Task, chat
+from fusedrl.tasks import HeldOut, Task, chat
 
 LARGER = "Which number is larger, {a} or {b}? Answer with the number only."
 SUM = "What is {a} + {b}? Answer with the number only."
@@ -64,11 +64,16 @@ def write_prompts(path: str | Path, count: int, seed: int = 0) -> Path:
     return chat.write_chat_prompts(path, (sample_question(rng) for _ in range(count)))
 
 
+def held_out_questions(count: int, seed: int) -> list[str]:
+    """``count`` questions from ``seed``, for ``[eval]``."""
+    rng = random.Random(seed)
+    return [sample_question(rng)[0] for _ in range(count)]
+
+
 def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens: int = 32) -> dict[str, float]:
     """Greedy accuracy of the HF checkpoint ``folder`` (with its tokenizer) on ``count`` fresh questions (``seed``
     other than the training prompts' 0), overall and per kind, and the mean response length in tokens."""
-    rng = random.Random(seed)
-    questions = [sample_question(rng)[0] for _ in range(count)]
+    questions = held_out_questions(count, seed)
     scores: dict[str, list[float]] = {"larger": [], "sum": []}
     lengths: list[int] = []
     for question, r in zip(questions, chat.greedy_responses(folder, questions, max_new_tokens)):
@@ -80,9 +85,10 @@ def evaluate(folder: str | Path, count: int = 256, seed: int = 1, max_new_tokens
     return out
 
 
-TASK = Task(name="arithmetic", reward_fn=reward_fn)
+TASK = Task(name="arithmetic", reward_fn=reward_fn, held_out=HeldOut(held_out_questions, score, chat=True))
 """The task as the trainer takes it (``job.task = "fusedrl.tasks.arithmetic:TASK"`` with ``model.reward_fn = "task"``);
-its prompts come from the file :func:`write_prompts` writes, rendered by the model's chat template."""
+its prompts come from the file :func:`write_prompts` writes, rendered by the model's chat template; ``[eval]`` grades unseen
+ones with :func:`score`."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,7 +41,7 @@ from fusedrl.config import JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model, save_hf_checkpoint
 from fusedrl.rlhf import Experience
-from fusedrl.tasks import Task, TaskAssets
+from fusedrl.tasks import HeldOut, Task, TaskAssets
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +369,7 @@ TASK = Task(
     prompts=sample_prompts,
     reward_fn=reward_fn,
     evaluate=evaluate,
+    held_out=HeldOut(sample_prompts, true_score),
     assets=TaskAssets(flavor=ASSET_FLAVOR, missing=missing_assets, build=ensure_assets),
 )
 """The debug task as the trainer takes it (``job.task = "fusedrl.tasks.debug:TASK"``, the default)."""

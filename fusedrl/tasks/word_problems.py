@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusedrl.components import length_stats
-from fusedrl.tasks import Task, chat
+from fusedrl.tasks import HeldOut, Task, chat
 
 INSTRUCTION = "Think step by step, then give the final answer as 'Answer: <number>'."
 FORMAT_BONUS = 0.1
@@ -228,9 +228,15 @@ def evaluate(
     return out | length_stats([r.tokens for r in responses])
 
 
-TASK = Task(name="word_problems", reward_fn=reward_fn)
+def held_out_questions(count: int, seed: int) -> list[str]:
+    """``count`` questions of difficulties 1 and 2 (the recipe's) from ``seed``, for ``[eval]``."""
+    return [q for _, q, _ in sample_problems(count, seed, (1, 2))]
+
+
+TASK = Task(name="word_problems", reward_fn=reward_fn, held_out=HeldOut(held_out_questions, score, chat=True))
 """The task as the trainer takes it (``job.task = "fusedrl.tasks.word_problems:TASK"`` with ``model.reward_fn =
-"task"``); its prompts come from the file :func:`write_prompts` writes, rendered by the model's chat template."""
+"task"``); its prompts come from the file :func:`write_prompts` writes, rendered by the model's chat template; ``[eval]``
+grades unseen ones with :func:`score`."""
 
 
 def _difficulties(text: str) -> tuple[int, ...]:

@@ -16,7 +16,8 @@ metrics time:
    fused schedule (``[fusion] intra_stage``) or sequential 1F1B; gradients are clipped and both
    optimizers step.
 
-The task's evaluation (``job.task``; the debug task's ``true_score``) runs after the timed phases. The training phase
+The task's evaluation (``job.task``; the debug task's ``true_score``) and ``[eval]``'s held-out evaluation (on the
+iterations it names, after the engine takes the updated weights) run after the timed phases (``time_eval``). The training phase
 adds no synchronization of its own: per-minibatch figures stay on the device and all cross-rank metric
 reductions of an iteration are one collective at its end; pipeline timelines are recorded only on the
 iterations that ``metrics.trace`` and ``metrics.timeline_interval`` name.
@@ -80,6 +81,7 @@ from fusedrl.rlhf import (
 )
 from fusedrl.rollout_fusion import RolloutResult
 from fusedrl.tasks import load_task, synthetic_prompts, task_reward_fn
+from fusedrl.tasks.evaluation import Evaluator
 from fusedrl.trainer.throughput import compute_figures, peak_flops_per_s
 
 log = logging.getLogger("fusedrl.trainer")
@@ -104,6 +106,7 @@ PHASES = (
 
 STDOUT_KEYS = (
     "true_score",
+    "eval/accuracy",
     "reward_mean",
     "reward_fn_mean",
     "reward_fn_failures",
@@ -223,6 +226,7 @@ class Trainer:
         self.controller = build_controller(
             cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer, task_reward_fn(cfg, self.task)), self.rollout
         )
+        self.evaluator = Evaluator.from_config(cfg, self.task, self.engine, self.tokenizer, self.rollout, vocab_size=vocab)
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
         # One name per pipeline stage: DCP keeps one copy of each non-tensor entry (e.g. optimizer param
@@ -315,6 +319,10 @@ class Trainer:
             "kept for reuse (training.reuse_host_memory)" if self.host_memory_reused else "returned to the system",
         )
         history = []
+        if self.evaluator is not None and cfg.eval.at_start and self.step == 0:  # a fresh run's starting Actor
+            start = time.perf_counter()
+            figures = self.evaluate(0)
+            self.metrics.log(0, figures | {"time_eval": time.perf_counter() - start})
         while self.step < cfg.training.steps:
             self.step += 1
             record = self.train_step(self.step)
@@ -336,6 +344,13 @@ class Trainer:
     def progress(self, desc: str, total: int, unit: str) -> Progress:
         """A phase's progress, shown on rank 0 when ``metrics.progress`` is on."""
         return Progress(desc, total, unit, enabled=self.rank == 0 and self.cfg.metrics.progress)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """``[eval]``'s figures of the Actor's current weights, which the engine takes first (collective)."""
+        assert self.evaluator is not None
+        self.syncs[0].sync()
+        with self.progress(f"step {step} evaluation (rank 0's engine)", self.evaluator.requests, "req") as progress:
+            return self.evaluator.run(progress)
 
     def skipped_update(self, step: int) -> UpdateResult:
         """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
@@ -477,9 +492,14 @@ class Trainer:
         record.update(update.figures)
         record.update(migration_metrics(result))
         record.update(reward_fn_metrics(scored))
-        if self.task is not None and self.task.evaluate is not None:
-            eval_start = time.perf_counter()
-            record.update(self.task.evaluate(scored, self.tokenizer))
+        eval_start = time.perf_counter()
+        hook = self.task.evaluate if self.task is not None else None
+        held_out = self.evaluator is not None and self.evaluator.due(step)
+        if hook is not None:
+            record.update(hook(scored, self.tokenizer))
+        if held_out:  # after the update: the weights it made
+            record.update(self.evaluate(step))
+        if hook is not None or held_out:
             record["time_eval"] = time.perf_counter() - eval_start
         if trace is not None:
             self._save_trace(step, trace, result.trace, rollout_start, update.timeline)
