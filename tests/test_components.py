@@ -15,6 +15,7 @@ from fusedrl.components.metrics import (
     peak_memory_gib,
     percentile,
     read_jsonl,
+    resident_memory_gib,
 )
 from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm, param_groups
 
@@ -171,3 +172,6 @@ def test_timers_percentiles_memory_trace(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         percentile([], 50)
     assert 0 < peak_memory_gib() < 1024
+    before = resident_memory_gib()
+    held = torch.ones(2**26)  # 256 MiB, every page written
+    assert resident_memory_gib() - before > 0.2 and float(held[-1]) == 1.0  # the resident set, not a high-water mark

@@ -22,6 +22,7 @@ from fusedrl.components.metrics import (
     peak_memory_gib,
     percentile,
     read_jsonl,
+    resident_memory_gib,
     save_gantt_png,
 )
 from fusedrl.components.optimizer import build_optimizer, clip_grad_norm, grad_norm
@@ -59,6 +60,7 @@ __all__ = [
     "load_prompts_from_config",
     "lr_factor",
     "peak_memory_gib",
+    "resident_memory_gib",
     "percentile",
     "drop_steps_after",
     "init_logging",

@@ -244,6 +244,20 @@ def peak_memory_gib(device: torch.device | str | None = None) -> float:
     return kib / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def resident_memory_gib(device: torch.device | str | None = None) -> float:
+    """Memory held now: CUDA ``memory_allocated`` on a CUDA device, else the process's resident set (Linux's
+    ``/proc/self/statm``; elsewhere the peak RSS, :func:`peak_memory_gib`). A leak shows as a slope over iterations,
+    which the peak (a high-water mark) hides once reached."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return peak_memory_gib(device)
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 class MetricsLogger:
     """Writes one record per step to stdout, ``<folder>/metrics.jsonl`` and TensorBoard (rank 0 only).
 

@@ -83,7 +83,7 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _stack_projections(linears: list[nn.Module]) -> None:
+def _stack_projections(linears: list[nn.Linear]) -> None:
     """Move the weights of ``linears`` (projections of one input, same dtype and input size) into one storage, one
     after another, keeping their Parameter objects (``.data`` is swapped: optimizers, weight sync and state dicts keep
     working, and in-place updates keep moving each one's version counter): their stacked layout then reads them as
@@ -93,8 +93,9 @@ def _stack_projections(linears: list[nn.Module]) -> None:
         stacked = torch.cat([w.detach() for w in weights])
         offset = 0
         for w in weights:
-            w.data = stacked[offset : offset + w.shape[0]]
-            offset += w.shape[0]
+            rows = int(w.shape[0])
+            w.data = stacked[offset : offset + rows]
+            offset += rows
 
 
 def _linear_cpu(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
@@ -221,7 +222,7 @@ class _SlotForward(nn.Module):
                 c[dst, :length] = c[src, :length]
 
     @staticmethod
-    def _stackable(layer: TransformerSelfAttentionLayer) -> list[list[nn.Module]]:
+    def _stackable(layer: TransformerSelfAttentionLayer) -> list[list[nn.Linear]]:
         """The groups of a layer's plain linears that read one input: q/k/v, the MLP's gate/up."""
         attn, mlp = layer.attn, layer.mlp
         groups = [[m.linear if type(m) is QKNormProjection else m for m in (attn.q_proj, attn.k_proj, attn.v_proj)]]

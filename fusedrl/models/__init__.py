@@ -1,7 +1,14 @@
 """Decoder architectures over torchtune modules: flavors (named, or read from an HF config.json), roles, HF weights;
 the architecture each [model] key of a job builds and its startup check (``fusedrl.models.job``)."""
 
-from fusedrl.models.hf import PretrainedModel, from_pretrained, load_hf_checkpoint, load_hf_weights, save_hf_checkpoint
+from fusedrl.models.hf import (
+    PretrainedModel,
+    check_hf_checkpoint,
+    from_pretrained,
+    load_hf_checkpoint,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from fusedrl.models.hf_config import CheckpointError, flavor_from_hf_config, hf_config, read_flavor
 from fusedrl.models.job import (
     DEFAULT_FLAVOR,
@@ -56,6 +63,7 @@ __all__ = [
     "init_rope_buffers",
     "load_hf_checkpoint",
     "load_hf_weights",
+    "check_hf_checkpoint",
     "load_state_slices",
     "local_indices",
     "model_flavor",

@@ -203,6 +203,42 @@ def load_hf_weights(
     full = _full_shapes(f, cast(Role, role))  # a valid Role: check_role passed above
     _check_module(targets, full, f, role)
 
+    found, fresh_head, ignored = _validated(folder, f, role, init_value_head_from_lm)
+    if ignored:
+        log.info("checkpoint %s: ignored %d tensor(s): %s", folder, len(ignored), _group(sorted(ignored)))
+    head = targets.pop(TUNE_HEAD_KEY, None) if fresh_head else None
+    try:
+        with ExitStack() as stack:
+            fill_slices(targets, _SliceReader(found, f, role, stack).read)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)]) from e
+    if fresh_head:
+        fresh = torch.empty(1, f.embed_dim).normal_(0.0, 1.0 / (f.embed_dim + 1))
+        if head is not None:
+            fill_slices({TUNE_HEAD_KEY: head}, lambda name, box: fresh[box])
+        log.info("checkpoint %s: value model started from an LM checkpoint with a fresh %s", folder, VALUE_HEAD_KEY)
+    init_rope_buffers(module)
+
+
+def check_hf_checkpoint(
+    folder: str | os.PathLike, flavor: str | ModelFlavor, role: str = "policy", *, init_value_head_from_lm: bool = False
+) -> None:
+    """The checks :func:`load_hf_weights` runs before it reads any tensor, from the files' headers alone: tensor names
+    and shapes against the full flavor, vocabulary size, loadable dtypes, truncated files, shards an index names but
+    the folder lacks, ``config.json``. Raises :class:`CheckpointError` naming every problem and its fix in one line
+    (the trainer's startup check calls it for each model folder before any process group exists)."""
+    f = resolve_flavor(flavor)
+    check_role(role)
+    _validated(Path(folder), f, role, init_value_head_from_lm)
+
+
+def _validated(
+    folder: Path, f: ModelFlavor, role: str, init_value_head_from_lm: bool
+) -> tuple[dict[str, tuple[Path, torch.dtype, tuple[int, ...]]], bool, list[str]]:
+    """(the tensors the checkpoint holds: name -> file, dtype, shape; whether the value head is drawn fresh; the
+    tensors it holds that are not loaded), after checking every header of ``folder`` against the full flavor;
+    CheckpointError with all problems otherwise."""
+    full = _full_shapes(f, cast(Role, role))
     problems: list[str] = []
     fixes: list[str] = []
     files = _checkpoint_files(folder, problems, fixes)
@@ -239,21 +275,7 @@ def load_hf_weights(
     _compare(found, expected, set(ignored), f, role, problems, fixes)
     if problems:
         _raise(folder, f, role, problems, fixes)
-    if ignored:
-        log.info("checkpoint %s: ignored %d tensor(s): %s", folder, len(ignored), _group(sorted(ignored)))
-
-    head = targets.pop(TUNE_HEAD_KEY, None) if fresh_head else None
-    try:
-        with ExitStack() as stack:
-            fill_slices(targets, _SliceReader(found, f, role, stack).read)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read HF checkpoint {folder}: {e}. Fix: re-download or re-export it.", [str(e)]) from e
-    if fresh_head:
-        fresh = torch.empty(1, f.embed_dim).normal_(0.0, 1.0 / (f.embed_dim + 1))
-        if head is not None:
-            fill_slices({TUNE_HEAD_KEY: head}, lambda name, box: fresh[box])
-        log.info("checkpoint %s: value model started from an LM checkpoint with a fresh %s", folder, VALUE_HEAD_KEY)
-    init_rope_buffers(module)
+    return found, fresh_head, ignored
 
 
 def load_hf_checkpoint(

@@ -8,7 +8,8 @@ from pathlib import Path
 from fusedrl.config import ConfigError, InputError, JobConfig, Startup
 from fusedrl.config.checks import built_later
 from fusedrl.config.loader import format_value, source_of
-from fusedrl.models.hf_config import read_flavor
+from fusedrl.models.hf import check_hf_checkpoint
+from fusedrl.models.hf_config import CheckpointError, read_flavor
 from fusedrl.models.registry import ModelFlavor, Role, resolve_flavor
 
 RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
@@ -45,6 +46,27 @@ def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlav
     if cfg.model.uses_reward_model:
         others = (*others, model_flavor(cfg, "reward"))
     return reference, others
+
+
+def _check_checkpoint_files(cfg: JobConfig, flavors: dict[str, ModelFlavor], assets: dict[Path, str]) -> None:
+    """Each checkpoint folder against its model, from the files' headers (no tensor read): truncated or missing
+    files, tensor names, shapes and dtypes, config.json; a value model may start from an LM checkpoint (a fresh
+    head), as the trainer loads it. ConfigError naming the key, the folder, every problem and its fix."""
+    folders = [(key, getattr(cfg.model, f"{key}_path"), f, MODEL_ROLES[key]) for key, f in flavors.items()]
+    if cfg.ppo.uses_reference and cfg.model.reference_path:
+        folders.append(("reference", cfg.model.reference_path, flavors["actor"], "policy"))
+    for key, path, flavor, role in folders:
+        if not path or built_later(assets, path) is not None:
+            continue
+        try:
+            check_hf_checkpoint(path, flavor, role)
+        except CheckpointError as error:
+            try:
+                if role != "value":
+                    raise
+                check_hf_checkpoint(path, flavor, role, init_value_head_from_lm=True)
+            except CheckpointError:
+                raise ConfigError(f"model.{key}_path: {error}") from None
 
 
 def model_flavors(cfg: JobConfig, assets: dict[Path, str] | None = None) -> dict[str, ModelFlavor]:
@@ -111,6 +133,7 @@ def check_models(startup: Startup) -> None:
             f"model.critic / model.reward: vocabulary sizes differ from the Actor's ({sizes}); "
             "all four models must share the tokenizer"
         )
+    _check_checkpoint_files(cfg, flavors, startup.assets)
     longest = cfg.sequence_budget
     key, shortest = min(flavors.items(), key=lambda kv: kv[1].max_seq_len)
     if longest > shortest.max_seq_len:

@@ -48,6 +48,7 @@ from fusedrl.components import (
     load_prompts_from_config,
     load_tokenizer,
     peak_memory_gib,
+    resident_memory_gib,
     resume_step,
 )
 from fusedrl.config import JobConfig
@@ -133,7 +134,7 @@ STDOUT_KEYS = (
 def reduce_iteration(
     sums: dict[str, torch.Tensor],
     phase_times: dict[str, float],
-    peak_memory: float,
+    memory: dict[str, float],
     *,
     divisor: float,
     device: torch.device,
@@ -142,17 +143,19 @@ def reduce_iteration(
 ) -> dict[str, float]:
     """The iteration's one cross-rank metric collective: ``sums`` are added over ranks and divided by
     ``divisor``; ``first`` (the first minibatch's stats, as ``<name>_first``) likewise by ``first_divisor``, its
-    ``*_max`` entries maximised; phase times and peak memory are the slowest / largest rank's. One ``all_gather``
-    of one float64 vector per rank (a sum and a max cannot share one all-reduce)."""
+    ``*_max`` entries maximised; phase times and the ``memory`` figures (e.g. ``peak_memory_gib``) are the slowest /
+    largest rank's. One ``all_gather`` of one float64 vector per rank (a sum and a max cannot share one all-reduce)."""
     first = first or {}
-    keys, first_keys = sorted(sums), sorted(first)
+    keys, first_keys, gauges = sorted(sums), sorted(first), sorted(memory)
     scalars = [sums[k] for k in keys] + [first[k] for k in first_keys]
     local = torch.cat(
         [
             torch.stack([s.to(device, torch.float64) for s in scalars])
             if scalars
             else torch.zeros(0, dtype=torch.float64, device=device),
-            torch.tensor([phase_times.get(p, 0.0) for p in PHASES] + [peak_memory], dtype=torch.float64, device=device),
+            torch.tensor(
+                [phase_times.get(p, 0.0) for p in PHASES] + [memory[k] for k in gauges], dtype=torch.float64, device=device
+            ),
         ]
     )
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -165,7 +168,7 @@ def reduce_iteration(
         out[f"{k}_first"] = float(column.amax() if k.endswith("_max") else column.sum() / first_divisor)
     largest = gathered[:, n + f :].amax(0).tolist()
     out.update({f"time_{p}": v for p, v in zip(PHASES, largest)})
-    out["peak_memory_gib"] = largest[-1]
+    out.update(zip(gauges, largest[len(PHASES) :]))
     return out
 
 
@@ -459,7 +462,7 @@ class Trainer:
         record = reduce_iteration(
             update.stat_sums,
             timers.pop(),
-            peak_memory_gib(self.device),
+            {"peak_memory_gib": peak_memory_gib(self.device), "resident_memory_gib": resident_memory_gib(self.device)},
             divisor=self.layout.dp * self.layout.tp * max(1, update.updates),
             device=self.device,
             first=update.first,

@@ -1,0 +1,136 @@
+"""The SmolLM2 recipes at a reduced size survive a killed rank: under ``torchrun --max-restarts=1`` with
+``checkpoint.resume = "auto"``, rank 1 SIGKILLed inside iteration 3 (GRPO: after the update's first minibatch; PPO:
+after the rollout's first decode step) restarts the workers, which resume from the step-2 checkpoint and end with every
+iteration's figures equal to an uninterrupted run's."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedrl.components import read_jsonl
+from fusedrl.components.checkpoint import CheckpointManager
+from fusedrl.testing import free_port
+from fusedrl.testing.launcher import kill_job
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = ROOT / "models" / "SmolLM2-135M-Instruct"
+DATA = ROOT / "data" / "arithmetic.jsonl"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason=f"no SmolLM2 folder at {FOLDER}"),
+]
+STEPS = 4
+REDUCED = [
+    "--ppo.batch_size=16",
+    "--ppo.minibatch_size=8",  # two minibatches: the kill lands between their optimizer steps
+    "--generation.max_new_tokens=8",
+    f"--training.steps={STEPS}",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep=0",
+    "--checkpoint.export_hf=false",
+    "--checkpoint.resume=auto",
+    "--eval.interval=0",
+    "--metrics.progress=false",
+    "--lr_scheduler.warmup_steps=0",
+]
+# figures that depend only on the weights, the data and the random streams (a checkpoint restores all three)
+DETERMINISTIC = (
+    "reward_mean",
+    "reward_fn_mean",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "clip_frac",
+    "grad_norm_actor",
+    "grad_norm_critic",
+    "lr_actor",
+    "response_len_mean",
+    "response_len_max",
+)
+JOB_TIMEOUT_S = 280  # a hang guard, several times a job's time on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prompts():
+    if not DATA.is_file():
+        from fusedrl.tasks.arithmetic import write_prompts
+
+        write_prompts(DATA, 4096)
+
+
+def _job(
+    out: Path, config: str, extra: tuple[str, ...] = (), fault: tuple[str, int] | None = None
+) -> subprocess.CompletedProcess:
+    """The recipe under torchrun on 2 ranks, one restart allowed (the c10d rendezvous with a fresh store per round:
+    docs/multinode.md); ``fault``: (phase, step) at which rank 1 kills itself in the first attempt."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    if fault is not None:
+        env.update(FAULT_RANK="1", FAULT_PHASE=fault[0], FAULT_STEP=str(fault[1]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--max_restarts=1",
+        str(ROOT / "tests" / "_fault_worker.py"),
+        "--job.config_file",
+        config,
+        *REDUCED,
+        *extra,
+        f"--job.output_dir={out}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_job(proc)  # torchrun and its workers (each in its own session)
+        pytest.fail(f"the job did not end within {JOB_TIMEOUT_S} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _figures(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_jsonl(out / "metrics.jsonl")}
+
+
+@pytest.mark.parametrize(
+    "config,extra,phase",
+    [
+        ("train_configs/smollm2_135m_grpo.toml", ("--generation.n=4",), "update"),
+        ("train_configs/smollm2_135m_ppo.toml", (), "rollout"),
+    ],
+    ids=["grpo-killed-mid-update", "ppo-killed-mid-rollout"],
+)
+def test_a_rank_killed_mid_iteration_restarts_and_ends_as_the_uninterrupted_run(tmp_path, config, extra, phase):
+    whole = _job(tmp_path / "whole", config, extra)
+    assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
+    job = _job(tmp_path / "killed", config, extra, fault=(phase, 3))
+    log = job.stdout + job.stderr
+    assert job.returncode == 0, log[-6000:]
+    assert "(exitcode: -9) local_rank: 1" in log, log[-6000:]  # rank 1 was killed, and the agent restarted the workers
+    assert f"resumed from {tmp_path / 'killed' / 'checkpoints' / 'step-00000002'} (step 2)" in log, log[-6000:]
+    expected, got = _figures(tmp_path / "whole"), _figures(tmp_path / "killed")
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))  # step 3 of the killed attempt: never logged
+    for step, record in got.items():
+        for key in DETERMINISTIC:
+            if key not in expected[step]:
+                continue
+            x, y = record[key], expected[step][key]
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-6, abs=1e-9), (step, key, x, y)
+    assert CheckpointManager(tmp_path / "killed" / "checkpoints", {}).complete_steps() == [2, 4]
