@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ REDUCED = (
     "--checkpoint.export_hf=false",
     "--metrics.trace=[]",
 )
+ITERATION_LINE = re.compile(r"step (\d+): \w+=")
 WATCHED = ("policy_loss", "kl", "kl_loss", "reward_mean", "reward_fn_mean", "entropy", "grad_norm_actor", "value_loss")
 
 
