@@ -48,6 +48,13 @@ def _vocab(size: int) -> str:
     return json.dumps({**config, "vocab_size": size})
 
 
+def _prompts(tmp_path: Path) -> Path:
+    """The recipe's prompt file (data/ is not part of a checkout: the startup's data check runs before the models')."""
+    from fusedrl.tasks.arithmetic import write_prompts
+
+    return write_prompts(tmp_path / "arithmetic.jsonl", 16)
+
+
 @pytest.mark.parametrize(
     "damage,expected",
     [
@@ -78,6 +85,7 @@ def test_a_damaged_real_checkpoint_is_one_line_before_any_process_group(tmp_path
         prepare(
             [
                 "--job.config_file=train_configs/smollm2_135m_grpo.toml",
+                f"--data.path={_prompts(tmp_path)}",
                 f"--model.actor_path={folder}",
                 f"--model.tokenizer_path={folder}",
             ],
@@ -89,9 +97,9 @@ def test_a_damaged_real_checkpoint_is_one_line_before_any_process_group(tmp_path
     assert not dist.is_initialized()
 
 
-def test_the_intact_real_checkpoint_passes_the_same_checks(monkeypatch):
+def test_the_intact_real_checkpoint_passes_the_same_checks(tmp_path, monkeypatch):
     from fusedrl.train import prepare
 
     monkeypatch.chdir(ROOT)
-    cfg = prepare(["--job.config_file=train_configs/smollm2_135m_grpo.toml"], world_size=2)
+    cfg = prepare(["--job.config_file=train_configs/smollm2_135m_grpo.toml", f"--data.path={_prompts(tmp_path)}"], world_size=2)
     assert cfg.model.actor_path == "models/SmolLM2-135M-Instruct"

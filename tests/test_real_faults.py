@@ -20,7 +20,6 @@ from fusedrl.testing.launcher import kill_job
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "models" / "SmolLM2-135M-Instruct"
-DATA = ROOT / "data" / "arithmetic.jsonl"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (FOLDER / "config.json").is_file(), reason=f"no SmolLM2 folder at {FOLDER}"),
@@ -57,12 +56,12 @@ DETERMINISTIC = (
 JOB_TIMEOUT_S = 280  # a hang guard, several times a job's time on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prompts():
-    if not DATA.is_file():
-        from fusedrl.tasks.arithmetic import write_prompts
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    """The recipes' prompt file, written here (data/ is not part of a checkout)."""
+    from fusedrl.tasks.arithmetic import write_prompts
 
-        write_prompts(DATA, 4096)
+    return write_prompts(tmp_path_factory.mktemp("data") / "arithmetic.jsonl", 4096)
 
 
 def _job(
@@ -117,7 +116,8 @@ def _figures(out: Path) -> dict[int, dict]:
     ],
     ids=["grpo-killed-mid-update", "ppo-killed-mid-rollout"],
 )
-def test_a_rank_killed_mid_iteration_restarts_and_ends_as_the_uninterrupted_run(tmp_path, config, extra, phase):
+def test_a_rank_killed_mid_iteration_restarts_and_ends_as_the_uninterrupted_run(tmp_path, prompts, config, extra, phase):
+    extra = (*extra, f"--data.path={prompts}")
     whole = _job(tmp_path / "whole", config, extra)
     assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
     job = _job(tmp_path / "killed", config, extra, fault=(phase, 3))
