@@ -234,7 +234,13 @@ def test_world_size_check():
 def test_validate_paths(tmp_path, monkeypatch):
     """Each path is checked by its owner: model folders by the models' check, the tokenizer and the dataset by theirs."""
     monkeypatch.chdir(ROOT)
-    check_models(Startup(_load(f"--model.actor_path={tmp_path}"), 4))
+    from fusedrl.models import build_model, save_hf_checkpoint
+
+    actor = save_hf_checkpoint(build_model("debug", "policy"), tmp_path / "actor", "debug")
+    check_models(Startup(_load(f"--model.actor_path={actor}"), 4))
+    (tmp_path / "empty").mkdir()  # a folder without weights: refused from its listing, before any process starts
+    with pytest.raises(ConfigError, match=r"model\.actor_path: cannot load HF checkpoint .*no model\.safetensors"):
+        check_models(Startup(_load(f"--model.actor_path={tmp_path / 'empty'}"), 4))
     with pytest.raises(ConfigError, match=r"model\.critic_path = \"/no/such/folder\" \(command line\): folder not found"):
         check_models(Startup(_load("--model.critic_path=/no/such/folder"), 4))
     with pytest.raises(ConfigError, match=r"model\.tokenizer_path = \"/no/tokenizer.json\" \(command line\): not found"):
