@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 # Read once, when torch loads GNU OpenMP: so before the first torch import. With the default policy, once gloo has run
 # a large collective (it copies tensors on threads of its own), the main thread's OpenMP workers are woken for each
@@ -31,6 +32,9 @@ usage: torchrun --nproc_per_node N -m fusedrl.train --job.config_file FILE [--se
 Trains PPO as the config says (N = parallelism.pp * dp_shard * tp). Every config key follows; docs/ppo.md
 explains how the trainer uses them.
 """
+
+
+STARTUP_ERROR_WAIT_S = 30.0  # how long ranks other than 0 wait for rank 0 to report a bad config
 
 
 def run(cfg: JobConfig) -> list[dict[str, float]]:
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:  # every rank finds the same problem: rank 0 says it
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # a launcher stops every worker once one exits: leaving first could stop rank 0 before it says it
+            time.sleep(STARTUP_ERROR_WAIT_S)
         return 2
     init_distributed(cfg.training.device, timeout_s=cfg.training.collective_timeout_s)
     heartbeat = Heartbeat.from_env()
