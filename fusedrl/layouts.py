@@ -6,7 +6,8 @@ a job without a KL term (``ppo.kl_coef = ppo.kl_loss_coef = 0``) no Reference.
 - **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
   rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2
   over ``dp_shard``, with a mixed-precision policy (``training.mixed_precision_*``: compute in bf16, float32 master
-  weights, optimizer state and gradient reduction).
+  weights, optimizer state and gradient reduction). With ``[lora]`` a trained model's projections carry adapters over a
+  frozen base stored in the compute dtype (``fusedrl.models.add_lora``, docs/lora.md).
 - **Rollout**: ``gen_tp`` consecutive ranks form one generation instance (``world / gen_tp`` instances). Each
   instance holds the engine's Actor, the Reference, the Reward and the scoring Critic, tensor-parallel over its
   ranks (DTensors: attention, MLP, token embedding and LM head sharded, norms and value heads replicated), in
@@ -55,11 +56,14 @@ from fusedrl.distributed import (
 from fusedrl.models import (
     CheckpointError,
     ModelFlavor,
+    add_lora,
     build_model,
     cast_parameters,
+    init_adapters,
     init_rope_buffers,
     load_hf_weights,
     load_state_slices,
+    lora_spec,
     model_flavor,
 )
 from fusedrl.models.registry import Role
@@ -134,9 +138,15 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     t = cfg.training
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce])
 
-    def stage(flavor: ModelFlavor, role: Role, stages: int, index: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DecoderStage:
+    def stage(
+        key: str, flavor: ModelFlavor, role: Role, stages: int, index: int, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh
+    ) -> DecoderStage:
+        model = build_model(flavor, role, device="meta")
+        lora = lora_spec(cfg, key)
+        if lora is not None:  # the frozen base is stored as training computes it: bf16 under bf16 mixed precision
+            add_lora(model, lora, base_dtype=policy.param_dtype)
         # the Actor's LM head runs in its loss, in chunks of positions: no full-vocabulary logits of a micro-batch
-        module = split_decoder(build_model(flavor, role, device="meta"), stages, apply_head=role == "value")[index]
+        module = split_decoder(model, stages, apply_head=role == "value")[index]
         if t.float8:  # before parallelizing (torchao's order); the LM / value head stays in high precision
             convert_to_float8(module)
         if t.compile:  # compiled inside the layer's call: checkpointing and FSDP2's hooks wrap it
@@ -152,7 +162,7 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
         return module
 
     actor_flavor = model_flavor(cfg, "actor")
-    actor = stage(actor_flavor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
+    actor = stage("actor", actor_flavor, "policy", dims.pp, pp_rank, mesh["tp"], mesh["dp_shard"])
     tied = TiedEmbeddings(mesh, actor, actor_flavor.tie_word_embeddings)
     parts = (mesh, mesh.get_group("pp"), pp_rank, mesh["dp_shard"].get_local_rank(), dims.pp, dims.dp_shard, dims.tp, actor)
     if cfg.ppo.critic_free:
@@ -162,10 +172,10 @@ def build_training_layout(cfg: JobConfig, device: torch.device, *, materialize: 
     critic_index, _ = Placement(dims.pp, c).stage_at(CRITIC, pp_rank)
     if dims.critic_replicas > 1:
         cmesh = dims.build_critic_mesh(device.type)
-        critic = stage(critic_flavor, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])
+        critic = stage("critic", critic_flavor, "value", c, critic_index, cmesh["tp"], cmesh["critic_replica", "dp_shard"])
         critic_group = cmesh.get_group("critic_pp")
     else:
-        critic = stage(critic_flavor, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
+        critic = stage("critic", critic_flavor, "value", c, critic_index, mesh["tp"], mesh["dp_shard"])
         critic_group = mesh.get_group("pp")
     return TrainingLayout(*parts, critic, tied, critic_index, dims.critic_replicas, critic_group)
 
@@ -233,6 +243,9 @@ def load_initial_weights(cfg: JobConfig, training: TrainingLayout, rollout: Roll
     actor(training.actor_stage)
     if training.critic_stage is not None:
         _source(cfg, model_flavor(cfg, "critic"), "value", m.critic_path, offset=1)(training.critic_stage)
+    for stage, offset in ((training.actor_stage, 0), (training.critic_stage, 1)):
+        if stage is not None:  # LoRA adapters (a stage without them has none to fill)
+            init_adapters(stage, cfg.job.seed * 7919 + offset)
     if rollout.reference is not None:
         (_source(cfg, actor_flavor, "policy", m.reference_path, offset=3) if m.reference_path else actor)(rollout.reference)
     if rollout.reward is not None:

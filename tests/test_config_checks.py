@@ -28,6 +28,7 @@ OWNERS = {
     "recompute": "rlhf",
     "data": "components",
     "models": "models",
+    "lora": "models",
     "model_split": "distributed",
     "schedule_memory": "rlhf",
     "packing": "rlhf",

@@ -147,3 +147,38 @@ def test_bad_eval_configs_are_one_line_errors(overrides, message, monkeypatch):
     with pytest.raises(ConfigError) as err:
         prepare(["--job.config_file", "train_configs/debug_ppo.toml", *overrides], world_size=4)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_eval_file_of_another_tasks_prompts_is_refused_before_generating(tmp_path):
+    from types import SimpleNamespace
+
+    from fusedrl.components import load_tokenizer
+    from fusedrl.config import InputError, load_config
+    from fusedrl.tasks.arithmetic import held_out_questions
+    from fusedrl.tasks.debug import TASK, sample_prompts
+    from fusedrl.tasks.evaluation import Evaluator
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sample_prompts(3, seed=9)))
+    questions = held_out_questions(3, seed=0)  # the arithmetic task's, in the debug task's file format
+    (tmp_path / "arithmetic.jsonl").write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    rollout = SimpleNamespace(instance=0, instances=1, instance_group=None)  # one instance, no process group needed
+
+    def build(path: Path) -> Evaluator:
+        cfg = load_config(
+            [
+                "--job.config_file",
+                str(ROOT / "train_configs" / "debug_ppo.toml"),
+                "--data.format=jsonl",
+                f"--data.path={held_out}",
+                f"--eval.path={path}",
+                "--eval.count=3",
+            ]
+        )
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        return Evaluator(cfg, TASK.held_out, None, tokenizer, rollout, vocab_size=tokenizer.vocab_size)
+
+    assert build(held_out).count == 3  # the debug task's own prompts pass
+    with pytest.raises(InputError) as err:
+        build(tmp_path / "arithmetic.jsonl")
+    assert "prompt 0 is not one the task's checker can grade" in str(err.value) and "\n" not in str(err.value)

@@ -476,7 +476,8 @@ def test_four_ranks_fusion_changes_no_output(rank_pools):
     assert auto["threshold"] in candidates and auto["unfinished"] <= auto["threshold"]  # chosen by the simulator
     decision = results["auto_kv"][True]["auto"]  # the simulator's choice and prediction, reported with the rollout
     assert decision["threshold"] == auto["threshold"] and 1 <= decision["min_kept"] < 4
-    assert 0 < decision["at_s"] <= auto["time_s"] < decision["predicted_s"]
+    # causal order only: when the migration runs against the predicted end depends on the machine's load
+    assert 0 < decision["at_s"] <= auto["time_s"] and decision["predicted_s"] > decision["at_s"]
     assert all(results[name][fusion]["auto"] is None for name in ("reprefill", "own_group") for fusion in (False, True))
 
 

@@ -225,8 +225,9 @@ DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=d
         DEBUG_MODELS,
         [*DEBUG_MODELS, "--parallelism.pp_critic=1"],
         ["--critic-free"],
+        ['--lora.models=["actor", "critic"]', "--lora.rank=8"],
     ],
-    ids=["critic-pp2", "critic-replicas", "critic-free"],
+    ids=["critic-pp2", "critic-replicas", "critic-free", "lora"],
 )
 def test_measured_trainer_memory_matches_the_estimate(capsys, args):
     """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent
@@ -235,7 +236,8 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, args):
     replicas of one stage (each rank then holds the whole Critic, hybrid-sharded over (replica, dp_shard)), and
     critic-free (``--critic-free``: GRPO, the Actor alone on split-backward schedules, no Critic anywhere; in the
     command's ``debug_large`` flavor: with the ``debug`` one the Actor's last stage measures 0.875x on the training
-    step, as PPO does with ``--fusion.split_backward=true``, see docs/memory.md). Every figure is counted from
+    step, as PPO does with ``--fusion.split_backward=true``, see docs/memory.md), and with LoRA on both trained models
+    (frozen bases: gradients and optimizer state of the adapters and the value head only). Every figure is counted from
     tensors, so the verdict does not depend on how the OS schedules gloo's threads."""
     code = main(["--measure", "--json", *args])
     out = capsys.readouterr().out.strip().splitlines()

@@ -6,17 +6,14 @@ iteration's figures equal to an uninterrupted run's."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fusedrl.components import read_jsonl
 from fusedrl.components.checkpoint import CheckpointManager
-from fusedrl.testing import free_port
-from fusedrl.testing.launcher import kill_job
+from fusedrl.testing.launcher import job_env, kill_job, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -69,30 +66,11 @@ def _job(
 ) -> subprocess.CompletedProcess:
     """The recipe under torchrun on 2 ranks, one restart allowed (the c10d rendezvous with a fresh store per round:
     docs/multinode.md); ``fault``: (phase, step) at which rank 1 kills itself in the first attempt."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    env = job_env(ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     if fault is not None:
         env.update(FAULT_RANK="1", FAULT_PHASE=fault[0], FAULT_STEP=str(fault[1]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        "--max_restarts=1",
-        str(ROOT / "tests" / "_fault_worker.py"),
-        "--job.config_file",
-        config,
-        *REDUCED,
-        *extra,
-        f"--job.output_dir={out}",
-    ]
+    program = [str(ROOT / "tests" / "_fault_worker.py"), "--job.config_file", config, *REDUCED, *extra]
+    cmd = torchrun_command(*program, f"--job.output_dir={out}", max_restarts=1)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -225,27 +225,14 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_killed_rank_stops_the_others_with_a_message_naming_it(tmp_path):
-    import os
     import subprocess
-    import sys
 
-    from fusedrl.testing import free_port
-    from fusedrl.testing.launcher import kill_job
+    from fusedrl.testing.launcher import job_env, kill_job, torchrun_command
 
     script = tmp_path / "job.py"
     script.write_text(_KILLED_RANK_SCRIPT)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "--max_restarts=0",
-        str(script),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = torchrun_command(str(script))
+    env = job_env(ROOT)
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

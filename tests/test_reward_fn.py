@@ -20,6 +20,7 @@ from fusedrl.models import FLAVORS, build_model
 from fusedrl.rlhf import RewardFunctionError, RuleReward, Scorer, ScoringModels, load_reward_fn, reward_fn_metrics
 from fusedrl.tasks import debug
 from fusedrl.testing import run_multirank
+from fusedrl.testing.configs import TINY_DEBUG_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
@@ -315,20 +316,9 @@ def test_memory_estimate_counts_no_reward_model_when_the_function_scores_alone()
 
 
 TINY = [
-    "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-    "--model.actor_path=",
-    "--model.critic_path=",
-    "--model.reward_path=",
-    "--model.reference_path=",
+    *TINY_DEBUG_RUN,
     "--parallelism.pp=2",
     "--parallelism.dp_shard=1",
-    "--ppo.batch_size=8",
-    "--ppo.minibatch_size=8",
-    "--ppo.microbatch_size=2",
-    "--ppo.epochs=1",
-    "--generation.max_new_tokens=10",
-    "--generation.max_slots=4",
-    "--data.max_prompt_len=32",
     "--fusion.schedule_search_budget_s=0",
     "--fusion.migration_threshold=0.5",
     "--fusion.migration_check_interval=1",

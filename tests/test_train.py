@@ -15,24 +15,14 @@ import pytest
 import torch.distributed as dist
 
 from fusedrl.testing import free_port, run_multirank
+from fusedrl.testing.configs import TINY_DEBUG_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
 # Tiny and fast: random-init debug models, 8 prompts (2 per rank), short responses, 2 iterations. A quarter of
 # the vocabulary stops a response, so lengths vary and the tail migrates at the threshold.
 TINY = [
-    "--generation.stop_token_ids=" + ",".join(map(str, range(0, 512, 4))),
-    "--model.actor_path=",
-    "--model.critic_path=",
-    "--model.reward_path=",
-    "--model.reference_path=",
-    "--ppo.batch_size=8",
-    "--ppo.minibatch_size=8",
-    "--ppo.microbatch_size=2",
-    "--ppo.epochs=1",
-    "--generation.max_new_tokens=10",
-    "--generation.max_slots=4",
-    "--data.max_prompt_len=32",
+    *TINY_DEBUG_RUN,
     "--fusion.schedule_search_budget_s=0.2",
     "--fusion.migration_threshold=0.5",
     "--fusion.migration_check_interval=1",

@@ -29,7 +29,7 @@ import pytest
 from fusedrl.components import read_jsonl
 from fusedrl.components.checkpoint import COMPLETE_MARKER, CheckpointManager
 from fusedrl.testing import free_port
-from fusedrl.testing.launcher import kill_job, torchrun_workers
+from fusedrl.testing.launcher import job_env, kill_job, torchrun_command, torchrun_workers
 
 pytestmark = pytest.mark.timeout(1500)
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,34 +103,9 @@ class Job:
 
 
 def _command(out: Path, *extra: str, max_restarts: int = 0) -> list[str]:
-    # A job that may restart uses the c10d rendezvous without a shared store (see _launch): the static one keeps its
-    # store across restarts, so the restarted workers' gloo group reads the previous attempt's addresses and fails.
-    rendezvous = (
-        ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--max_restarts={max_restarts}"]
-        if max_restarts
-        else ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "--max_restarts=0"]
-    )
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        *rendezvous,
-        f"--log-dir={out / 'torchrun_logs'}",
-        "--tee=3",
-        "-m",
-        "fusedrl.train",
-        "--job.config_file",
-        str(ROOT / "train_configs" / "debug_ppo.toml"),
-        *OVERRIDES,
-        f"--job.output_dir={out}",
-        *extra,
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    config = ["--job.config_file", str(ROOT / "train_configs" / "debug_ppo.toml"), *OVERRIDES]
+    program = ["-m", "fusedrl.train", *config, f"--job.output_dir={out}", *extra]
+    return torchrun_command(*program, max_restarts=max_restarts, logs=out / "torchrun_logs")
 
 
 def _rank0_log(out: Path, runs_before: set[Path]) -> str:
@@ -151,7 +126,7 @@ def _launch(
     logs_before = set((out / "torchrun_logs").glob("*"))
     # torch shares the rendezvous store with the workers by default and their process group does not prefix its keys
     # per attempt; unshared, every rendezvous round (every restart) gets a fresh store (docs/multinode.md)
-    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else _env()
+    env = job_env(ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") if max_restarts else job_env(ROOT)
     proc = subprocess.Popen(
         _command(out, *extra, max_restarts=max_restarts),
         cwd=out,
@@ -326,14 +301,8 @@ def test_without_an_agent_the_surviving_rank_names_the_dead_one(tmp_path, fault)
     procs, logs = [], []
     try:
         for rank in (0, 1):
-            env = {
-                **_env(),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
+            where = {"LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = job_env(ROOT, RANK=str(rank), **where)
             log = open(tmp_path / f"rank{rank}.log", "w+")
             logs.append(log)
             cmd = [

@@ -43,7 +43,7 @@ from fusedrl.components.tokenizer import Tokenizer
 from fusedrl.config import CheckpointSection, ConfigError, JobConfig, Startup
 from fusedrl.config.loader import source_of
 from fusedrl.distributed import gather_full_state_dict
-from fusedrl.models import ModelFlavor, save_hf_checkpoint
+from fusedrl.models import LoRASpec, ModelFlavor, merge_adapters, save_hf_checkpoint, save_peft_adapter
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,9 @@ def export_hf(
     role: str = "policy",
     pp_group: dist.ProcessGroup | None = None,
     tokenizer: Tokenizer | None = None,
+    *,
+    lora: LoRASpec | None = None,
+    adapter_of: str | None = None,
 ) -> Path | None:
     """Write a model (pipeline stages and/or FSDP2 / TP shards over ranks) as an HF safetensors folder.
 
@@ -309,10 +312,17 @@ def export_hf(
     model was trained with, its bos / eos / pad ids go into ``config.json`` and ``generation_config.json``
     (eos: all the tokenizer's stop ids, so that transformers' ``generate()`` stops on them), and a
     tokenizer that can ``save`` itself (``ByteTokenizer``) writes its files into the folder.
+
+    A LoRA model (``lora``: its adapters' spec) is written with its adapters merged into float32 weights, or with
+    ``adapter_of`` (the base model's HF folder) as its adapters alone in PEFT's format.
     """
     state = gather_full_state_dict(stages, pp_group)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
+    if lora is not None and adapter_of is not None:
+        return save_peft_adapter(state, folder, flavor, lora, adapter_of)
+    if lora is not None:
+        state = merge_adapters(state, lora.scale)
     bos: int | None = None
     eos: int | list[int] | None = None
     pad: int | None = None

@@ -34,6 +34,7 @@ ORDER = (
     "recompute",  # rlhf: what needs the old log-probs recomputed
     "data",  # components: the dataset
     "models",  # models: checkpoint folders, flavors, vocabulary, sequence length
+    "lora",  # models: [lora] on built, trained models without float8
     "model_split",  # distributed: the models' layers over pipeline stages, heads over TP ranks
     "schedule_memory",  # rlhf: fusion.schedule_memory_gib against the fallback schedule's peak
     "packing",  # rlhf: ppo.microbatch_tokens holds the longest sequence (and a pipeline's rows)

@@ -568,6 +568,51 @@ class EvalSection:
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_model(v: str) -> str | None:
+    if v in ("actor", "critic"):
+        return None
+    if v in ("reward", "reference"):
+        return "is frozen (nothing of it trains): adapters go on the trained models only, actor and critic"
+    return "must be actor or critic"
+
+
+def _lora_target(v: str) -> str | None:
+    return None if v in LORA_TARGETS else f"is not a projection LoRA adapts; valid: {', '.join(LORA_TARGETS)}"
+
+
+@dataclass
+class LoRASection:
+    """[lora]: low-rank adapters on the trained models' projections; their base weights stay frozen."""
+
+    models: list[str] = _key(
+        [],
+        "The trained models that get adapters: actor and/or critic (a Critic's scalar head trains too); empty: no LoRA, "
+        "every parameter trains.",
+        each(_lora_model),
+    )
+    rank: int = _key(16, "Rank of each adapter.", at_least(1))
+    alpha: float = _key(32.0, "Adapter scale numerator: the update is (alpha / rank) B A.", positive)
+    dropout: float = _key(
+        0.0,
+        "Dropout on the adapters' input in training forwards (0: none; above 0 the training forward is random, so "
+        "recomputed log-probs and fused / unfused schedules differ by their masks).",
+        lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)",
+    )
+    targets: list[str] = _key(list(LORA_TARGETS), "Projections (HF / PEFT names) that get adapters.", each(_lora_target))
+    export: Literal["merged", "adapter"] = _key(
+        "merged",
+        "What checkpoint.export_hf writes for a LoRA Actor: merged, an HF model with the adapters folded into its "
+        "weights; adapter, the adapters alone in PEFT's format (adapter_config.json, adapter_model.safetensors).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.models)
+
+
 def microbatch_count(minibatch: int, dp: int, microbatch: int) -> int:
     """Micro-batches of ``microbatch`` samples that one data-parallel replica of ``dp`` runs per minibatch: the one rule
     the planner, the executors and the benchmarks count by (the config check makes the sizes divide)."""
@@ -591,6 +636,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    lora: LoRASection = field(default_factory=LoRASection)
     # "section.key" -> where its value came from (a file path or "command line"); absent: default.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -15,7 +16,7 @@ from torch.distributed.tensor.parallel import (
 from torchtune.modules import TiedLinear
 
 from fusedrl.distributed.fsdp import transformer_layers
-from fusedrl.models import QKNormProjection
+from fusedrl.models import LoRALinear, QKNormProjection
 
 VOCAB_MODULES = ("tok_embeddings", "output")
 
@@ -70,12 +71,33 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: tuple[str
         else:
             plan.update({"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel()})
         parallelize_module(layer, tp_mesh, plan)
+        _place_adapters(layer, tp_mesh)
         # torchtune's attention reshapes q/k/v with these; after the plan each rank sees its shard only.
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
         attn.embed_dim //= tp
     _shard_vocabulary(model, tp_mesh, vocab_parallel)
     return model
+
+
+def _place_adapters(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """LoRA adapters follow their projection's split: a column-wise weight (rows split) keeps ``A`` whole and splits
+    ``B``'s rows; a row-wise one (columns split) splits ``A``'s columns and keeps ``B`` whole, so ``x A^T`` is a
+    partial sum that the layer's output reduction adds up with the base product."""
+    for m in layer.modules():
+        if not isinstance(m, LoRALinear) or not isinstance(m.weight, DTensor):
+            continue
+        colwise = m.weight.placements[0] == Shard(0)
+        for name, placement in (
+            ("lora_a", Replicate() if colwise else Shard(1)),
+            ("lora_b", Shard(0) if colwise else Replicate()),
+        ):
+            p = getattr(m, name)
+            if p.is_meta:  # nothing to keep: a fresh tensor of the full shape
+                whole = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            else:  # the column-wise plan split every parameter by rows
+                whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            m.register_parameter(name, nn.Parameter(distribute_tensor(whole, tp_mesh, [placement]), p.requires_grad))
 
 
 def _shard_vocabulary(model: nn.Module, tp_mesh: DeviceMesh, names: tuple[str, ...]) -> None:

@@ -6,19 +6,71 @@ instance holds a copy of the model, tensor-parallel over its ``gen_tp`` ranks (D
 in its own dtype. :class:`WeightSync` plans the copy once (:func:`fusedrl.distributed.plan_reshard`: which rank
 sends which block of which tensor to which rank) and runs it each iteration, one decoder layer at a time, each
 block sent once in the rollout copy's dtype; no rank gathers a full model.
+
+A LoRA stage (``[lora]``) syncs merged weights: the rollout copy stays a plain model, and each adapted projection's
+weight is sent as ``W + scale B A``. Each sync first brings the stage's adapters whole to every rank that holds a
+shard of them (they are small: rank x (in + out) per projection); each rank then merges its own block of ``W``, one
+projection at a time, as the plan reads it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fusedrl.distributed import plan_reshard, reshard
 from fusedrl.generation.engine import GenerationEngine
+from fusedrl.models import adapter_modules, local_indices
+
+
+def _layer_of(name: str) -> str:
+    return name.split(".attn.")[0].split(".mlp.")[0]
+
+
+class MergedSources(Mapping[str, torch.Tensor]):
+    """The training stages' parameters by full-model name, where an adapted projection's weight reads as this rank's
+    block of ``W + scale B A`` (float32) between :meth:`gather` and :meth:`release`, and as ``W`` otherwise (planning
+    needs only its shape and sharding)."""
+
+    def __init__(self, stages: list[nn.Module]) -> None:
+        self.params = {n: p for stage in stages for n, p in stage.named_parameters()}
+        self.adapted = {f"{n}.weight": m for stage in stages for n, m in adapter_modules(stage).items()}
+        self.whole: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.layer: dict[str, torch.Tensor] = {}  # merged blocks of the layer the plan reads now (one unit per layer)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every adapter of the stages whole (collective over the meshes of their shards, in the stages' order)."""
+        full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).float()  # noqa: E731
+        self.whole = {n: (full(m.lora_a), full(m.lora_b), m.scale) for n, m in self.adapted.items()}
+
+    def release(self) -> None:
+        self.whole, self.layer = {}, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.whole:
+            return self.params[name]
+        if name not in self.layer:
+            if self.layer and _layer_of(next(iter(self.layer))) != _layer_of(name):
+                self.layer = {}
+            weight = self.params[name]
+            rows, cols = local_indices(weight)
+            a, b, scale = self.whole[name]
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            self.layer[name] = torch.addmm(local.detach().float(), b[rows], a[:, cols], alpha=scale)
+        return self.layer[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 @dataclass(frozen=True)
@@ -44,14 +96,18 @@ class WeightSync:
         self.engine = target if isinstance(target, GenerationEngine) else None
         module = target.source_model if isinstance(target, GenerationEngine) else target
         # full-model names to this rank's tensors of the training stages and of the rollout copy
-        self.sources = {n: p for stage in stages for n, p in stage.named_parameters()}
+        self.sources = MergedSources(stages)
         self.targets = dict(module.named_parameters())
         self.plan = plan_reshard(self.sources, self.targets, group)
 
     @torch.no_grad()
     def sync(self) -> WeightSyncStats:
         start = time.perf_counter()
-        received = reshard(self.plan, self.sources, self.targets)
+        self.sources.gather()
+        try:
+            received = reshard(self.plan, self.sources, self.targets)
+        finally:
+            self.sources.release()
         if self.engine is not None:
             self.engine.weights_updated()
         return WeightSyncStats(seconds=time.perf_counter() - start, bytes=received)

@@ -46,6 +46,7 @@ def training_walk(
     loss_transient: int,
     recompute: dict[str, int],
     first_unit_grads: dict[str, int],
+    gather_unit: dict[str, int],
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """Walk ``pp_rank``'s lowered program and find its largest training-step moment.
 
@@ -58,7 +59,8 @@ def training_walk(
     micro-batch still held, the model's gradients as they were) or at its end (released, gradients present), whichever
     is larger; the model's first backward that computes weight gradients (B, or W when split) is charged at its start
     with ``first_unit_grads`` more (autograd writes the gradients of the stage's last FSDP2 unit before it frees that
-    unit's saved activations). Returns (per model the most micro-batches held at once, the categories live at the
+    unit's saved activations); a model's first F with ``gather_unit`` more (FSDP2's all-gather output for its largest
+    unit, copied into the unsharded parameters and freed). Returns (per model the most micro-batches held at once, the categories live at the
     largest moment, the largest activations + logits alone)."""
     count = dict.fromkeys(per_mb, 0)
     most = dict(count)
@@ -68,8 +70,9 @@ def training_walk(
     best: dict[str, int] = {}
     held = 0
 
-    def moment(transient: int, rebuilt: int, first: int = 0) -> dict[str, int]:
+    def moment(transient: int, rebuilt: int, first: int = 0, gathering: int = 0) -> dict[str, int]:
         return {
+            "all_gather": gathering,
             "unsharded_params": sum(params[x] for x in gathered),
             "unsharded_grads": sum(grads[x] for x in graded) + first,
             "activations": sum(count[x] * per_mb[x] for x in count),
@@ -86,12 +89,13 @@ def training_walk(
         rebuilt = recompute[m] if a.kind in ("B", "I") else 0
         if transient and rebuilt:  # the loss's backward ends before the layers' recomputation starts
             transient, rebuilt = (transient, 0) if transient >= rebuilt else (0, rebuilt)
+        gathering = gather_unit[m] if a.kind == "F" and m not in gathered else 0
         if a.kind == "F":
             gathered.add(m)
             count[m] += 1
             most[m] = max(most[m], count[m])
         writes_grads = a.kind == ("W" if split[m] else "B")
-        candidates = [moment(transient, rebuilt, first_unit_grads[m] if writes_grads and m not in graded else 0)]
+        candidates = [moment(transient, rebuilt, first_unit_grads[m] if writes_grads and m not in graded else 0, gathering)]
         held = max(held, candidates[0]["activations"] + candidates[0]["actor_logits"])
         if a.kind in ("B", "W"):
             graded.add(m)
@@ -174,7 +178,7 @@ def estimate_rank(
     for m, st in build.stages.items():
         persistent[f"train_params_{m}"] = sum(x.local_bytes for x in st.tensors)
     for m, st in build.stages.items():
-        persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors)
+        persistent[f"optimizer_{m}"] = 2 * sum(4 * x.local_numel for x in st.tensors if x.trainable)
     for name in ROLLOUT_MODELS:  # 0: a copy the job does not build (Critic, Reference or Reward model)
         persistent[f"rollout_{name}"] = sum(x.local_bytes for x in build.rollout.get(name, ()))
     longest = cfg.sequence_budget
@@ -213,7 +217,7 @@ def estimate_rank(
     scored = min(seq - 1, cfg.generation.max_new_tokens)
     chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), scored) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
-    stage_grads = {m: accum * sum(grad_numel(x) for x in st.tensors) for m, st in build.stages.items()}
+    stage_grads = {m: accum * sum(grad_numel(x) for x in st.tensors if x.trainable) for m, st in build.stages.items()}
     loss_transient = (
         CHUNKED_HEAD_MULTIPLE * chunk
         if chunked
@@ -221,21 +225,33 @@ def estimate_rank(
         if actor_stage.last
         else 0
     )
-    groups: dict[str, int] = {}  # FSDP2 units: one per transformer layer, the root holds the rest
+    groups: dict[str, int] = {}  # FSDP2 units' gradients: one unit per transformer layer, the root holds the rest
+    unit_params: dict[str, int] = {}  # and their all-gathered parameters
     for st in build.stages.values():
         for x in st.tensors:
             key = f"{st.model}.{'.'.join(x.name.split('.')[:2]) if x.name.startswith('layers.') else 'root'}"
-            groups[key] = groups.get(key, 0) + accum * x.unsharded_numel()
+            unit_params[key] = unit_params.get(key, 0) + c * x.unsharded_numel()
+            if x.trainable:  # a LoRA base weight has no gradient
+                groups[key] = groups.get(key, 0) + accum * x.unsharded_numel()
     # the unit whose gradients a first backward writes before freeing anything: the stage's last layer (its root
     # alone when it has no layer)
+    layer_units = {m: [k for k in groups if k.startswith(f"{m}.layers.")] for m in build.stages}
     first_unit_grads = {
-        m: groups[max((k for k in groups if k.startswith(f"{m}.layers.")), key=lambda k: int(k.split(".")[2]))]
-        if st.layers
-        else stage_grads[m]
-        for m, st in build.stages.items()
+        m: groups[max(layer_units[m], key=lambda k: int(k.split(".")[2]))] if layer_units[m] else stage_grads[m]
+        for m in build.stages
     }
+    gather_unit = {m: max(v for k, v in unit_params.items() if k.startswith(f"{m}.")) for m in build.stages}
     most, compute, held = training_walk(
-        program, build.coords["pp"], per_mb, logits_mb, stage_params, stage_grads, loss_transient, recompute, first_unit_grads
+        program,
+        build.coords["pp"],
+        per_mb,
+        logits_mb,
+        stage_params,
+        stage_grads,
+        loss_transient,
+        recompute,
+        first_unit_grads,
+        gather_unit,
     )
     transients = {
         "weight_sync_buffers": sync["total"],
@@ -247,7 +263,7 @@ def estimate_rank(
         "recompute": compute["recompute"],
         "reduce_scatter": max(groups.values()),
         "experience": 2 * cfg.ppo.batch_size * seq * EXPERIENCE_BYTES_PER_TOKEN,
-        "optimizer_step": sum(4 * x.local_numel for st in build.stages.values() for x in st.tensors),
+        "optimizer_step": sum(4 * x.local_numel for st in build.stages.values() for x in st.tensors if x.trainable),
     }
     g = par.gen_tp
     # migrated requests re-prefill their prompt and generated tokens in "reprefill" mode
@@ -257,7 +273,7 @@ def estimate_rank(
     transients["decode_step"] = decode_step_bytes(actor, gen.max_slots, r, g)
     body, head, shape = worst_scoring_bytes(cfg, max(r, frozen), g)
     transients["scoring_activations"], transients["scoring_logits"] = body, head
-    gradients = {f"gradients_{m}": persistent[f"train_params_{m}"] for m in build.stages}
+    gradients = {f"gradients_{m}": sum(x.local_bytes for x in st.tensors if x.trainable) for m, st in build.stages.items()}
 
     def pick(*names: str) -> dict[str, int]:
         return {n: transients[n] for n in names}

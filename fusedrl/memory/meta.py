@@ -33,6 +33,7 @@ class TensorInfo:
     mesh_dims: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     box: Box | None = None  # this rank's box (fusedrl.distributed.reshard.local_box)
+    trainable: bool = True  # has gradients and optimizer state (a LoRA base weight does not)
 
     @property
     def local_bytes(self) -> int:
@@ -74,10 +75,11 @@ def describe(module: nn.Module) -> list[TensorInfo]:
                     tuple(mesh.mesh_dim_names),
                     tuple(mesh.shape),
                     local_box(p),
+                    p.requires_grad,
                 )
             )
         else:
-            out.append(TensorInfo(name, tuple(p.shape), p.numel(), p.element_size(), box=local_box(p)))
+            out.append(TensorInfo(name, tuple(p.shape), p.numel(), p.element_size(), box=local_box(p), trainable=p.requires_grad))
     return out
 
 

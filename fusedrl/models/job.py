@@ -10,7 +10,8 @@ from fusedrl.config.checks import built_later
 from fusedrl.config.loader import format_value, source_of
 from fusedrl.models.hf import check_hf_checkpoint
 from fusedrl.models.hf_config import CheckpointError, read_flavor
-from fusedrl.models.registry import ModelFlavor, Role, resolve_flavor
+from fusedrl.models.lora import LoRASpec, add_lora, trainable_counts
+from fusedrl.models.registry import ModelFlavor, Role, build_model, resolve_flavor
 
 RANDOM_INIT_MAX_PARAMS = 2e9  # random initialisation builds the whole model in host memory: small flavors only
 MODEL_ROLES: dict[str, Role] = {"actor": "policy", "critic": "value", "reward": "value"}
@@ -28,6 +29,61 @@ def model_flavor(cfg: JobConfig, key: str) -> ModelFlavor:
     if path:
         return read_flavor(path, MODEL_ROLES[key])
     return resolve_flavor(DEFAULT_FLAVOR) if key == "actor" else model_flavor(cfg, "actor")
+
+
+def lora_spec(cfg: JobConfig, key: str) -> LoRASpec | None:
+    """The adapters ``[lora]`` puts on trained model ``key`` (actor or critic); None: it trains every parameter."""
+    lora = cfg.lora
+    if key not in lora.models:
+        return None
+    return LoRASpec(lora.rank, lora.alpha, lora.dropout, tuple(dict.fromkeys(lora.targets)))
+
+
+def trained_parameters(cfg: JobConfig) -> str:
+    """What each trained model trains, for the startup line: e.g. ``actor 1.8M of 136M (1.35%, LoRA rank 16 on
+    q_proj, v_proj); critic all 136M`` (counted on the meta device)."""
+    parts = []
+    for key in ("actor",) if cfg.ppo.critic_free else ("actor", "critic"):
+        model = build_model(model_flavor(cfg, key), MODEL_ROLES[key], device="meta")
+        spec = lora_spec(cfg, key)
+        if spec is None:
+            parts.append(f"{key} all {_millions(sum(p.numel() for p in model.parameters()))}")
+            continue
+        trained, total = trainable_counts([add_lora(model, spec)])
+        on = ", ".join(spec.targets)
+        parts.append(
+            f"{key} {_millions(trained)} of {_millions(total)} ({100 * trained / total:.2f}%, LoRA rank {spec.rank} on {on})"
+        )
+    return "; ".join(parts)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.3g}M"
+
+
+def check_lora(startup: Startup) -> None:
+    """``[lora]`` fits the job: its models are built and trained, it has targets, and no float8 training (which
+    would swap the adapted projections for its own)."""
+    cfg = startup.cfg
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    where = f"lora.models = {format_value(lora.models)} ({source_of(cfg, 'lora.models')})"
+    if "critic" in lora.models and cfg.ppo.critic_free:
+        raise ConfigError(
+            f"{where}: ppo.advantage_estimator = {cfg.ppo.advantage_estimator} builds no Critic; remove critic from lora.models"
+        )
+    if not lora.targets:
+        raise ConfigError(
+            f'lora.targets ({source_of(cfg, "lora.targets")}) is empty; name projections, e.g. ["q_proj", "v_proj"]'
+        )
+    if lora.export == "adapter" and "actor" not in lora.models:
+        raise ConfigError(
+            f"lora.export = adapter ({source_of(cfg, 'lora.export')}) writes the Actor's adapters, but {where} gives it "
+            "none; add actor to lora.models or set --lora.export=merged"
+        )
+    if cfg.training.float8:
+        raise ConfigError(f"{where} with training.float8: float8 training replaces the adapted projections; turn one off")
 
 
 def neural_models(cfg: JobConfig) -> tuple[str, ...]:

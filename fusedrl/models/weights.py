@@ -27,6 +27,7 @@ LM_HEAD_KEY = "lm_head.weight"
 VALUE_HEAD_KEY = "score.weight"
 TUNE_EMBED_KEY = "tok_embeddings.weight"
 TUNE_HEAD_KEY = "output.weight"
+ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"  # a LoRA projection's adapters (fusedrl.models.lora), in no checkpoint
 
 # torchtune name -> HF name, outside and inside a transformer layer. Qwen3's q/k projections are
 # QKNormProjection modules (a linear, then the per-head norm): their own names are in _QK_NORM_NAMES.
@@ -212,12 +213,18 @@ def fill_slices(targets: Mapping[str, torch.Tensor], read: Reader) -> None:
             local.copy_(data)
 
 
+def is_adapter(name: str) -> bool:
+    """Whether state-dict entry ``name`` is a LoRA adapter (trained from its own initialisation, not loaded)."""
+    return name.rpartition(".")[2] in (ADAPTER_A, ADAPTER_B)
+
+
 def module_targets(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of ``module`` by state-dict name (DTensors kept, not gathered).
+    """Parameters and persistent buffers of ``module`` by state-dict name (DTensors kept, not gathered); LoRA
+    adapters are not among them.
 
     Raises when any is still on the meta device (call ``module.to_empty(device=...)`` first).
     """
-    targets = dict(module.state_dict(keep_vars=True))
+    targets = {n: t for n, t in module.state_dict(keep_vars=True).items() if not is_adapter(n)}
     meta = [n for n, t in targets.items() if (t.to_local() if isinstance(t, DTensor) else t).is_meta]
     if meta:
         shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")

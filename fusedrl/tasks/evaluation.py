@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fusedrl.components import Progress, PromptDataset, Tokenizer, load_prompts_from_config
-from fusedrl.config import JobConfig
+from fusedrl.config import InputError, JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.layouts import RolloutLayout
 from fusedrl.tasks import HeldOut, Task
@@ -50,6 +50,7 @@ class Evaluator:
             texts = held_out.prompts(e.count, e.seed)
         self.dataset: PromptDataset = load_prompts_from_config(section, tokenizer, vocab_size=vocab_size, texts=texts)
         self.count = min(e.count, len(self.dataset))  # a file may hold fewer; prompts over data.max_prompt_len drop
+        self._check_gradable(held_out)
         if self.count < e.count and dist.get_rank() == 0:
             log.warning("eval.count = %d, but %d held-out prompts are usable: each evaluation grades those", e.count, self.count)
         self.prompts = list(range(self.count))[rollout.instance :: rollout.instances]  # this instance's share
@@ -61,6 +62,19 @@ class Evaluator:
         self.sampling = SamplingParams(
             temperature=e.temperature, max_new_tokens=cfg.generation.max_new_tokens, stop_token_ids=stops
         )
+
+    def _check_gradable(self, held_out: HeldOut) -> None:
+        """Every prompt is one the checker reads (grading an empty answer raises on another task's prompt), so a
+        wrong ``eval.path`` stops the job at startup, not at its first evaluation."""
+        for i in range(self.count):
+            try:
+                held_out.grade(self.dataset.prompts[i], "", True)
+            except (ValueError, KeyError, IndexError) as err:
+                source = f"eval.path = {self.cfg.eval.path!r}" if self.cfg.eval.path else "the task's held-out prompts"
+                raise InputError(
+                    f"{source}: prompt {i} is not one the task's checker can grade ({err}); give prompts of the "
+                    "task set by --job.task (e.g. a file its prompt writer made)"
+                ) from err
 
     @classmethod
     def from_config(

@@ -5,8 +5,32 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from fusedrl.testing.multirank import free_port
+
+
+def torchrun_command(*program: str, nproc: int = 2, max_restarts: int = 0, logs: Path | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` on this node for ``program`` (a script or ``-m module``, then its
+    arguments). A job that may restart uses the c10d rendezvous without a shared store (run it with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): the static one keeps its store across restarts, so the restarted
+    workers' gloo group would read the previous attempt's addresses. ``logs``: torchrun's --tee files go there."""
+    rendezvous = (
+        ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
+        if max_restarts
+        else ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    )
+    tee = [f"--log-dir={logs}", "--tee=3"] if logs is not None else []
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}"]
+    return [*launcher, *rendezvous, f"--max_restarts={max_restarts}", *tee, *program]
+
+
+def job_env(root: Path, **extra: str) -> dict[str, str]:
+    """This environment with one thread per worker and ``root`` (the checkout) first on PYTHONPATH."""
+    path = str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
 def _workers(launcher_pid: int) -> Iterator[tuple[int, dict[str, str]]]:

@@ -57,6 +57,7 @@ from fusedrl.distributed.compat import compile_seconds
 from fusedrl.generation import GenerationEngine, WeightSync
 from fusedrl.hardware import cached_peak, reuse_host_memory
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
+from fusedrl.models import lora_spec, trained_parameters
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
     Experience,
@@ -321,6 +322,7 @@ class Trainer:
             "training.peak_tflops" if t.peak_tflops > 0 else "measured, python -m fusedrl.bench.peak",
             "kept for reuse (training.reuse_host_memory)" if self.host_memory_reused else "returned to the system",
         )
+        log.info("trained parameters: %s", trained_parameters(cfg))
         history = []
         if self.evaluator is not None and cfg.eval.at_start and self.step == 0:  # a fresh run's starting Actor
             start = time.perf_counter()
@@ -532,19 +534,24 @@ class Trainer:
         log.info("trace of step %d written to %s", step, path)
 
     def export(self) -> Path | None:
-        """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf`` (collective; rank 0 writes)."""
-        folder = self.out / "actor_hf"
+        """Write the Actor as an HF-format safetensors folder ``<output_dir>/actor_hf``, or with ``lora.export =
+        "adapter"`` its LoRA adapters as a PEFT folder ``<output_dir>/actor_lora`` (collective; rank 0 writes)."""
+        cfg = self.cfg
+        lora = lora_spec(cfg, "actor")
+        adapter = lora is not None and cfg.lora.export == "adapter"
         path = export_hf(
             self.layout.actor_stage,
-            folder,
-            model_flavor(self.cfg, "actor"),
+            self.out / ("actor_lora" if adapter else "actor_hf"),
+            model_flavor(cfg, "actor"),
             "policy",
             self.layout.pp_group,
             tokenizer=self.tokenizer,
+            lora=lora,
+            adapter_of=str(cfg.model.actor_path or "") if adapter else None,
         )
         if path is None:
             return None
-        log.info("Actor exported to %s", path)
+        log.info("Actor %s to %s", "adapters exported" if adapter else "exported", path)
         return path
 
 

@@ -1,0 +1,262 @@
+"""[lora]: adapters on the Actor and the Critic, base weights frozen; every layout and schedule trains the same adapters,
+the engine samples from the merged weights, resume is exact, and an exported adapter loads with peft."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedrl.models import (
+    LoRASpec,
+    ModelFlavor,
+    adapter_modules,
+    add_lora,
+    build_model,
+    init_adapters,
+    merge_adapters,
+    save_hf_checkpoint,
+    save_peft_adapter,
+    trainable_counts,
+)
+from fusedrl.testing import run_multirank
+from fusedrl.testing.configs import TINY_DEBUG_RUN
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero adapters (a fresh B is zero: the adapted model would equal its base)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in adapter_modules(model).values():
+            m.lora_a.copy_(torch.randn(m.lora_a.shape, generator=gen) * 0.2)
+            m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen) * 0.2)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug_qwen"])  # Llama (q/k rows permuted for HF), Qwen2 (q/k/v biases)
+def test_adapters_start_as_the_base_train_alone_and_merge_exactly(flavor):
+    torch.manual_seed(0)
+    model = build_model(flavor, "policy")
+    plain = build_model(flavor, "policy")
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 256, (2, 9))
+    spec = LoRASpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL)
+    add_lora(model, spec)
+    init_adapters(model, seed=3)
+    assert torch.equal(model(tokens), plain(tokens))  # B starts at zero
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.endswith((".lora_a", ".lora_b")) for n in trained)
+    assert len(adapter_modules(model)) == 7 * len(model.layers)
+    _randomize(model, 1)
+    adapted = model(tokens)
+    assert not torch.allclose(adapted, plain(tokens), atol=1e-3)  # the adapters change the output
+    plain.load_state_dict(merge_adapters(model.state_dict(), spec.scale))
+    torch.testing.assert_close(plain(tokens), adapted, atol=1e-4, rtol=1e-4)
+
+
+def test_value_model_adapters_train_the_scalar_head_too_and_counts_are_small():
+    value = add_lora(build_model("debug", "value", device="meta"), LoRASpec(4, 8.0, 0.0, ("q_proj", "v_proj")))
+    trained = {n for n, p in value.named_parameters() if p.requires_grad}
+    assert "output.weight" in trained and "layers.0.attn.k_proj.weight" not in trained
+    # SmolLM2-135M's shape (its config.json): rank 8 on all seven projections trains under 2% of it
+    f = ModelFlavor("llama", 49152, 30, 9, 3, 576, 1536, 8192, tie_word_embeddings=True, name="SmolLM2-135M")
+    smollm = add_lora(build_model(f, "policy", device="meta"), LoRASpec(8, 16.0, 0.0, ALL))
+    trained_n, total = trainable_counts([smollm])
+    d, kv, mlp = f.embed_dim, f.num_kv_heads * f.embed_dim // f.num_heads, f.intermediate_dim
+    per_layer = 2 * (d + d) + 2 * (d + kv) + 3 * (d + mlp)  # q, o; k, v; gate, up, down: (in + out) x rank
+    assert trained_n == f.num_layers * 8 * per_layer and trained_n / total < 0.02, (trained_n, total)
+
+
+def test_a_second_add_lora_is_refused():
+    model = add_lora(build_model("debug", "policy", device="meta"), LoRASpec(4, 8.0, 0.0, ("q_proj",)))
+    with pytest.raises(ValueError, match="found adapters already"):
+        add_lora(model, LoRASpec(4, 8.0, 0.0, ("q_proj",)))
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug_qwen"])
+def test_peft_loads_the_exported_adapter_and_gives_the_merged_models_logits(tmp_path, flavor):
+    peft = pytest.importorskip("peft", reason="peft is a dev dependency (pip install -e '.[dev]')")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = build_model(flavor, "policy")
+    save_hf_checkpoint(model, tmp_path / "base", flavor)
+    spec = LoRASpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL)
+    add_lora(model, spec)
+    _randomize(model, 2)
+    save_peft_adapter(model.state_dict(), tmp_path / "adapter", flavor, spec, str(tmp_path / "base"))
+    save_hf_checkpoint(merge_adapters(model.state_dict(), spec.scale), tmp_path / "merged", flavor)
+    tokens = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        ours = model(tokens)
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", torch_dtype=torch.float32)
+        assert not torch.allclose(base(tokens).logits, ours, atol=1e-3)
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)
+        merged_logits = merged(tokens).logits
+    torch.testing.assert_close(theirs, ours, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(merged_logits, ours, atol=5e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- trainer, 2 ranks
+
+TINY = [
+    "--job.config_file=train_configs/debug_ppo.toml",
+    *TINY_DEBUG_RUN,
+    "--fusion.schedule_search_budget_s=0.2",
+    "--training.steps=2",
+    "--checkpoint.keep=0",
+    "--checkpoint.interval=1",
+    "--checkpoint.export_hf=false",
+    "--metrics.trace=[]",
+    "--eval.interval=0",
+    "--lr_scheduler.warmup_steps=0",
+    "--optimizer.actor_lr=3e-3",
+    "--optimizer.critic_lr=3e-3",
+    '--lora.models=["actor", "critic"]',
+    "--lora.rank=4",
+    "--lora.alpha=8",
+]
+COMPARED = ("policy_loss", "value_loss", "kl", "reward_mean", "entropy", "grad_norm_actor", "grad_norm_critic", "return_mean")
+LAYOUTS = {
+    "pp": ("--parallelism.pp=2", "--parallelism.dp_shard=1"),
+    "unfused": ("--parallelism.pp=2", "--parallelism.dp_shard=1", "--fusion.inter_stage=false", "--fusion.intra_stage=false"),
+    "fsdp": ("--parallelism.pp=1", "--parallelism.dp_shard=2"),
+    "tp": ("--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.tp=2", "--parallelism.gen_tp=2"),
+}
+
+
+def _lora_runs(out: str) -> dict:
+    """Every layout's history, and from the pipeline run: the engine's and rollout Critic's weights against the merged
+    training weights, the base weights before and after, and a resume from its step-1 checkpoint."""
+    import torch.distributed as dist
+
+    from fusedrl.config import load_config
+    from fusedrl.distributed import gather_full_state_dict
+    from fusedrl.train import run
+    from fusedrl.trainer import Trainer
+    from fusedrl.trainer.trainer import use_device
+
+    def cfg(name: str, *extra: str):
+        return load_config([*TINY, f"--job.output_dir={out}/{name}", *extra])
+
+    results: dict = {"placements": _tp_placements()}
+    c = cfg("pp", *LAYOUTS["pp"])
+    use_device(c)
+    trainer = Trainer(c)
+    stages = [trainer.layout.actor_stage, trainer.layout.critic_stage]
+    before = [gather_full_state_dict(s, trainer.layout.pp_group) for s in stages]
+    results["pp"] = trainer.train()
+    for sync in trainer.syncs:  # the last update's weights (an iteration syncs before it samples)
+        sync.sync()
+    after = [gather_full_state_dict(s, trainer.layout.pp_group) for s in stages]
+    rollout = [trainer.engine.source_model, trainer.rollout.critic]
+    results["copies"] = [{n: p.detach().float().clone() for n, p in m.named_parameters()} for m in rollout]
+    results["before"], results["after"] = before, after
+    for name in ("unfused", "fsdp", "tp"):
+        results[name] = run(cfg(name, *LAYOUTS[name]))
+    if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint exists in its folder
+        step1 = next(p for p in Path(out, "pp", "checkpoints").iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
+        shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
+    dist.barrier()
+    results["resumed"] = run(cfg("resumed", *LAYOUTS["pp"], "--checkpoint.resume=true"))
+    return results
+
+
+def _tp_placements() -> dict[str, tuple[str, str, str]]:
+    """(weight, A, B) placements of layer 0's adapted projections after apply_tp over both ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedrl.distributed import apply_tp
+
+    model = add_lora(build_model("debug", "policy", device="meta"), LoRASpec(4, 8.0, 0.0, ALL))
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    return {
+        name: tuple(str(t.placements[0]) for t in (m.weight, m.lora_a, m.lora_b))
+        for name, m in adapter_modules(model.layers[0]).items()
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> dict:
+    return run_multirank(_lora_runs, 2, str(tmp_path_factory.mktemp("lora")), timeout_s=600.0)[0]
+
+
+def _assert_close(a: dict, b: dict, rel: float, what: str) -> None:
+    for k in COMPARED:
+        if not (math.isnan(a[k]) and math.isnan(b[k])):
+            assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-6), f"{what}: {k} differs: {a[k]} vs {b[k]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["unfused", "fsdp", "tp"])
+def test_every_layout_and_schedule_trains_the_same_adapters(lora_runs, layout):
+    for step, (a, b) in enumerate(zip(lora_runs["pp"], lora_runs[layout]), start=1):
+        _assert_close(a, b, 1e-4, f"step {step} pp (fused schedule) vs {layout}")
+    assert len(lora_runs[layout]) == 2 and lora_runs["pp"][0]["grad_norm_actor"] > 0
+
+
+@pytest.mark.slow
+def test_the_rollout_copies_hold_the_merged_adapters_and_the_base_stays_frozen(lora_runs):
+    scale = 8.0 / 4  # lora.alpha over lora.rank
+    for model, before, after, copy in zip(("actor", "critic"), lora_runs["before"], lora_runs["after"], lora_runs["copies"]):
+        adapters = [n for n in after if n.endswith(".lora_b")]
+        assert adapters and all(after[n].abs().max() > 0 for n in adapters), model  # B left zero: nothing trained
+        head = {"output.weight"} if model == "critic" else set()  # a value model's fresh scalar head trains too
+        frozen = [n for n in before if not n.endswith((".lora_a", ".lora_b")) and n not in head]
+        assert frozen and all(torch.equal(before[n], after[n]) for n in frozen), model
+        merged = merge_adapters(after, scale)
+        adapted = [n for n in copy if f"{n.removesuffix('.weight')}.lora_a" in after]
+        assert adapted and not any(torch.allclose(copy[n], before[n].float(), atol=1e-6) for n in adapted), (
+            f"the rollout {model} still holds base weights: the adapters did not reach it"
+        )
+        for n, t in copy.items():
+            torch.testing.assert_close(
+                t, merged[n], atol=1e-6, rtol=1e-5, msg=f"{model} {n}: rollout copy != merged training weights"
+            )
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adapters_follow_their_projections_split(lora_runs):
+    # column-wise (rows split): A whole, B's rows split; row-wise (columns split): A's columns split, B whole. Any
+    # other placement computes the same (DTensor redistributes) but moves activations between the TP ranks.
+    column, row = ("S(0)", "R", "S(0)"), ("S(1)", "S(1)", "R")
+    expected = {n: column for n in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")}
+    assert lora_runs["placements"] == {**expected, "attn.output_proj": row, "mlp.w2": row}
+
+
+@pytest.mark.slow
+def test_resume_continues_the_adapters_exactly(lora_runs):
+    assert len(lora_runs["resumed"]) == 1, "the resumed run must start after the checkpointed step 1"
+    _assert_close(lora_runs["resumed"][0], lora_runs["pp"][1], 1e-6, "resumed step 2")
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (['--lora.models=["reward"]'], "'reward' is frozen (nothing of it trains)"),
+        (["--lora.rank=0"], "lora.rank = 0 (command line): must be >= 1"),
+        (['--lora.targets=["qkv"]'], "'qkv' is not a projection LoRA adapts; valid: q_proj"),
+        (
+            ["debug_grpo", '--lora.models=["critic"]'],
+            "builds no Critic; remove critic from lora.models",
+        ),
+        (['--lora.models=["critic"]', "--lora.export=adapter"], "add actor to lora.models or set --lora.export=merged"),
+        (['--lora.models=["actor"]', "--lora.targets=[]"], "lora.targets (command line) is empty"),
+        (['--lora.models=["actor"]', "--training.float8=true"], "float8 training replaces the adapted projections"),
+    ],
+    ids=["reward", "rank", "target", "critic-free", "export-without-actor", "no-targets", "float8"],
+)
+def test_bad_lora_configs_are_one_line_errors(overrides, message, monkeypatch):
+    from fusedrl.config import ConfigError
+    from fusedrl.train import prepare
+
+    monkeypatch.chdir(ROOT)
+    config, *rest = overrides if not overrides[0].startswith("--") else ["debug_ppo", *overrides]
+    with pytest.raises(ConfigError) as err:
+        prepare(["--job.config_file", f"train_configs/{config}.toml", *rest], world_size=4)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
