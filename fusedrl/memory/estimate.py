@@ -30,6 +30,7 @@ from fusedrl.memory.formulas import (
     worst_scoring_bytes,
 )
 from fusedrl.memory.meta import RankBuild, all_rank_boxes, build_rank, distinct_ranks, grad_numel, rank_coords, sync_transients
+from fusedrl.models import trained_parameters
 from fusedrl.models.figures import layer_activation_bytes, stage_activation_bytes
 from fusedrl.pipelining import ACTOR, STAGE_CACHE_SIZE, LoweredProgram
 from fusedrl.rlhf import plan_program
@@ -392,6 +393,8 @@ def estimate(
     ]
     if absent:
         notes.append(f"not built, held or counted: {'; '.join(absent)}")
+    if cfg.lora.enabled:  # gradients and optimizer state of the trained parameters only
+        notes.append(f"trained parameters: {trained_parameters(cfg)}")
     notes.append(
         f"pipeline buffers counted for sequence buckets {list(pipeline_seqs)} (the executor keeps a stage pair per "
         f"trained bucket, at most {STAGE_CACHE_SIZE}, the least recently used evicted)"
