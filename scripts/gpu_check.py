@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if summary["preflight"]["exit"]:
         summary["ok"] = False
         print(json.dumps(summary), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
         return 1
     try:
         for name, step in steps.items():
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"limit_s": limit, "seconds": round(time.perf_counter() - start, 1), **result}
             (out / f"{name}.json").write_text(json.dumps(entry, indent=1))
             summary[name] = {k: v for k, v in entry.items() if k != "output_tail"}
-    finally:  # also when interrupted: what finished is reported
+    finally:  # also when interrupted: what finished is reported, and the scratch folder goes
+        shutil.rmtree(work, ignore_errors=True)
         ran = [name for name in steps if name in summary]
         summary["ok"] = bool(ran) and all(summary[name]["exit"] == 0 for name in ran)
         print(json.dumps(summary), flush=True)

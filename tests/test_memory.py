@@ -225,7 +225,7 @@ DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=d
         DEBUG_MODELS,
         [*DEBUG_MODELS, "--parallelism.pp_critic=1"],
         ["--critic-free"],
-        ['--lora.models=["actor", "critic"]', "--lora.rank=8"],
+        [*DEBUG_MODELS, '--lora.models=["actor", "critic"]', "--lora.rank=8"],
     ],
     ids=["critic-pp2", "critic-replicas", "critic-free", "lora"],
 )
