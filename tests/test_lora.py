@@ -72,6 +72,16 @@ def test_value_model_adapters_train_the_scalar_head_too_and_counts_are_small():
     assert trained_n == f.num_layers * 8 * per_layer and trained_n / total < 0.02, (trained_n, total)
 
 
+def test_a_bf16_base_runs_with_float32_adapters_outside_fsdp():
+    model = add_lora(build_model("debug", "policy"), LoRASpec(4, 8.0, 0.0, ALL), base_dtype=torch.bfloat16)
+    init_adapters(model, seed=0)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if not n.endswith((".lora_a", ".lora_b"))} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if n.endswith((".lora_a", ".lora_b"))} == {torch.float32}
+    logits = model(torch.randint(0, 256, (1, 5)))
+    assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()  # float32 adapters met bf16 activations
+
+
 def test_a_second_add_lora_is_refused():
     model = add_lora(build_model("debug", "policy", device="meta"), LoRASpec(4, 8.0, 0.0, ("q_proj",)))
     with pytest.raises(ValueError, match="found adapters already"):

@@ -74,7 +74,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-        update = F.linear(F.linear(dropped, self.lora_a) * self.scale, self.lora_b)  # scaled at rank width: cheap
+        a, b = self.lora_a.to(x.dtype), self.lora_b.to(x.dtype)  # no-ops under FSDP2's mixed precision, which casts
+        update = F.linear(F.linear(dropped, a) * self.scale, b)  # scaled at rank width: cheap
         return F.linear(x, self.weight, self.bias).add_(update)  # in place: no third output-sized tensor
 
     def extra_repr(self) -> str:
