@@ -1,7 +1,8 @@
 """The job's two layouts of the four PPO models, built on the meta device and materialized shard by shard.
 
 A critic-free advantage estimator (``ppo.advantage_estimator`` other than gae) builds no Critic in either layout, and
-a job without a KL term (``ppo.kl_coef = ppo.kl_loss_coef = 0``) no Reference.
+a job without a KL term (``ppo.kl_coef = ppo.kl_loss_coef = 0``) no Reference, nor a LoRA Actor whose Reference is its own
+frozen base (``lora.reference = "base"``: its training stages with the adapters off).
 
 - **Training**: the Actor and the Critic as pipeline stages (Actor stage i on pipeline rank i, Critic stage j on
   rank pp-1-j; a Critic with fewer stages as replicas on blocks of ranks) x tensor parallelism over ``tp`` x FSDP2
@@ -65,6 +66,7 @@ from fusedrl.models import (
     load_state_slices,
     lora_spec,
     model_flavor,
+    reference_from_base,
 )
 from fusedrl.models.registry import Role
 from fusedrl.pipelining import CRITIC, Placement
@@ -203,6 +205,7 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     gloo = "cpu" in group_devices(group)
     control = group if gloo else _gloo_copy(mesh, "gen_dp")
     instance = None if dims.gen_tp == 1 else (mesh["gen_tp"].get_group() if gloo else _gloo_copy(mesh, "gen_tp"))
+    reference_in_rollout = cfg.ppo.uses_reference and not reference_from_base(cfg)  # else the LoRA Actor's base
     return RolloutLayout(
         mesh,
         mesh["gen_dp"].get_local_rank(),
@@ -210,7 +213,7 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
         dims.gen_tp,
         actor=model(model_flavor(cfg, "actor"), "policy", t.rollout_dtype),
         critic=None if cfg.ppo.critic_free else model(model_flavor(cfg, "critic"), "value", t.rollout_dtype),
-        reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype) if cfg.ppo.uses_reference else None,
+        reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype) if reference_in_rollout else None,
         reward=model(model_flavor(cfg, "reward"), "value", t.frozen_dtype) if m.uses_reward_model else None,
         group=group,
         control_group=control,

@@ -22,7 +22,17 @@ from fusedrl.components.metrics import read_jsonl
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-STACKED_PHASES = ("weight_sync", "generation", "scoring_exposed", "advantages", "recompute", "training", "eval", "outside")
+STACKED_PHASES = (
+    "weight_sync",
+    "generation",
+    "scoring_exposed",
+    "reference",
+    "advantages",
+    "recompute",
+    "training",
+    "eval",
+    "outside",
+)
 """The parts of ``time_step`` (of scoring only what generation did not hide), then the task's evaluation and the time
 between iterations (metrics and checkpoints): what an iteration costs."""
 PANELS: dict[str, tuple[str, ...]] = {

@@ -28,3 +28,37 @@ def test_a_config_without_lora_models_is_refused_before_running(capsys, monkeypa
     with pytest.raises(SystemExit):
         main(["--config", "train_configs/debug_grpo.toml", "--steps", "3"])
     assert "has no [lora] models: nothing to compare" in capsys.readouterr().err
+
+
+def test_a_base_reference_job_also_runs_the_reference_copy_and_reports_both_ratios(capsys, monkeypatch):
+    import fusedrl.bench.lora as bench
+
+    monkeypatch.chdir(ROOT)
+    order: list[str] = []
+
+    def fake_run(cmd: list[str], out: Path, env: dict[str, str]) -> list[dict]:
+        copy = "--lora.reference=copy" in cmd
+        order.append("full" if "--lora.models=[]" in cmd else "lora_copy" if copy else "lora")
+        reference = 0.0 if copy or order[-1] == "full" else 2.0
+        return [
+            {
+                "step": s,
+                "samples_per_s": 4.0 if copy else 5.0,
+                "time_reference": reference,
+                "peak_memory_gib": 3.0 if copy else 2.5,
+            }
+            for s in (1, 2, 3)
+        ]
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    monkeypatch.setattr(bench, "estimated_peak_gib", lambda argv: 1.0)
+    args = ["--steps", "3", "--warmup", "1", "--json", "--", '--lora.models=["actor"]', "--ppo.kl_loss_coef=0.01"]
+    assert bench.main(["--config", "train_configs/debug_grpo.toml", *args]) == 0
+    assert order == ["lora", "full", "lora_copy"] * 2
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("figure"))
+    assert header.split()[-2:] == ["lora/full", "lora/lora_copy"]
+    memory = next(line for line in lines if line.startswith("peak_memory_gib")).split()
+    assert memory[-1] == f"{2.5 / 3.0:.3f}"
+    reference = next(line for line in lines if line.startswith("time_reference")).split()
+    assert reference[-2:] == ["-", "-"]  # neither the full run nor the copy runs a base Reference pass

@@ -186,6 +186,7 @@ def test_main_alternates_runs_and_reports_ratios(
 
     monkeypatch.setattr(peers, "_run", fake_run)
     monkeypatch.setattr(peers, "_check_fusedrl", lambda *a: None)  # the fake model folder would not build
+    monkeypatch.setattr(peers, "_trl_installed", lambda: True)  # every run is faked: TRL need not be installed
     assert peers.main(["--model", str(model), "--steps", "3", "--json"]) == 0
     assert order == ["TRL 4x4 float32", "fusedrl 4x4 float32", "TRL 4x4 bfloat16", "fusedrl 4x4 bfloat16"]
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

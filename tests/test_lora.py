@@ -22,6 +22,7 @@ from fusedrl.models import (
     save_peft_adapter,
     trainable_counts,
 )
+from fusedrl.rlhf.losses import token_logprobs
 from fusedrl.testing import run_multirank
 from fusedrl.testing.configs import TINY_DEBUG_RUN
 
@@ -166,6 +167,7 @@ def _lora_runs(out: str) -> dict:
     after = [gather_full_state_dict(s, trainer.layout.pp_group) for s in stages]
     rollout = [trainer.engine.source_model, trainer.rollout.critic]
     results["copies"] = [{n: p.detach().float().clone() for n, p in m.named_parameters()} for m in rollout]
+    results["reference"] = _reference_logprobs(trainer)
     results["before"], results["after"] = before, after
     for name in ("unfused", "fsdp", "tp"):
         results[name] = run(cfg(name, *LAYOUTS[name]))
@@ -174,7 +176,26 @@ def _lora_runs(out: str) -> dict:
         shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
     dist.barrier()
     results["resumed"] = run(cfg("resumed", *LAYOUTS["pp"], "--checkpoint.resume=true"))
+    results["reference_copy"] = run(cfg("reference_copy", *LAYOUTS["pp"], "--lora.reference=copy"))
     return results
+
+
+def _reference_logprobs(trainer) -> dict[str, torch.Tensor]:
+    """Log-probs of random samples by the trained LoRA Actor's stages: with the adapters off (the Reference of
+    ``lora.reference = "base"``) and on."""
+    from fusedrl.rlhf import Experience, base_reference_logprobs, pad_to_bucket, recompute_logprobs
+
+    cfg = trainer.cfg
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 256, (cfg.ppo.batch_size, 13), generator=generator)
+    mask = torch.zeros(tokens.shape)
+    mask[:, 6:] = 1.0
+    exp = Experience(tokens=tokens, response_mask=mask)
+    args = (cfg, trainer.layout, exp, trainer.device)
+    base = base_reference_logprobs(*args, trainer.max_len, trainer.tokenizer.pad_id)
+    padded = pad_to_bucket(exp, trainer.max_len, trainer.tokenizer.pad_id)
+    adapted = recompute_logprobs(cfg, trainer.layout, padded, trainer.device)[:, : exp.seq_len]
+    return {"tokens": tokens, "mask": mask, "base": base, "adapted": adapted, "temperature": cfg.generation.temperature}
 
 
 def _tp_placements() -> dict[str, tuple[str, str, str]]:
@@ -231,6 +252,27 @@ def test_the_rollout_copies_hold_the_merged_adapters_and_the_base_stays_frozen(l
 
 
 @pytest.mark.slow
+def test_the_reference_is_the_frozen_base_with_the_adapters_off(lora_runs):
+    ref = lora_runs["reference"]
+    base = build_model("debug", "policy")  # the base weights, as loaded before any adapter trained
+    base.load_state_dict(merge_adapters(lora_runs["before"][0], 8.0 / 4))  # B = 0 before training: the base alone
+    with torch.no_grad():
+        expected = token_logprobs(base(ref["tokens"]), ref["tokens"], ref["temperature"]) * ref["mask"]
+    torch.testing.assert_close(ref["base"], expected, atol=1e-5, rtol=1e-5)
+    assert (ref["adapted"] - ref["base"]).abs().max() > 1e-3, "the trained adapters changed nothing, or stayed on"
+
+
+@pytest.mark.slow
+def test_the_base_reference_gives_the_rollout_copys_figures(lora_runs):
+    """lora.reference = base (no Reference copy) against copy (a frozen rollout copy of the same checkpoint): the same
+    KL, and so the same run, to float32 rounding (the debug config computes in float32)."""
+    assert len(lora_runs["reference_copy"]) == 2 and lora_runs["pp"][1]["kl"] > 0
+    for step, (a, b) in enumerate(zip(lora_runs["pp"], lora_runs["reference_copy"]), start=1):
+        _assert_close(a, b, 1e-4, f"step {step} reference base vs copy")
+        assert a["time_reference"] > 0 and b["time_reference"] == 0
+
+
+@pytest.mark.slow
 def test_tensor_parallel_adapters_follow_their_projections_split(lora_runs):
     # column-wise (rows split): A whole, B's rows split; row-wise (columns split): A's columns split, B whole. Any
     # other placement computes the same (DTensor redistributes) but moves activations between the TP ranks.
@@ -270,3 +312,21 @@ def test_bad_lora_configs_are_one_line_errors(overrides, message, monkeypatch):
     with pytest.raises(ConfigError) as err:
         prepare(["--job.config_file", f"train_configs/{config}.toml", *rest], world_size=4)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_base_reference_with_another_reference_checkpoint_is_a_one_line_error(tmp_path, monkeypatch):
+    from fusedrl.config import ConfigError
+    from fusedrl.models import resolve_flavor
+    from fusedrl.train import prepare
+
+    monkeypatch.chdir(ROOT)
+    save_hf_checkpoint(build_model("debug", "policy").state_dict(), tmp_path / "ref", resolve_flavor("debug"))
+    args = [
+        "--job.config_file",
+        "train_configs/debug_ppo.toml",
+        '--lora.models=["actor"]',
+        f"--model.reference_path={tmp_path / 'ref'}",
+    ]
+    with pytest.raises(ConfigError, match=r"set --lora.reference=copy or drop model.reference_path$"):
+        prepare(args, world_size=4)
+    prepare([*args, "--lora.reference=copy"], world_size=4)  # the Reference as a rollout copy of that checkpoint

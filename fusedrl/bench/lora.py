@@ -9,7 +9,9 @@ export off, at a learning rate too small to change the samples, so that both var
 (overrides after ``--`` come last and win). Per run: the mean samples/s and phase times of the iterations
 after ``--warmup``, and the largest ``peak_memory_gib`` of any iteration (the largest rank's). Per variant the median
 over its runs, then LoRA / full as ratios; also the memory estimate's per-rank peak of both configs
-(:func:`fusedrl.memory.estimate`).
+(:func:`fusedrl.memory.estimate`). A job whose Reference is the LoRA Actor's base (``lora.reference = "base"``, with a
+KL term) runs a third variant, ``lora_copy`` (``--lora.reference=copy``: a rollout copy of the Reference), and
+reports base / copy too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from fusedrl.components import read_jsonl
 from fusedrl.config import load_config
+from fusedrl.models import reference_from_base
 
 ROOT = Path(__file__).resolve().parents[2]
 OFF = ("--eval.interval=0", "--checkpoint.export_hf=false", "--checkpoint.interval=0", "--metrics.trace=[]")
@@ -33,11 +36,13 @@ OFF = ("--eval.interval=0", "--checkpoint.export_hf=false", "--checkpoint.interv
 # the recipe's rates full fine-tuning's responses shorten faster, and the lengths, not the method, decide the speed).
 SAME_SAMPLES = ("--optimizer.actor_lr=1e-12",)
 FULL = "--lora.models=[]"
+COPY = "--lora.reference=copy"
 TIMES = (
     "response_len_mean",
     "time_weight_sync",
     "time_generation",
     "time_scoring",
+    "time_reference",
     "time_recompute",
     "time_training",
     "time_step",
@@ -70,6 +75,10 @@ def estimated_peak_gib(argv: list[str]) -> float:
     return max(r.peak[0] for r in est.ranks) / 2**30
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"  # a phase one variant does not run (time_reference without a base Reference)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -90,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not load_config(job).lora.enabled:
         parser.error(f"{args.config} (with the overrides) has no [lora] models: nothing to compare; add --lora.models")
     variants = {"lora": job, "full": [*job, FULL]}
+    if reference_from_base(load_config(job)):
+        variants["lora_copy"] = [*job, COPY]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -102,11 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     for name, variant in variants.items():
         result[name]["estimated_peak_gib"] = estimated_peak_gib(variant)
-    lora, full = result["lora"], result["full"]
     print(f"{args.config}, {args.nproc} ranks, {args.rounds} alternating runs of {args.steps} iterations each (median)")
-    print(f"{'figure':24s} {'lora':>10s} {'full':>10s} {'lora/full':>10s}")
-    for key in lora:
-        print(f"{key:24s} {lora[key]:10.3f} {full[key]:10.3f} {lora[key] / full[key]:10.3f}")
+    names = list(variants)
+    ratios = [("lora", "full"), *([("lora", "lora_copy")] if "lora_copy" in variants else [])]
+    print(f"{'figure':24s} " + " ".join(f"{n:>10s}" for n in names) + "".join(f" {a + '/' + b:>14s}" for a, b in ratios))
+    for key in result["lora"]:
+        values = " ".join(f"{result[n][key]:10.3f}" for n in names)
+        print(f"{key:24s} {values}" + "".join(f" {_ratio(result[a][key], result[b][key]):>14s}" for a, b in ratios))
     if args.json:
         print(json.dumps({"config": args.config, "runs": runs, "median": result}))
     return 0

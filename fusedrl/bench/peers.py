@@ -70,6 +70,12 @@ PHASES = ("generation", "scoring", "recompute", "training")
 FRACTIONS = ("train_mfu", "score_mfu")
 """fusedrl's shares of the machine's matmul peak reported per run (means over the timed steps, where it logs them)."""
 INSTALL = 'TRL is not installed: pip install -e ".[peers]"'
+
+
+def _trl_installed() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
 RUN_TIMEOUT_S = 3600
 
 
@@ -419,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trl_worker(json.loads(args.spec), args.result)
         return 0
     trainers = [t for t in TRAINERS if args.only in (None, t)]
-    if "trl" in trainers and importlib.util.find_spec("trl") is None:
+    if "trl" in trainers and not _trl_installed():
         print(INSTALL, file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="fusedrl_peers_") as tmp_name:

@@ -602,6 +602,12 @@ class LoRASection:
         lambda v: None if 0.0 <= v < 1.0 else "must be in [0, 1)",
     )
     targets: list[str] = _key(list(LORA_TARGETS), "Projections (HF / PEFT names) that get adapters.", each(_lora_target))
+    reference: Literal["base", "copy"] = _key(
+        "base",
+        "The Reference of a LoRA Actor when a KL term needs one: base, the Actor's training stages with the adapters "
+        "off, run after the rollout (no second copy of the weights); copy, a frozen rollout copy scored during "
+        "generation as without LoRA (one more copy of the weights; inter-stage fusion can hide its scoring).",
+    )
     export: Literal["merged", "adapter"] = _key(
         "merged",
         "What checkpoint.export_hf writes for a LoRA Actor: merged, an HF model with the adapters folded into its "

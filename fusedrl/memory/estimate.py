@@ -30,7 +30,7 @@ from fusedrl.memory.formulas import (
     worst_scoring_bytes,
 )
 from fusedrl.memory.meta import RankBuild, all_rank_boxes, build_rank, distinct_ranks, grad_numel, rank_coords, sync_transients
-from fusedrl.models import trained_parameters
+from fusedrl.models import reference_from_base, trained_parameters
 from fusedrl.models.figures import layer_activation_bytes, stage_activation_bytes
 from fusedrl.pipelining import ACTOR, STAGE_CACHE_SIZE, LoweredProgram
 from fusedrl.rlhf import plan_program
@@ -390,6 +390,11 @@ def estimate(
     absent = [
         *([f"the Critic (ppo.advantage_estimator = {ppo.advantage_estimator!r} is critic-free)"] if ppo.critic_free else []),
         *([] if ppo.uses_reference else ["the Reference (no KL term: ppo.kl_coef = ppo.kl_loss_coef = 0)"]),
+        *(
+            ["a Reference copy (lora.reference = base: the LoRA Actor's stages, adapters off)"]
+            if reference_from_base(cfg)
+            else []
+        ),
     ]
     if absent:
         notes.append(f"not built, held or counted: {'; '.join(absent)}")

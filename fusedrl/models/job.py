@@ -82,6 +82,12 @@ def check_lora(startup: Startup) -> None:
             f"lora.export = adapter ({source_of(cfg, 'lora.export')}) writes the Actor's adapters, but {where} gives it "
             "none; add actor to lora.models or set --lora.export=merged"
         )
+    if reference_from_base(cfg) and cfg.model.reference_path and cfg.model.reference_path != cfg.model.actor_path:
+        raise ConfigError(
+            f"lora.reference = base ({source_of(cfg, 'lora.reference')}) takes the Reference from the Actor's base, but "
+            f"model.reference_path names another checkpoint ({cfg.model.reference_path}); set --lora.reference=copy or "
+            "drop model.reference_path"
+        )
     if cfg.training.float8:
         raise ConfigError(f"{where} with training.float8: float8 training replaces the adapted projections; turn one off")
 
@@ -93,11 +99,18 @@ def neural_models(cfg: JobConfig) -> tuple[str, ...]:
     return ("actor", *critic, *(("reward",) if cfg.model.uses_reward_model else ()))
 
 
+def reference_from_base(cfg: JobConfig) -> bool:
+    """Whether the Reference log-probs come from the LoRA Actor's training stages with the adapters off
+    (``lora.reference = "base"``), so that no rollout copy of the Reference is built or scored."""
+    return cfg.ppo.uses_reference and "actor" in cfg.lora.models and cfg.lora.reference == "base"
+
+
 def scoring_flavors(cfg: JobConfig) -> tuple[ModelFlavor | None, tuple[ModelFlavor, ...]]:
-    """The models a job scores with: the Reference (policy head; None without a KL term) and the value-head models
+    """The models a job scores with: the Reference (policy head; None without a KL term or when it is the LoRA Actor's
+    base, :func:`reference_from_base`) and the value-head models
     whose bodies run too (the Critic unless the estimator is critic-free, the Reward model unless a rule scores
     alone)."""
-    reference = model_flavor(cfg, "actor") if cfg.ppo.uses_reference else None
+    reference = model_flavor(cfg, "actor") if cfg.ppo.uses_reference and not reference_from_base(cfg) else None
     others = () if cfg.ppo.critic_free else (model_flavor(cfg, "critic"),)
     if cfg.model.uses_reward_model:
         others = (*others, model_flavor(cfg, "reward"))

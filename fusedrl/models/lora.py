@@ -16,7 +16,8 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -71,8 +72,11 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Parameter(torch.empty(base.out_features, spec.rank, device=device, dtype=torch.float32))
         self.scale = spec.scale
         self.dropout = spec.dropout  # functional: TP plans visit every submodule as a linear
+        self.adapted = True  # False inside adapters_off: the frozen base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapted:
+            return F.linear(x, self.weight, self.bias)
         dropped = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
         a, b = self.lora_a.to(x.dtype), self.lora_b.to(x.dtype)  # no-ops under FSDP2's mixed precision, which casts
         update = F.linear(F.linear(dropped, a) * self.scale, b)  # scaled at rank width: cheap
@@ -115,6 +119,20 @@ def add_lora(model: nn.Module, spec: LoRASpec, *, base_dtype: torch.dtype | None
 def adapter_modules(module: nn.Module) -> dict[str, LoRALinear]:
     """The adapted projections of ``module`` by module name."""
     return {name: m for name, m in module.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """Inside the block ``module`` computes as its frozen base: every adapter's update is skipped (the Reference of
+    a LoRA Actor, ``lora.reference = "base"``). A compiled layer compiles this variant once, on first use."""
+    layers = list(adapter_modules(module).values())
+    for layer in layers:
+        layer.adapted = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapted = True
 
 
 def trainable_counts(modules: Sequence[nn.Module]) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.components import Progress, build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.config import JobConfig
 from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
+from fusedrl.models import adapters_off
 from fusedrl.pipelining import LocalSchedule, Timeline, pipeline_forward
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import chunked_token_logprobs
@@ -364,6 +365,16 @@ def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, 
     parts = [torch.empty_like(local) for _ in range(layout.dp)]
     dist.all_gather(parts, local, group=layout.mesh["dp_shard"].get_group())
     return torch.cat(parts).cpu() * exp.response_mask
+
+
+def base_reference_logprobs(
+    cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device, max_len: int, pad_id: int
+) -> torch.Tensor:
+    """The Reference log-probs of ``exp``'s samples when the Reference is the LoRA Actor's frozen base
+    (``lora.reference = "base"``): :func:`recompute_logprobs` with every adapter off, over the samples padded to
+    their length bucket (the training forward's shapes); ``[B, S]`` on the CPU (collective)."""
+    with adapters_off(layout.actor_stage):
+        return recompute_logprobs(cfg, layout, pad_to_bucket(exp, max_len, pad_id), device)[:, : exp.seq_len]
 
 
 def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -57,11 +57,12 @@ from fusedrl.distributed.compat import compile_seconds
 from fusedrl.generation import GenerationEngine, WeightSync
 from fusedrl.hardware import cached_peak, reuse_host_memory
 from fusedrl.layouts import DTYPES, HostCopies, build_rollout_layout, build_training_layout, load_initial_weights, model_flavor
-from fusedrl.models import lora_spec, trained_parameters
+from fusedrl.models import lora_spec, reference_from_base, trained_parameters
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
     Experience,
     UpdateResult,
+    base_reference_logprobs,
     build_controller,
     build_executor,
     build_optimizers,
@@ -94,6 +95,7 @@ PHASES = (
     "generation",
     "scoring",
     "scoring_exposed",
+    "reference",
     "advantages",
     "recompute",
     "training",
@@ -215,6 +217,7 @@ class Trainer:
         self.max_len = cfg.sequence_budget
         # old log-probs of the training forward: a pass of their own, or the update's forward (on-policy)
         self.recompute = recompute_enabled(cfg) and not old_logprobs_from_forward(cfg)
+        self.reference_from_base = reference_from_base(cfg)  # a LoRA Actor's Reference: its stages, adapters off
         # one rank's matmul peak, the denominator of train_mfu / score_mfu
         self.peak_flops = peak_flops_per_s(cfg, None if cfg.training.peak_tflops > 0 else cached_peak(self.device))
         self.engine = GenerationEngine.from_config(
@@ -440,6 +443,11 @@ class Trainer:
         if self.frozen is not None:
             self.frozen.release()
         trained_lengths, response_tokens = sequence_lengths(trained.response_mask), int(trained.response_mask.sum())
+        if self.reference_from_base:
+            with timers("reference"):
+                trained.ref_logprobs = base_reference_logprobs(
+                    cfg, self.layout, trained, self.device, self.max_len, self.tokenizer.pad_id
+                )
         with timers("advantages"):
             exp, adv_stats = compute_advantages(cfg, trained)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
