@@ -177,6 +177,9 @@ def _lora_runs(out: str) -> dict:
     dist.barrier()
     results["resumed"] = run(cfg("resumed", *LAYOUTS["pp"], "--checkpoint.resume=true"))
     results["reference_copy"] = run(cfg("reference_copy", *LAYOUTS["pp"], "--lora.reference=copy"))
+    recompute = ("--ppo.recompute_logprobs=true", "--ppo.minibatch_size=4")  # two updates: not on-policy
+    results["recompute"] = run(cfg("recompute", *LAYOUTS["pp"], *recompute))
+    results["recompute_copy"] = run(cfg("recompute_copy", *LAYOUTS["pp"], *recompute, "--lora.reference=copy"))
     return results
 
 
@@ -191,11 +194,21 @@ def _reference_logprobs(trainer) -> dict[str, torch.Tensor]:
     mask = torch.zeros(tokens.shape)
     mask[:, 6:] = 1.0
     exp = Experience(tokens=tokens, response_mask=mask)
-    args = (cfg, trainer.layout, exp, trainer.device)
-    base = base_reference_logprobs(*args, trainer.max_len, trainer.tokenizer.pad_id)
+    args = (cfg, trainer.layout, exp, trainer.device, trainer.max_len, trainer.tokenizer.pad_id)
+    base, none = base_reference_logprobs(*args, with_old=False)
+    base_too, old = base_reference_logprobs(*args, with_old=True)  # one pass, adapters off then on
     padded = pad_to_bucket(exp, trainer.max_len, trainer.tokenizer.pad_id)
-    adapted = recompute_logprobs(cfg, trainer.layout, padded, trainer.device)[:, : exp.seq_len]
-    return {"tokens": tokens, "mask": mask, "base": base, "adapted": adapted, "temperature": cfg.generation.temperature}
+    adapted = recompute_logprobs(cfg, trainer.layout, padded, trainer.device)
+    one_pass = {"base": base_too, "old": old, "none": none}
+    adapted = adapted[:, : exp.seq_len]
+    return {
+        "tokens": tokens,
+        "mask": mask,
+        "base": base,
+        "adapted": adapted,
+        "one_pass": one_pass,
+        "temperature": cfg.generation.temperature,
+    }
 
 
 def _tp_placements() -> dict[str, tuple[str, str, str]]:
@@ -260,6 +273,9 @@ def test_the_reference_is_the_frozen_base_with_the_adapters_off(lora_runs):
         expected = token_logprobs(base(ref["tokens"]), ref["tokens"], ref["temperature"]) * ref["mask"]
     torch.testing.assert_close(ref["base"], expected, atol=1e-5, rtol=1e-5)
     assert (ref["adapted"] - ref["base"]).abs().max() > 1e-3, "the trained adapters changed nothing, or stayed on"
+    one_pass = ref["one_pass"]  # reference and old log-probs in one pipeline pass: each as its own pass gives it
+    assert ref["one_pass"]["none"] is None and torch.equal(one_pass["base"], ref["base"])
+    assert torch.equal(one_pass["old"][:, : ref["tokens"].shape[1]], ref["adapted"])
 
 
 @pytest.mark.slow
@@ -270,6 +286,18 @@ def test_the_base_reference_gives_the_rollout_copys_figures(lora_runs):
     for step, (a, b) in enumerate(zip(lora_runs["pp"], lora_runs["reference_copy"]), start=1):
         _assert_close(a, b, 1e-4, f"step {step} reference base vs copy")
         assert a["time_reference"] > 0 and b["time_reference"] == 0
+
+
+@pytest.mark.slow
+def test_recomputed_old_logprobs_share_the_base_reference_pass(lora_runs):
+    """With the old log-probs recomputed (two updates per iteration), the base Reference's pipeline pass gives them
+    too (its micro-batches a second time, adapters on): no pass of their own, and the figures of a run with a
+    Reference copy, whose old log-probs take a pass of their own."""
+    for step, (a, b) in enumerate(zip(lora_runs["recompute"], lora_runs["recompute_copy"]), start=1):
+        _assert_close(a, b, 1e-4, f"step {step} one pass vs a Reference copy and a recompute pass")
+        assert "importance_ratio_min" in a and "importance_ratio_min" in b  # the recomputed log-probs' gap
+        assert a["time_recompute"] == 0 and a["time_reference"] > 0 and b["time_recompute"] > 0
+    assert len(lora_runs["recompute"]) == 2 and lora_runs["recompute"][1]["kl"] > 0
 
 
 @pytest.mark.slow

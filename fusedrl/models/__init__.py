@@ -28,11 +28,11 @@ from fusedrl.models.lora import (
     LoRALinear,
     LoRASpec,
     adapter_modules,
-    adapters_off,
     add_lora,
     init_adapters,
     merge_adapters,
     save_peft_adapter,
+    switch_adapters,
     trainable_counts,
 )
 from fusedrl.models.registry import (
@@ -72,7 +72,6 @@ __all__ = [
     "ValueHead",
     "add_lora",
     "adapter_modules",
-    "adapters_off",
     "build_model",
     "cast_parameters",
     "check_lora",
@@ -99,6 +98,7 @@ __all__ = [
     "scoring_flavors",
     "save_hf_checkpoint",
     "save_peft_adapter",
+    "switch_adapters",
     "trainable_counts",
     "trained_parameters",
     "tune_to_hf_state",

@@ -16,8 +16,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -72,7 +71,7 @@ class LoRALinear(nn.Linear):
         self.lora_b = nn.Parameter(torch.empty(base.out_features, spec.rank, device=device, dtype=torch.float32))
         self.scale = spec.scale
         self.dropout = spec.dropout  # functional: TP plans visit every submodule as a linear
-        self.adapted = True  # False inside adapters_off: the frozen base alone
+        self.adapted = True  # False: the frozen base alone (switch_adapters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapted:
@@ -121,18 +120,11 @@ def adapter_modules(module: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in module.named_modules() if isinstance(m, LoRALinear)}
 
 
-@contextmanager
-def adapters_off(module: nn.Module) -> Iterator[None]:
-    """Inside the block ``module`` computes as its frozen base: every adapter's update is skipped (the Reference of
-    a LoRA Actor, ``lora.reference = "base"``). A compiled layer compiles this variant once, on first use."""
-    layers = list(adapter_modules(module).values())
-    for layer in layers:
-        layer.adapted = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.adapted = True
+def switch_adapters(module: nn.Module, on: bool) -> None:
+    """Turn every adapter of ``module`` on or off (off: ``module`` computes as its frozen base, the Reference of a LoRA
+    Actor with ``lora.reference = "base"``). A compiled layer compiles the second variant once, on first use."""
+    for layer in adapter_modules(module).values():
+        layer.adapted = on
 
 
 def trainable_counts(modules: Sequence[nn.Module]) -> tuple[int, int]:

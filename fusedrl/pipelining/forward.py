@@ -27,13 +27,15 @@ def pipeline_forward(
     device: torch.device,
     last: Callable[[torch.Tensor, int], torch.Tensor],
     group: dist.ProcessGroup | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor] | None:
     """Run this rank's stage ``module`` (stage ``stage`` of ``len(stage_ranks)``, stage ``j`` on global rank
     ``stage_ranks[j]`` of ``group``) over the micro-batches ``inputs`` (token ids ``[b, S]``; every stage passes the
     same list, the first one feeds them, the others read their shapes). A non-first stage receives ``[b, S,
     hidden_dim]`` activations in ``activation_dtype``. The last stage returns ``[last(output_i, i) for each
-    micro-batch]``, the others None. FSDP2 units of ``module`` are resharded afterwards (a forward without backward
-    would leave them gathered). Collective over the stages' ranks."""
+    micro-batch]``, the others None. ``before(i)``, when given, runs on every stage before micro-batch ``i``'s forward
+    (e.g. to switch what the module computes). FSDP2 units of ``module`` are resharded afterwards (a forward without
+    backward would leave them gathered). Collective over the stages' ranks."""
     first, final = stage == 0, stage == len(stage_ranks) - 1
     sends: list[dist.Work] = []
     outs: list[torch.Tensor] = []
@@ -44,6 +46,8 @@ def pipeline_forward(
             else:
                 x = torch.empty(*tokens.shape, hidden_dim, dtype=activation_dtype, device=device)
                 dist.recv(x, src=stage_ranks[stage - 1], group=group)
+            if before is not None:
+                before(i)
             out = module(x)
             if final:
                 outs.append(last(out, i))

@@ -5,7 +5,7 @@ minibatches, and the recomputed old log-probs with their gap to the engine's."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,7 +17,7 @@ from fusedrl.buckets import evenly_spaced, round_up
 from fusedrl.components import Progress, build_lr_scheduler, build_optimizer, clip_grad_norm, grad_norm
 from fusedrl.config import JobConfig
 from fusedrl.layouts import DTYPES, TrainingLayout, model_flavor
-from fusedrl.models import adapters_off
+from fusedrl.models import switch_adapters
 from fusedrl.pipelining import LocalSchedule, Timeline, pipeline_forward
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import chunked_token_logprobs
@@ -337,44 +337,65 @@ def recompute_logprobs(cfg: JobConfig, layout: TrainingLayout, exp: Experience, 
     forward-only pass of the Actor's training stages (pipeline x FSDP2 x TP), at the sampling temperature: each
     data-parallel shard runs its rows in micro-batches through the pipeline, the last stage applies the LM head in
     chunks, the pipeline group receives its rows and the data-parallel shards exchange theirs (collective)."""
+    return _training_logprobs(cfg, layout, exp, device, (True,))[0]
+
+
+def base_reference_logprobs(
+    cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device, max_len: int, pad_id: int, *, with_old: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Reference log-probs of ``exp``'s samples when the Reference is the LoRA Actor's frozen base
+    (``lora.reference = "base"``): :func:`recompute_logprobs` with every adapter off, over the samples padded to
+    their length bucket (the training forward's shapes); ``[B, S]`` on the CPU (collective). ``with_old``: the same
+    pipeline pass also runs the micro-batches with the adapters on and returns those old log-probs, over the padded
+    batch (what :func:`recompute_logprobs` gives for it: one pass instead of two), else None."""
+    padded = pad_to_bucket(exp, max_len, pad_id)
+    reference, *old = _training_logprobs(cfg, layout, padded, device, (False, True) if with_old else (False,))
+    return reference[:, : exp.seq_len], old[0] if old else None
+
+
+def _training_logprobs(
+    cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device, adapters: Sequence[bool]
+) -> list[torch.Tensor]:
+    """:func:`recompute_logprobs` once per entry of ``adapters`` (the LoRA adapters on or off; a stage without adapters
+    computes the same either way), all in one pipeline pass: its micro-batches run once per entry, in that order."""
     rows = exp.batch_size // layout.dp
     shard = exp.select(slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows))
     inputs = list(shard.tokens.split(cfg.ppo.microbatch_size))
     masks = list(shard.response_mask.split(cfg.ppo.microbatch_size))
+    count = len(inputs)
     head = cast("torch.nn.Linear | None", layout.actor_stage.output)  # the LM head, on the last stage
 
     def logprobs(hidden: torch.Tensor, i: int) -> torch.Tensor:
         assert head is not None  # called on the last stage only
-        tokens, mask = inputs[i].to(device), masks[i].to(device)  # the head runs on response tokens only
+        tokens, mask = inputs[i % count].to(device), masks[i % count].to(device)  # the head runs on response tokens only
         return chunked_token_logprobs(hidden.to(head.weight.dtype), head, tokens, cfg.generation.temperature, mask=mask)
 
     ranks = [dist.get_global_rank(layout.pp_group, r) for r in range(layout.pp)]
-    outs = pipeline_forward(
-        layout.actor_stage,
-        inputs,
-        ranks,
-        layout.pp_rank,
-        hidden_dim=model_flavor(cfg, "actor").embed_dim,
-        activation_dtype=DTYPES[cfg.training.mixed_precision_param],
-        device=device,
-        last=logprobs,
-        group=layout.pp_group,
-    )
-    local = torch.cat(outs) if outs is not None else torch.empty(rows, exp.seq_len, device=device)
-    dist.broadcast(local, src=ranks[-1], group=layout.pp_group)
-    parts = [torch.empty_like(local) for _ in range(layout.dp)]
-    dist.all_gather(parts, local, group=layout.mesh["dp_shard"].get_group())
-    return torch.cat(parts).cpu() * exp.response_mask
-
-
-def base_reference_logprobs(
-    cfg: JobConfig, layout: TrainingLayout, exp: Experience, device: torch.device, max_len: int, pad_id: int
-) -> torch.Tensor:
-    """The Reference log-probs of ``exp``'s samples when the Reference is the LoRA Actor's frozen base
-    (``lora.reference = "base"``): :func:`recompute_logprobs` with every adapter off, over the samples padded to
-    their length bucket (the training forward's shapes); ``[B, S]`` on the CPU (collective)."""
-    with adapters_off(layout.actor_stage):
-        return recompute_logprobs(cfg, layout, pad_to_bucket(exp, max_len, pad_id), device)[:, : exp.seq_len]
+    try:
+        outs = pipeline_forward(
+            layout.actor_stage,
+            inputs * len(adapters),
+            ranks,
+            layout.pp_rank,
+            hidden_dim=model_flavor(cfg, "actor").embed_dim,
+            activation_dtype=DTYPES[cfg.training.mixed_precision_param],
+            device=device,
+            last=logprobs,
+            group=layout.pp_group,
+            before=lambda i: switch_adapters(layout.actor_stage, adapters[i // count]),
+        )
+    finally:
+        switch_adapters(layout.actor_stage, True)
+    results = []
+    for k in range(len(adapters)):
+        local = (
+            torch.cat(outs[k * count : (k + 1) * count]) if outs is not None else torch.empty(rows, exp.seq_len, device=device)
+        )
+        dist.broadcast(local, src=ranks[-1], group=layout.pp_group)
+        parts = [torch.empty_like(local) for _ in range(layout.dp)]
+        dist.all_gather(parts, local, group=layout.mesh["dp_shard"].get_group())
+        results.append(torch.cat(parts).cpu() * exp.response_mask)
+    return results
 
 
 def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

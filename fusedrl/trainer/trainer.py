@@ -443,18 +443,21 @@ class Trainer:
         if self.frozen is not None:
             self.frozen.release()
         trained_lengths, response_tokens = sequence_lengths(trained.response_mask), int(trained.response_mask.sum())
-        if self.reference_from_base:
+        old_logprobs = None
+        if self.reference_from_base:  # with the old log-probs' recompute in the same pipeline pass (no time_recompute)
             with timers("reference"):
-                trained.ref_logprobs = base_reference_logprobs(
-                    cfg, self.layout, trained, self.device, self.max_len, self.tokenizer.pad_id
+                trained.ref_logprobs, old_logprobs = base_reference_logprobs(
+                    cfg, self.layout, trained, self.device, self.max_len, self.tokenizer.pad_id, with_old=self.recompute
                 )
         with timers("advantages"):
             exp, adv_stats = compute_advantages(cfg, trained)
             exp = pad_to_bucket(exp, self.max_len, self.tokenizer.pad_id)
         gap = None
         if self.recompute:  # PPO's old log-probs from the training forward; the KL reward keeps the engine's
-            with timers("recompute"):
-                exp.engine_logprobs, exp.logprobs = exp.logprobs, recompute_logprobs(cfg, self.layout, exp, self.device)
+            if old_logprobs is None:
+                with timers("recompute"):
+                    old_logprobs = recompute_logprobs(cfg, self.layout, exp, self.device)
+            exp.engine_logprobs, exp.logprobs = exp.logprobs, old_logprobs * exp.response_mask  # the mask advantages left
             assert exp.engine_logprobs is not None  # the scored batch's
             gap = logprob_gap(exp.engine_logprobs, exp.logprobs, exp.response_mask)
         if exp.response_mask.any():
