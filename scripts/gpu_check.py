@@ -74,9 +74,7 @@ def _run(name: str, cmd: list[str], timeout_s: float, env: dict[str, str]) -> di
     """``cmd`` in its own process group, killed whole (pytest's and the trainer's workers too) at ``timeout_s``."""
     print(f"gpu_check: {name}: {' '.join(cmd)} (limit {timeout_s:.0f}s)", flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
     try:
         out, _ = proc.communicate(timeout=max(1.0, timeout_s))
         code = proc.returncode

@@ -83,7 +83,7 @@ def _run_agents(out: Path, launches: list[list[str]]) -> list[Agent]:
                     *LAYOUT,
                     f"--job.output_dir={out / 'run'}",
                 ]
-                proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT, process_group=0)
             agents.append(Agent(f"agent {i}", log, proc))
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while any(a.proc.poll() is None for a in agents):

@@ -83,9 +83,7 @@ def _job(
         env.update(FAULT_RANK="1", FAULT_PHASE=fault[0], FAULT_STEP=str(fault[1]))
     program = [str(ROOT / "tests" / "_fault_worker.py"), "--job.config_file", config, *REDUCED, *extra]
     cmd = torchrun_command(*program, f"--job.output_dir={out}", max_restarts=1)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
     try:
         stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:

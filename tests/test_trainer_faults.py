@@ -134,7 +134,7 @@ def _launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
+        process_group=0,
     )
     lines: list[str] = []
     logged = threading.Event()
@@ -316,9 +316,7 @@ def test_without_an_agent_the_surviving_rank_names_the_dead_one(tmp_path, fault)
                 "--training.collective_timeout_s=15",
             ]
             procs.append(
-                subprocess.Popen(
-                    cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
-                )
+                subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, process_group=0)
             )
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while not re.search(rf"\bstep {KILLED_IN_STEP - 1}: ", (tmp_path / "rank0.log").read_text()):

@@ -75,7 +75,10 @@ def torchrun_worker_env(launcher_pid: int) -> dict[int, dict[str, str]]:
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL a launcher and its workers: torchrun starts each worker in its own session, so killing the
-    launcher's process group alone would leave them running."""
+    launcher's process group alone would leave them running. Start the launcher with ``process_group=0`` (its own
+    group in this session), not ``start_new_session``: on Linux a new session is a new scheduler autogroup, and with
+    both cores busy such processes were measured running up to 80x slower than those of the loading session
+    (docs/benchmarks.md, issue 38)."""
     for pid in [*torchrun_workers(proc.pid).values(), proc.pid]:
         try:
             os.killpg(pid, signal.SIGKILL)
