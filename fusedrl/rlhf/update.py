@@ -371,6 +371,7 @@ def _training_logprobs(
         return chunked_token_logprobs(hidden.to(head.weight.dtype), head, tokens, cfg.generation.temperature, mask=mask)
 
     ranks = [dist.get_global_rank(layout.pp_group, r) for r in range(layout.pp)]
+    switching = not all(adapters)  # the plain recompute walks no modules per micro-batch
     try:
         outs = pipeline_forward(
             layout.actor_stage,
@@ -382,10 +383,11 @@ def _training_logprobs(
             device=device,
             last=logprobs,
             group=layout.pp_group,
-            before=lambda i: switch_adapters(layout.actor_stage, adapters[i // count]),
+            before=(lambda i: switch_adapters(layout.actor_stage, adapters[i // count])) if switching else None,
         )
     finally:
-        switch_adapters(layout.actor_stage, True)
+        if switching:
+            switch_adapters(layout.actor_stage, True)
     results = []
     for k in range(len(adapters)):
         local = (
