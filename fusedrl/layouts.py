@@ -14,7 +14,8 @@ frozen base (``lora.reference = "base"``: its training stages with the adapters 
   ranks (DTensors: attention, MLP, token embedding and LM head sharded, norms and value heads replicated), in
   ``training.rollout_dtype`` / ``training.frozen_dtype``. With ``training.offload_frozen`` the Reference and the
   Reward wait in host memory outside the rollout (:class:`HostCopies`). With ``model.reward = "none"`` (a
-  rule-based reward alone) no Reward model is built or loaded.
+  rule-based reward alone) no Reward model is built or loaded. With ``lora.rollout_weights = "adapters"`` the rollout
+  copies of the LoRA models carry their adapters unmerged.
 
 Nothing is replicated across ranks that a layout shards: every model is built on the meta device, parallelized
 there, then ``to_empty``-ed on the device and filled with only this rank's shards, read as slices from the HF
@@ -188,8 +189,14 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
     mesh = dims.build_gen_mesh(device.type)
     t, m = cfg.training, cfg.model
 
-    def model(flavor: ModelFlavor, role: Role, dtype: str) -> nn.Module:
-        module = cast_parameters(build_model(flavor, role, device="meta"), DTYPES[dtype])  # RoPE tables stay float32
+    def model(flavor: ModelFlavor, role: Role, dtype: str, key: str | None = None) -> nn.Module:
+        """A rollout copy; ``key``: the trained model it copies, whose adapters it carries unmerged (in its own
+        dtype, as training computes them) under ``lora.rollout_weights = "adapters"``."""
+        module = build_model(flavor, role, device="meta")
+        lora = None if key is None or cfg.lora.rollout_weights == "merged" else lora_spec(cfg, key)
+        if lora is not None:
+            add_lora(module, lora)
+        module = cast_parameters(module, DTYPES[dtype])  # RoPE tables stay float32
         if t.compile:  # the scoring forward; the engine runs its own decode and prefill
             apply_compile(module)
         if dims.gen_tp > 1:
@@ -211,8 +218,8 @@ def build_rollout_layout(cfg: JobConfig, device: torch.device, *, materialize: b
         mesh["gen_dp"].get_local_rank(),
         dims.num_gen_instances,
         dims.gen_tp,
-        actor=model(model_flavor(cfg, "actor"), "policy", t.rollout_dtype),
-        critic=None if cfg.ppo.critic_free else model(model_flavor(cfg, "critic"), "value", t.rollout_dtype),
+        actor=model(model_flavor(cfg, "actor"), "policy", t.rollout_dtype, "actor"),
+        critic=None if cfg.ppo.critic_free else model(model_flavor(cfg, "critic"), "value", t.rollout_dtype, "critic"),
         reference=model(model_flavor(cfg, "actor"), "policy", t.frozen_dtype) if reference_in_rollout else None,
         reward=model(model_flavor(cfg, "reward"), "value", t.frozen_dtype) if m.uses_reward_model else None,
         group=group,

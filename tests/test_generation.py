@@ -15,7 +15,7 @@ from fusedrl.generation import (
     request_seed,
 )
 from fusedrl.generation.state import unpack_states
-from fusedrl.models import build_model
+from fusedrl.models import LoRASpec, add_lora, build_model, init_adapters, switch_adapters
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, max_new_tokens=10)
@@ -565,3 +565,26 @@ def test_compile_cache_dir_points_inductor_at_it(model, tmp_path, monkeypatch):
     section = GenerationSection(max_slots=1, compile=True, compile_cache_dir=str(tmp_path / "cache"))
     GenerationEngine.from_config(model, section, max_len=16, seed=0)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_an_engine_over_unmerged_lora_adapters_decodes_as_the_adapted_model(compile):
+    """A rollout copy with LoRA adapters (``lora.rollout_weights = "adapters"``): the engine adds each projection's
+    low-rank update to its base product, eager and compiled per layer, and decodes the adapted model's greedy tokens."""
+    torch.manual_seed(5)
+    model = add_lora(build_model("debug"), LoRASpec(4, 8.0, 0.0, ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")))
+    init_adapters(model, seed=3)
+    with torch.no_grad():  # B starts at zero: give the adapters an effect
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.5)
+    model.eval()
+    engine = GenerationEngine(model, max_slots=2, max_len=32, compile=compile, compile_scope="layer")
+    prompts = [_prompt(5, 11), _prompt(9, 12)]
+    results = engine.generate([Request(i, p, GREEDY) for i, p in enumerate(prompts)])
+    for prompt, result in zip(prompts, results):
+        tokens, logprobs = _reference_greedy(model, prompt, GREEDY.max_new_tokens)
+        assert result.tokens == tokens
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    switch_adapters(model, False)
+    assert _reference_greedy(model, prompts[0], GREEDY.max_new_tokens)[0] != results[0].tokens  # the adapters matter

@@ -171,6 +171,7 @@ def _lora_runs(out: str) -> dict:
     results["before"], results["after"] = before, after
     for name in ("unfused", "fsdp", "tp"):
         results[name] = run(cfg(name, *LAYOUTS[name]))
+    results["unmerged"] = _unmerged_run(cfg("unmerged", *LAYOUTS["pp"], "--lora.rollout_weights=adapters"))
     if dist.get_rank() == 0:  # the interrupted run: only the step-1 checkpoint exists in its folder
         step1 = next(p for p in Path(out, "pp", "checkpoints").iterdir() if p.name.startswith("step-") and int(p.name[5:]) == 1)
         shutil.copytree(step1, Path(out, "resumed", "checkpoints", step1.name))
@@ -181,6 +182,26 @@ def _lora_runs(out: str) -> dict:
     results["recompute"] = run(cfg("recompute", *LAYOUTS["pp"], *recompute))
     results["recompute_copy"] = run(cfg("recompute_copy", *LAYOUTS["pp"], *recompute, "--lora.reference=copy"))
     return results
+
+
+def _unmerged_run(cfg) -> dict:
+    """A run whose rollout copies carry the adapters unmerged: its history, what a sync after training sends, and the
+    rollout copies against the training weights."""
+    from fusedrl.distributed import gather_full_state_dict
+    from fusedrl.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    stats = [sync.sync() for sync in trainer.syncs]  # a later sync: only what trains moves
+    stages = [trainer.layout.actor_stage, trainer.layout.critic_stage]
+    rollout = [trainer.engine.source_model, trainer.rollout.critic]
+    return {
+        "history": history,
+        "later_bytes": [s.bytes for s in stats],
+        "first_bytes": [sync.plan.bytes_received(trainer.rank) for sync in trainer.syncs],
+        "after": [gather_full_state_dict(s, trainer.layout.pp_group) for s in stages],
+        "copies": [{n: p.detach().clone() for n, p in m.named_parameters()} for m in rollout],
+    }
 
 
 def _reference_logprobs(trainer) -> dict[str, torch.Tensor]:
@@ -265,6 +286,25 @@ def test_the_rollout_copies_hold_the_merged_adapters_and_the_base_stays_frozen(l
 
 
 @pytest.mark.slow
+def test_rollout_copies_with_unmerged_adapters_sample_and_score_as_the_merged_ones(lora_runs):
+    """lora.rollout_weights = adapters: the engine adds each projection's low-rank update itself. The run equals the
+    merged one to float32 rounding; the copies hold the trained adapters and the frozen base; a sync after the first
+    moves the adapters and the value head only."""
+    unmerged = lora_runs["unmerged"]
+    assert len(unmerged["history"]) == 2
+    for step, (a, b) in enumerate(zip(lora_runs["pp"], unmerged["history"]), start=1):
+        _assert_close(a, b, 1e-4, f"step {step} merged vs unmerged rollout adapters")
+    for model, after, copy in zip(("actor", "critic"), unmerged["after"], unmerged["copies"]):
+        assert sorted(copy) == sorted(after), model  # the copy carries the adapters under the training names
+        adapters = [n for n in after if n.endswith(".lora_b")]
+        assert adapters and all(after[n].abs().max() > 0 for n in adapters), model
+        for n, t in copy.items():
+            assert torch.equal(t, after[n].to(t.dtype)), f"{model} {n}: rollout copy != training weights"
+    for first, later in zip(unmerged["first_bytes"], unmerged["later_bytes"]):
+        assert 0 < later < first / 10, (first, later)  # the other stage's adapters (and value head) alone
+
+
+@pytest.mark.slow
 def test_the_reference_is_the_frozen_base_with_the_adapters_off(lora_runs):
     ref = lora_runs["reference"]
     base = build_model("debug", "policy")  # the base weights, as loaded before any adapter trained
@@ -328,8 +368,12 @@ def test_resume_continues_the_adapters_exactly(lora_runs):
         (['--lora.models=["critic"]', "--lora.export=adapter"], "add actor to lora.models or set --lora.export=merged"),
         (['--lora.models=["actor"]', "--lora.targets=[]"], "lora.targets (command line) is empty"),
         (['--lora.models=["actor"]', "--training.float8=true"], "float8 training replaces the adapted projections"),
+        (
+            ['--lora.models=["actor"]', "--lora.rollout_weights=adapters", "--generation.quantize=int8_weight_only"],
+            "the quantized engine decodes plain projections; set --lora.rollout_weights=merged",
+        ),
     ],
-    ids=["reward", "rank", "target", "critic-free", "export-without-actor", "no-targets", "float8"],
+    ids=["reward", "rank", "target", "critic-free", "export-without-actor", "no-targets", "float8", "quantized-adapters"],
 )
 def test_bad_lora_configs_are_one_line_errors(overrides, message, monkeypatch):
     from fusedrl.config import ConfigError

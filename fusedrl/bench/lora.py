@@ -11,7 +11,9 @@ after ``--warmup``, and the largest ``peak_memory_gib`` of any iteration (the la
 over its runs, then LoRA / full as ratios; also the memory estimate's per-rank peak of both configs
 (:func:`fusedrl.memory.estimate`). A job whose Reference is the LoRA Actor's base (``lora.reference = "base"``, with a
 KL term) runs a third variant, ``lora_copy`` (``--lora.reference=copy``: a rollout copy of the Reference), and
-reports base / copy too.
+reports base / copy too. A job whose engine gets merged weights (``lora.rollout_weights = "merged"``) runs
+``lora_unmerged`` too (``--lora.rollout_weights=adapters``: the engine adds the adapters' updates itself, and a weight
+sync after the first moves only them), and reports unmerged / merged.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ OFF = ("--eval.interval=0", "--checkpoint.export_hf=false", "--checkpoint.interv
 SAME_SAMPLES = ("--optimizer.actor_lr=1e-12",)
 FULL = "--lora.models=[]"
 COPY = "--lora.reference=copy"
+UNMERGED = "--lora.rollout_weights=adapters"
 TIMES = (
     "response_len_mean",
     "time_weight_sync",
@@ -101,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = {"lora": job, "full": [*job, FULL]}
     if reference_from_base(load_config(job)):
         variants["lora_copy"] = [*job, COPY]
+    if load_config(job).lora.rollout_weights == "merged":
+        variants["lora_unmerged"] = [*job, UNMERGED]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -116,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.config}, {args.nproc} ranks, {args.rounds} alternating runs of {args.steps} iterations each (median)")
     names = list(variants)
     ratios = [("lora", "full"), *([("lora", "lora_copy")] if "lora_copy" in variants else [])]
+    ratios += [("lora_unmerged", "lora")] if "lora_unmerged" in variants else []
     print(f"{'figure':24s} " + " ".join(f"{n:>10s}" for n in names) + "".join(f" {a + '/' + b:>14s}" for a, b in ratios))
     for key in result["lora"]:
         values = " ".join(f"{result[n][key]:10.3f}" for n in names)

@@ -608,6 +608,13 @@ class LoRASection:
         "off, run after the rollout (no second copy of the weights); copy, a frozen rollout copy scored during "
         "generation as without LoRA (one more copy of the weights; inter-stage fusion can hide its scoring).",
     )
+    rollout_weights: Literal["merged", "adapters"] = _key(
+        "merged",
+        "How the rollout copies of the LoRA models get the adapters: merged, each weight sync sends every weight with "
+        "the adapters folded in (W + scale B A, rounded to the rollout dtype); adapters, the rollout copies carry the "
+        "adapters unmerged (the engine adds each projection's low-rank update): the first sync sends every weight, "
+        "later ones only what trains (the adapters and a value head).",
+    )
     export: Literal["merged", "adapter"] = _key(
         "merged",
         "What checkpoint.export_hf writes for a LoRA Actor: merged, an HF model with the adapters folded into its "

@@ -27,7 +27,7 @@ from fusedrl.distributed import compat
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.state import RequestState
-from fusedrl.models import QKNormProjection
+from fusedrl.models import LoRALinear, QKNormProjection
 
 _T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
@@ -228,13 +228,15 @@ class _SlotForward(nn.Module):
         groups = [[m.linear if type(m) is QKNormProjection else m for m in (attn.q_proj, attn.k_proj, attn.v_proj)]]
         if type(mlp) is FeedForward and mlp.w3 is not None:
             groups.append([mlp.w1, mlp.w3])
-        return [g for g in groups if all(type(m) is nn.Linear for m in g)]
+        return [g for g in groups if all(type(m) in (nn.Linear, LoRALinear) for m in g)]
 
     def _linears(self, modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
         """Each of ``modules`` (projections) applied to ``x``; plain linears on the cached CPU layouts, several at once
-        as one product of their stacked weights (Qwen3's normed projections: their linear, then their norm)."""
+        as one product of their stacked weights (Qwen3's normed projections: their linear, then their norm). A LoRA
+        projection (``lora.rollout_weights = "adapters"``) takes its frozen base the same way and adds its low-rank
+        update unmerged."""
         inner = [m.linear if type(m) is QKNormProjection else m for m in modules]
-        if not self.cpu_layouts or any(type(m) is not nn.Linear and not isinstance(m, TiedLinear) for m in inner):
+        if not self.cpu_layouts or any(type(m) not in (nn.Linear, LoRALinear) and not isinstance(m, TiedLinear) for m in inner):
             return [m(x) for m in modules]
         # the LM head of tied embeddings uses the token embedding's weight
         weights: list[torch.Tensor] = [m.tied_module.weight if isinstance(m, TiedLinear) else m.weight for m in inner]  # type: ignore[misc]
@@ -244,6 +246,9 @@ class _SlotForward(nn.Module):
         else:
             out = _linear_cpu(x, weights, biases)
         parts = out.split([w.shape[0] for w in weights], dim=-1) if len(weights) > 1 else (out,)
+        for m, part in zip(inner, parts):
+            if type(m) is LoRALinear and m.adapted:  # in place: no second output; eval mode: no dropout
+                part.add_(F.linear(F.linear(x, m.lora_a) * m.scale, m.lora_b))
         return [m.normalize(p) if type(m) is QKNormProjection else p for m, p in zip(modules, parts)]
 
     def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,12 @@ in its own dtype. :class:`WeightSync` plans the copy once (:func:`fusedrl.distri
 sends which block of which tensor to which rank) and runs it each iteration, one decoder layer at a time, each
 block sent once in the rollout copy's dtype; no rank gathers a full model.
 
-A LoRA stage (``[lora]``) syncs merged weights: the rollout copy stays a plain model, and each adapted projection's
-weight is sent as ``W + scale B A``. Each sync first brings the stage's adapters whole to every rank that holds a
-shard of them (they are small: rank x (in + out) per projection); each rank then merges its own block of ``W``, one
-projection at a time, as the plan reads it.
+A LoRA stage (``[lora]``) whose rollout copy is a plain model (``lora.rollout_weights = "merged"``) syncs merged
+weights: each adapted projection's weight is sent as ``W + scale B A``. Each sync first brings the stage's adapters
+whole to every rank that holds a shard of them (they are small: rank x (in + out) per projection); each rank then
+merges its own block of ``W``, one projection at a time, as the plan reads it. A rollout copy that carries the
+adapters itself (``"adapters"``) gets every tensor as it is: the first sync sends all of them, later ones only those
+that train (the adapters, a value head), the frozen base being unchanged since.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fusedrl.distributed import plan_reshard, reshard
+from fusedrl.distributed import ReshardPlan, plan_reshard, reshard
 from fusedrl.generation.engine import GenerationEngine
 from fusedrl.models import adapter_modules, local_indices
 
@@ -96,18 +98,46 @@ class WeightSync:
         self.engine = target if isinstance(target, GenerationEngine) else None
         module = target.source_model if isinstance(target, GenerationEngine) else target
         # full-model names to this rank's tensors of the training stages and of the rollout copy
-        self.sources = MergedSources(stages)
         self.targets = dict(module.named_parameters())
-        self.plan = plan_reshard(self.sources, self.targets, group)
+        self.sources: Mapping[str, torch.Tensor]
+        self.trained_plan: ReshardPlan | None = None  # unmerged adapters: the plan of every sync after the first
+        if adapter_modules(module):
+            self.sources = {n: p for stage in stages for n, p in stage.named_parameters()}
+            self.plan = plan_reshard(self.sources, self.targets, group)
+            self.trained_plan = _only(self.plan, _trained_names(self.sources, group))
+        else:
+            self.sources = MergedSources(stages)
+            self.plan = plan_reshard(self.sources, self.targets, group)
+        self.synced = False
 
     @torch.no_grad()
     def sync(self) -> WeightSyncStats:
         start = time.perf_counter()
-        self.sources.gather()
+        if isinstance(self.sources, MergedSources):
+            self.sources.gather()
         try:
-            received = reshard(self.plan, self.sources, self.targets)
+            plan = self.trained_plan if self.synced and self.trained_plan is not None else self.plan
+            received = reshard(plan, self.sources, self.targets)
         finally:
-            self.sources.release()
+            if isinstance(self.sources, MergedSources):
+                self.sources.release()
+        self.synced = True
         if self.engine is not None:
             self.engine.weights_updated()
         return WeightSyncStats(seconds=time.perf_counter() - start, bytes=received)
+
+
+def _trained_names(sources: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None) -> set[str]:
+    """The names of the tensors that train on any rank of ``group`` (collective)."""
+    mine = {n for n, p in sources.items() if p.requires_grad}
+    if not dist.is_initialized():
+        return mine
+    everyone: list[set[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return set().union(*(names for names in everyone if names))
+
+
+def _only(plan: ReshardPlan, names: set[str]) -> ReshardPlan:
+    """``plan`` restricted to the tensors ``names`` (the same on every rank, as the plan is)."""
+    units = [[t for t in unit if t.name in names] for unit in plan.units]
+    return ReshardPlan([u for u in units if u], plan.wire_dtype, plan.group, plan.src_boxes, plan.dst_boxes)

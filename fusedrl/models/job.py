@@ -88,6 +88,12 @@ def check_lora(startup: Startup) -> None:
             f"model.reference_path names another checkpoint ({cfg.model.reference_path}); set --lora.reference=copy or "
             "drop model.reference_path"
         )
+    if lora.rollout_weights == "adapters" and "actor" in lora.models and cfg.generation.quantize != "none":
+        raise ConfigError(
+            f"lora.rollout_weights = adapters ({source_of(cfg, 'lora.rollout_weights')}) with generation.quantize = "
+            f"{cfg.generation.quantize}: the quantized engine decodes plain projections; set --lora.rollout_weights=merged "
+            "or --generation.quantize=none"
+        )
     if cfg.training.float8:
         raise ConfigError(f"{where} with training.float8: float8 training replaces the adapted projections; turn one off")
 
