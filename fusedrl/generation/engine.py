@@ -51,18 +51,49 @@ _PACK_ROWS_HINT = 64
 _LAYOUTS: dict[tuple[tuple[int, ...], str], tuple[tuple[weakref.ref, ...], tuple[int, ...], torch.Tensor]] = {}
 
 
+def _cached(tensors: list[torch.Tensor], kind: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()``, cached per ``(tensors, kind)`` until one of ``tensors`` is freed or changes in place."""
+    key = (tuple(id(t) for t in tensors), kind)
+    versions = tuple(t._version for t in tensors)
+    entry = _LAYOUTS.get(key)
+    if entry is None or any(r() is not t for r, t in zip(entry[0], tensors)) or entry[1] != versions:
+        value = build()
+        refs = tuple(weakref.ref(t, lambda _: _LAYOUTS.pop(key, None)) for t in tensors)
+        _LAYOUTS[key] = (refs, versions, value)
+        return value
+    return entry[2]
+
+
 def _weight_layout(weights: list[torch.Tensor], kind: Literal["transposed", "packed"]) -> torch.Tensor:
     """The cached ``kind`` layout of ``weights`` stacked along their output dimension."""
-    key = (tuple(id(w) for w in weights), kind)
-    versions = tuple(w._version for w in weights)
-    entry = _LAYOUTS.get(key)
-    if entry is None or any(r() is not w for r, w in zip(entry[0], weights)) or entry[1] != versions:
+
+    def build() -> torch.Tensor:
         w = _stacked(weights)
-        copy_ = w.t().contiguous() if kind == "transposed" else compat.onednn_pack_linear_weight(w, _PACK_ROWS_HINT)
-        refs = tuple(weakref.ref(w, lambda _: _LAYOUTS.pop(key, None)) for w in weights)
-        _LAYOUTS[key] = (refs, versions, copy_)
-        return copy_
-    return entry[2]
+        return w.t().contiguous() if kind == "transposed" else compat.onednn_pack_linear_weight(w, _PACK_ROWS_HINT)
+
+    return _cached(weights, kind, build)
+
+
+def _adapter_blocks(linears: list[nn.Linear]) -> torch.Tensor:
+    """``[sum out_i, sum rank_j]`` (cached): each adapted projection's ``scale B`` at its output rows and its adapter's
+    columns, zeros elsewhere (a projection without adapters: zero rows). With ``xa`` the input through the adapted
+    projections' ``A`` stacked, ``xa @ blocks^T`` is every projection's low-rank update at once."""
+    adapted = [m for m in linears if type(m) is LoRALinear and m.adapted]
+
+    def build() -> torch.Tensor:
+        b = adapted[0].lora_b
+        blocks = b.new_zeros(sum(m.weight.shape[0] for m in linears), sum(m.lora_b.shape[1] for m in adapted))
+        row = col = 0
+        for m in linears:
+            if type(m) is LoRALinear and m.adapted:
+                rank = m.lora_b.shape[1]
+                blocks[row : row + m.lora_b.shape[0], col : col + rank] = m.lora_b.detach() * m.scale
+                col += rank
+            row += m.weight.shape[0]
+        return blocks
+
+    kind = "adapter_blocks" + "".join("1" if type(m) is LoRALinear and m.adapted else "0" for m in linears)
+    return _cached([m.lora_b for m in adapted], kind, build)
 
 
 def _adjacent(weights: list[torch.Tensor]) -> bool:
@@ -241,14 +272,19 @@ class _SlotForward(nn.Module):
         # the LM head of tied embeddings uses the token embedding's weight
         weights: list[torch.Tensor] = [m.tied_module.weight if isinstance(m, TiedLinear) else m.weight for m in inner]  # type: ignore[misc]
         biases: list[torch.Tensor | None] = [None if isinstance(m, TiedLinear) else m.bias for m in inner]  # type: ignore[misc]
+        adapted = [m for m in inner if type(m) is LoRALinear and m.adapted]  # eval mode: no dropout
         if torch.compiler.is_compiling():
             out = torch.ops.fusedrl.cpu_linear(x, weights, biases)
         else:
             out = _linear_cpu(x, weights, biases)
+            if adapted:  # two products for the group's updates, added in place: no second output
+                xa = _linear_cpu(x, [m.lora_a for m in adapted], [None] * len(adapted))
+                out.add_(_linear_cpu(xa, [_adapter_blocks(inner)], [None]))  # type: ignore[arg-type]
         parts = out.split([w.shape[0] for w in weights], dim=-1) if len(weights) > 1 else (out,)
-        for m, part in zip(inner, parts):
-            if type(m) is LoRALinear and m.adapted:  # in place: no second output; eval mode: no dropout
-                part.add_(F.linear(F.linear(x, m.lora_a) * m.scale, m.lora_b))
+        if adapted and torch.compiler.is_compiling():  # traced per projection (inductor fuses them)
+            for m, part in zip(inner, parts):
+                if type(m) is LoRALinear and m.adapted:
+                    part.add_(F.linear(F.linear(x, m.lora_a) * m.scale, m.lora_b))
         return [m.normalize(p) if type(m) is QKNormProjection else p for m, p in zip(modules, parts)]
 
     def _linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
