@@ -99,15 +99,13 @@ class WeightSync:
         module = target.source_model if isinstance(target, GenerationEngine) else target
         # full-model names to this rank's tensors of the training stages and of the rollout copy
         self.targets = dict(module.named_parameters())
-        self.sources: Mapping[str, torch.Tensor]
-        self.trained_plan: ReshardPlan | None = None  # unmerged adapters: the plan of every sync after the first
-        if adapter_modules(module):
-            self.sources = {n: p for stage in stages for n, p in stage.named_parameters()}
-            self.plan = plan_reshard(self.sources, self.targets, group)
-            self.trained_plan = _only(self.plan, _trained_names(self.sources, group))
-        else:
-            self.sources = MergedSources(stages)
-            self.plan = plan_reshard(self.sources, self.targets, group)
+        unmerged = bool(adapter_modules(module))  # the rollout copy carries the adapters itself
+        self.sources: Mapping[str, torch.Tensor] = (
+            {n: p for stage in stages for n, p in stage.named_parameters()} if unmerged else MergedSources(stages)
+        )
+        self.plan = plan_reshard(self.sources, self.targets, group)
+        # unmerged adapters: the plan of every sync after the first
+        self.trained_plan = _only(self.plan, _trained_names(self.sources, group)) if unmerged else None
         self.synced = False
 
     @torch.no_grad()
