@@ -179,3 +179,13 @@ def reuse_host_memory() -> bool:
         return all(libc.mallopt(param, value) == 1 for param, value in settings)
     except (OSError, AttributeError):
         return False
+
+
+def release_host_memory() -> bool:
+    """Give the C allocator's free memory back to the system (glibc's ``malloc_trim``), whatever
+    :func:`reuse_host_memory` set: for a process that lives on, idle, after its work (a test session's pooled ranks).
+    Returns whether any memory was released (False off glibc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim(0) == 1
+    except (OSError, AttributeError):
+        return False

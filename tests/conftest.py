@@ -11,22 +11,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class RankPools:
+    """``pools(n)``: a pool of ``n`` gloo ranks shared by every test module of the session (one process start-up per
+    world size instead of one per call); a failed or timed-out call restarts that pool's processes. ``close()`` stops
+    every pool's processes (the next call starts them again)."""
+
+    def __init__(self) -> None:
+        from fusedrl.testing import MultiRankPool
+
+        self._make = MultiRankPool
+        self._pools: dict = {}
+
+    def __call__(self, world_size: int):
+        if world_size not in self._pools:
+            self._pools[world_size] = self._make(world_size, timeout_s=300)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
 @pytest.fixture(scope="session")
 def rank_pools():
-    """``rank_pools(n)``: a pool of ``n`` gloo ranks shared by every test module of the session (one process start-up
-    per world size instead of one per call); a failed or timed-out call restarts that pool's processes."""
-    from fusedrl.testing import MultiRankPool
-
-    pools: dict[int, MultiRankPool] = {}
-
-    def get(world_size: int) -> MultiRankPool:
-        if world_size not in pools:
-            pools[world_size] = MultiRankPool(world_size, timeout_s=300)
-        return pools[world_size]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+    pools = RankPools()
+    yield pools
+    pools.close()
 
 
 @pytest.fixture

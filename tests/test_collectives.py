@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fusedrl.testing import free_port, run_multirank
+from fusedrl.testing import free_port
 from fusedrl.testing.collectives import CollectiveDeviceError, checked_collectives
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,6 @@ def _checked_trainer_run(out: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_trainer_run_passes_every_collective_a_served_device(tmp_path):
+def test_a_trainer_run_passes_every_collective_a_served_device(tmp_path, four_ranks):
     # pp=2 x dp_shard=2 training, instances of gen_tp=2: weight sync, migration, checkpoint, export and a trace
-    assert run_multirank(_checked_trainer_run, 4, str(tmp_path), timeout_s=300) == [2] * 4
+    assert four_ranks.run(_checked_trainer_run, str(tmp_path), timeout_s=300) == [2] * 4

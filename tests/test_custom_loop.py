@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from fusedrl.testing import run_multirank
-
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "custom_loop.md"
 PROMPTS = ["repeat ab 3 times:", "repeat c 5 times:", "repeat xy 2 times:", "repeat q 7 times:"]
@@ -31,8 +29,8 @@ def _run_doc_loop() -> list[dict]:
 
 
 @pytest.mark.slow
-def test_custom_loop_from_the_docs_trains():
-    ranks = run_multirank(_run_doc_loop, 2, timeout_s=240.0)
+def test_custom_loop_from_the_docs_trains(two_ranks):
+    ranks = two_ranks.run(_run_doc_loop, timeout_s=240.0)
     for history in ranks:
         assert len(history) == 2
     # both ranks generated and scored the same samples
@@ -87,7 +85,7 @@ def _layout_loop_and_trainer(out: str, actor_path: str) -> tuple[list[dict], lis
 
 
 @pytest.mark.slow
-def test_custom_loop_on_the_layouts_gives_the_trainers_losses(tmp_path):
+def test_custom_loop_on_the_layouts_gives_the_trainers_losses(tmp_path, four_ranks):
     import torch
 
     from fusedrl.models import build_model, save_hf_checkpoint
@@ -98,7 +96,7 @@ def test_custom_loop_on_the_layouts_gives_the_trainers_losses(tmp_path):
     actor = build_model("debug_qwen")
     torch.nn.init.normal_(actor.tok_embeddings.weight, std=0.02)
     path = save_hf_checkpoint(actor, tmp_path / "actor", "debug_qwen")
-    loop, trainer = run_multirank(_layout_loop_and_trainer, 4, str(tmp_path), str(path), timeout_s=480.0)[0]
+    loop, trainer = four_ranks.run(_layout_loop_and_trainer, str(tmp_path), str(path), timeout_s=480.0)[0]
     assert len(loop) == len(trainer) == 2
     for step, (a, b) in enumerate(zip(loop, trainer), start=1):
         for key in ("reward_mean", "kl", "policy_loss", "value_loss"):

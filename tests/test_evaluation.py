@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from fusedrl.testing import run_multirank
-
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("eval/accuracy", "eval/score", "eval/finished", "eval/response_len_mean", "eval/pass@2")
 
@@ -94,10 +92,10 @@ def _eval_run(out: str, world: int, extra: tuple[str, ...] = ()):
     return history, records, independent, trainer.evaluator.dataset.prompts
 
 
-def test_evaluations_at_the_start_and_after_updates_grade_the_engines_current_weights(tmp_path):
+def test_evaluations_at_the_start_and_after_updates_grade_the_engines_current_weights(tmp_path, two_ranks):
     # 2 generation instances split the 7 prompts (4 and 3) and add their counts; the independent figures come from
     # all 7 on one fresh engine
-    history, records, (before, after), _ = run_multirank(_eval_run, 2, str(tmp_path), 2, timeout_s=300.0)[0]
+    history, records, (before, after), _ = two_ranks.run(_eval_run, str(tmp_path), 2, timeout_s=300.0)[0]
     evaluated = {r["step"]: {k: r[k] for k in FIGURES} for r in records if "eval/accuracy" in r}
     assert sorted(evaluated) == [0, 2]  # at the start, then every 2nd iteration (here also the last)
     assert "eval/accuracy" not in history[0] and all(k in history[1] for k in FIGURES)
@@ -109,14 +107,14 @@ def test_evaluations_at_the_start_and_after_updates_grade_the_engines_current_we
     assert before != after  # the weights changed what the Actor answers: the check above has teeth
 
 
-def test_a_prompt_file_is_evaluated_in_datas_format(tmp_path):
+def test_a_prompt_file_is_evaluated_in_datas_format(tmp_path, two_ranks):
     from fusedrl.tasks.debug import sample_prompts
 
     train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
     train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sample_prompts(64, seed=0)))
     held_out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sample_prompts(5, seed=9)))
     extra = ("--data.format=jsonl", f"--data.path={train}", f"--eval.path={held_out}", "--training.steps=1")
-    _, records, (before, _), prompts = run_multirank(_eval_run, 2, str(tmp_path / "run"), 2, extra, timeout_s=300.0)[0]
+    _, records, (before, _), prompts = two_ranks.run(_eval_run, str(tmp_path / "run"), 2, extra, timeout_s=300.0)[0]
     assert prompts == sample_prompts(5, seed=9)  # the file's prompts in its order (eval.count 7: all 5 of them)
     start = next(r for r in records if r["step"] == 0)
     assert {k: start[k] for k in FIGURES} == pytest.approx(before, abs=1e-9)

@@ -13,8 +13,6 @@ import torch.distributed as dist
 from test_train import COMPARED as TRAIN_COMPARED
 from test_train import TINY as TRAIN_TINY
 
-from fusedrl.testing import run_multirank
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_grpo.toml")
 # test_train.py's tiny run (random-init models, a quarter of the vocabulary stops a response, so lengths vary and the
@@ -93,8 +91,8 @@ def _runs(out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
-    return run_multirank(_runs, 4, str(tmp_path_factory.mktemp("grpo")), timeout_s=420.0)[0]
+def result(tmp_path_factory, rank_pools) -> dict:
+    return rank_pools(4).run(_runs, str(tmp_path_factory.mktemp("grpo")), timeout_s=420.0)[0]
 
 
 def _assert_equal_runs(a: list[dict], b: list[dict], keys, rel: float, what: str) -> None:

@@ -265,14 +265,12 @@ def _engine_runs(out: str) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path):
+def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path, two_ranks):
     """pp = 2 on 2 ranks, sampling at temperature 0.7: with a bf16 or int8 engine the old log-probs are recomputed
     ("auto"), so the first minibatch's ratio is exactly 1 and nothing clips, while the engine's own log-probs were
     off (the gap is measured and logged); without recomputation the same gap reaches the first minibatch. With one
     update per iteration the update's forward gives the old log-probs: ratio 1, no pass of their own, the gap logged."""
-    from fusedrl.testing import run_multirank
-
-    runs = run_multirank(_engine_runs, 2, str(tmp_path), timeout_s=300.0)[0]
+    runs = two_ranks.run(_engine_runs, str(tmp_path), timeout_s=300.0)[0]
     for name in ("bf16", "int8"):
         for h in runs[name]:
             assert h["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6) and h["clip_frac_first"] == 0.0, name

@@ -23,7 +23,6 @@ from fusedrl.models import (
     trainable_counts,
 )
 from fusedrl.rlhf.losses import token_logprobs
-from fusedrl.testing import run_multirank
 from fusedrl.testing.configs import TINY_DEBUG_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,8 +246,8 @@ def _tp_placements() -> dict[str, tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory) -> dict:
-    return run_multirank(_lora_runs, 2, str(tmp_path_factory.mktemp("lora")), timeout_s=600.0)[0]
+def lora_runs(tmp_path_factory, rank_pools) -> dict:
+    return rank_pools(2).run(_lora_runs, str(tmp_path_factory.mktemp("lora")), timeout_s=600.0)[0]
 
 
 def _assert_close(a: dict, b: dict, rel: float, what: str) -> None:

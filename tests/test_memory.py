@@ -229,7 +229,7 @@ DEBUG_MODELS = ["--model.actor=debug", "--model.critic=debug", "--model.reward=d
     ],
     ids=["critic-pp2", "critic-replicas", "critic-free", "lora"],
 )
-def test_measured_trainer_memory_matches_the_estimate(capsys, args):
+def test_measured_trainer_memory_matches_the_estimate(capsys, args, four_ranks):
     """--measure: the debug flavors through the real trainer on 4 CPU ranks; every compared category (persistent
     state, gradients, unsharded stages, in-flight activations, weight-sync units, the transient tensors of a training
     step, a prefill, a decode step and a scoring micro-batch) within 10% on every rank. Also with the Critic as 2
@@ -240,7 +240,7 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, args):
     (frozen bases: gradients and optimizer state of the adapters and the value head only; no Reference copy: the
     Actor's base is the Reference). Every figure is counted from
     tensors, so the verdict does not depend on how the OS schedules gloo's threads."""
-    code = main(["--measure", "--json", *args])
+    code = main(["--measure", "--json", *args], pool=four_ranks)
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     off = [c for c in result["comparison"] if c["gated"] and abs(c["ratio"] - 1) > memory.TOLERANCE]

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from fusedrl.testing import run_multirank
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
 SMALL = [
@@ -54,9 +52,9 @@ def _train(out: str, extra: list[str]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_bf16_run_tracks_the_fp32_run(tmp_path):
-    fp32 = run_multirank(_train, 4, str(tmp_path / "fp32"), [], timeout_s=300)[0]
-    bf16 = run_multirank(_train, 4, str(tmp_path / "bf16"), BF16, timeout_s=300)[0]
+def test_bf16_run_tracks_the_fp32_run(tmp_path, four_ranks):
+    fp32 = four_ranks.run(_train, str(tmp_path / "fp32"), [], timeout_s=300)[0]
+    bf16 = four_ranks.run(_train, str(tmp_path / "bf16"), BF16, timeout_s=300)[0]
     for step, (a, b) in enumerate(zip(fp32, bf16), start=1):
         assert a["response_len_mean"] == b["response_len_mean"] and a["true_score"] == b["true_score"], step
         assert abs(a["reward_mean"] - b["reward_mean"]) <= 0.02, (step, a["reward_mean"], b["reward_mean"])

@@ -82,10 +82,8 @@ def _trainer_progress(out: str, progress: bool) -> tuple[list[tuple[str, int, in
     return [(p.desc, p.done, p.total, p.enabled) for p in made], moved
 
 
-def test_the_trainer_reports_each_long_phase_on_rank_0_only(tmp_path):
-    from fusedrl.testing import run_multirank
-
-    (rank0, moved), (rank1, _) = run_multirank(_trainer_progress, 2, str(tmp_path / "on"), True, timeout_s=300.0)
+def test_the_trainer_reports_each_long_phase_on_rank_0_only(tmp_path, two_ranks):
+    (rank0, moved), (rank1, _) = two_ranks.run(_trainer_progress, str(tmp_path / "on"), True, timeout_s=300.0)
     assert any(moved), "requests migrated: the rollout's total must follow them"
     phases = [desc for desc, *_ in rank0]
     assert phases == [
@@ -99,5 +97,5 @@ def test_the_trainer_reports_each_long_phase_on_rank_0_only(tmp_path):
     assert all(enabled and done == total > 0 for _, done, total, enabled in rank0)  # each ran to its (final) total
     assert [total for desc, _, total, _ in rank0 if desc.endswith("update")] == [2, 2]  # minibatches of 8 of 16 samples
     assert all(not enabled for *_, enabled in rank1)
-    off = run_multirank(_trainer_progress, 2, str(tmp_path / "off"), False, timeout_s=300.0)
+    off = two_ranks.run(_trainer_progress, str(tmp_path / "off"), False, timeout_s=300.0)
     assert all(not enabled for made, _ in off for *_, enabled in made)

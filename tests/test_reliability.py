@@ -298,12 +298,11 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
 
 
 @pytest.mark.slow
-def test_nan_reward_in_a_full_trainer_run_skips_that_update_on_every_rank(tmp_path):
+def test_nan_reward_in_a_full_trainer_run_skips_that_update_on_every_rank(tmp_path, four_ranks):
     """End to end on 4 ranks (pp=2 x dp_shard=2) through the pipeline executor and FSDP: the NaN reaches
     every rank's loss via KL shaping, GAE and whitening; all ranks skip together and then train on."""
-    from fusedrl.testing import run_multirank
 
-    results = run_multirank(_nan_reward_run, 4, str(tmp_path), timeout_s=300)
+    results = four_ranks.run(_nan_reward_run, str(tmp_path), timeout_s=300)
     for history, checksums in results:
         assert [h["skipped_updates"] for h in history] == [0, 1, 0]
         assert checksums[1][0] == checksums[1][1]  # iteration 2 changed no weight on this rank

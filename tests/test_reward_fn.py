@@ -237,8 +237,8 @@ def _instance_worker() -> dict:
 
 
 @pytest.mark.slow
-def test_an_instance_runs_the_function_once_and_shares_its_values():
-    results = run_multirank(_instance_worker, 2, timeout_s=120.0)
+def test_an_instance_runs_the_function_once_and_shares_its_values(two_ranks):
+    results = two_ranks.run(_instance_worker, timeout_s=120.0)
     assert [r["values"] for r in results] == [[0.0, 1.0], [0.0, 1.0]]
     assert results[0]["calls"] == [2, 2] and results[1]["calls"] == []
     assert all("sample 8 (prompt 'raise it'): returned nan, not a finite number" in r["stopped"] for r in results)
@@ -358,8 +358,8 @@ COMPARED = ("reward_mean", "reward_fn_mean", "policy_loss", "value_loss", "kl", 
 
 
 @pytest.mark.slow
-def test_trainer_with_the_debug_reward_function_alone_and_added(tmp_path):
-    runs = run_multirank(_trainer_runs, 2, str(tmp_path), timeout_s=400.0)
+def test_trainer_with_the_debug_reward_function_alone_and_added(tmp_path, two_ranks):
+    runs = two_ranks.run(_trainer_runs, str(tmp_path), timeout_s=400.0)
     r = runs[0]
     assert all(x["no_reward_model"] for x in runs), "reward = 'none' built a Reward model"
     on, off = r["alone_on"], r["alone_off"]

@@ -6,7 +6,6 @@ import torch
 from fusedrl.generation import Request, RequestResult
 from fusedrl.models import build_model
 from fusedrl.rlhf import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
-from fusedrl.testing import run_multirank
 
 
 def _models(flavor: str = "debug") -> ScoringModels:
@@ -142,5 +141,5 @@ def _score_tensor_parallel() -> None:
 
 
 @pytest.mark.slow
-def test_scorer_accepts_tensor_parallel_models():
-    run_multirank(_score_tensor_parallel, 2)
+def test_scorer_accepts_tensor_parallel_models(two_ranks):
+    two_ranks.run(_score_tensor_parallel)

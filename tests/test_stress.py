@@ -28,8 +28,8 @@ def test_prompt_file_reports_every_injected_row_at_its_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # past the ranks' 600 s and their start-up's 300: its failure names the ranks that hung
-def test_fifty_iterations_with_random_migrations_and_bad_prompts_lose_nothing(tmp_path):
-    r = stress(tmp_path, steps=50, nproc=4, seed=0, timeout_s=600)
+def test_fifty_iterations_with_random_migrations_and_bad_prompts_lose_nothing(tmp_path, four_ranks):
+    r = stress(tmp_path, steps=50, nproc=4, seed=0, timeout_s=600, pool=four_ranks)
     assert r["steps"] == 50
     assert r["requested"] == r["scored"] == 50 * 16 and r["lost"] == 0 and r["duplicated"] == 0
     assert r["steps_not_reconciled"] == []

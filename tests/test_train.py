@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from fusedrl.testing import free_port, run_multirank
+from fusedrl.testing import free_port
 from fusedrl.testing.configs import TINY_DEBUG_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,8 +117,8 @@ def train_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def histories(train_dir) -> dict[str, list[dict]]:
-    return run_multirank(_runs, 4, str(train_dir), timeout_s=420.0)[0]
+def histories(train_dir, rank_pools) -> dict[str, list[dict]]:
+    return rank_pools(4).run(_runs, str(train_dir), timeout_s=420.0)[0]
 
 
 def _assert_close(a: dict, b: dict, keys, rel: float, what: str) -> None:

@@ -20,7 +20,7 @@ from fusedrl.distributed import check_dims
 from fusedrl.memory import TOLERANCE, compare, estimate, format_comparison, format_table, measure_rank, to_json
 from fusedrl.memory.measure import ITERATIONS
 from fusedrl.pipelining import STAGE_CACHE_SIZE
-from fusedrl.testing import run_multirank
+from fusedrl.testing import MultiRankPool, run_on_ranks
 
 MEASURE_CONFIG = "train_configs/debug_ppo.toml"
 _MEASURE_SIZE: tuple[str, ...] = (  # a small batch: 4 CPU ranks take a few seconds
@@ -63,14 +63,16 @@ _RUN_OVERRIDES: tuple[str, ...] = (
 )
 
 
-def measure(argv: list[str], world: int) -> list[dict[str, Any]]:
+def measure(argv: list[str], world: int, pool: MultiRankPool | None = None) -> list[dict[str, Any]]:
     """Run the config (``argv``: ``--job.config_file ...`` and overrides) through the real trainer on ``world`` CPU
-    ranks (:func:`fusedrl.memory.measure_rank`); per rank what it measured, in rank order."""
+    ranks (:func:`fusedrl.memory.measure_rank`), ``pool``'s if given; per rank what it measured, in rank order."""
     with tempfile.TemporaryDirectory() as out:
-        return sorted(run_multirank(measure_rank, world, argv, out, timeout_s=1800.0), key=lambda m: m["rank"])
+        ranks = run_on_ranks(pool, measure_rank, world, argv, out, timeout_s=1800.0)
+        return sorted(ranks, key=lambda m: m["rank"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, pool: MultiRankPool | None = None) -> int:
+    """The command line; ``pool``: the ranks ``--measure`` runs on (default: fresh processes)."""
     parser = argparse.ArgumentParser(prog="python -m fusedrl.bench.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--config", default=None, help=f"TOML job config (default with --measure: a debug_large run of {MEASURE_CONFIG})"
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.critic_free and (not args.measure or args.config is not None):
         parser.error("--critic-free picks the default config of --measure; with --config set ppo.advantage_estimator there")
     if args.measure:
-        return _main_measure(args, overrides)
+        return _main_measure(args, overrides, pool)
     if args.config is None:
         parser.error("--config is required (or --measure)")
     try:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
+def _main_measure(args: argparse.Namespace, overrides: list[str], pool: MultiRankPool | None) -> int:
     defaults: tuple[str, ...] = ()
     if args.config is not None:
         config = args.config
@@ -134,7 +136,7 @@ def _main_measure(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[memory] running {config} through the trainer on {world} CPU ranks ({ITERATIONS} iterations)", file=sys.stderr)
-    measured = measure(argv, world)
+    measured = measure(argv, world, pool)
     est = estimate(
         cfg,
         world,

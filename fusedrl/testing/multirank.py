@@ -7,6 +7,7 @@ the cost of small multi-rank tests).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fusedrl.hardware import release_host_memory
 
 
 def free_port() -> int:
@@ -48,16 +51,24 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any,
     results.put((None, rank, "ready", None))
     while (task := tasks.get()) is not None:
         task_id, payload = task
-        try:
-            fn, args, kwargs = pickle.loads(payload)  # here, so that an import error is reported too
-            value = pickle.dumps(fn(*args, **kwargs))  # an unpicklable result fails here, with a traceback
-            results.put((task_id, rank, "returned", None))
-            dist.barrier()
-            results.put((task_id, rank, "ok", value))
-        except BaseException:  # noqa: BLE001
-            results.put((task_id, rank, "error", traceback.format_exc()))
+        _run_task(rank, task_id, payload, results)
+        # an idle rank holds only what lives: a trainer run keeps its freed memory (reuse_host_memory), and idle
+        # pools holding gigabytes slowed a session's later real-model jobs by a fifth
+        gc.collect()
+        release_host_memory()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _run_task(rank: int, task_id: int, payload: bytes, results: Any) -> None:
+    try:
+        fn, args, kwargs = pickle.loads(payload)  # here, so that an import error is reported too
+        value = pickle.dumps(fn(*args, **kwargs))  # an unpicklable result fails here, with a traceback
+        results.put((task_id, rank, "returned", None))
+        dist.barrier()
+        results.put((task_id, rank, "ok", value))
+    except BaseException:  # noqa: BLE001
+        results.put((task_id, rank, "error", traceback.format_exc()))
 
 
 def _pickle_task(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
@@ -224,6 +235,18 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
     """
     with MultiRankPool(world_size, timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def run_on_ranks(
+    pool: MultiRankPool | None, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any
+) -> list[Any]:
+    """``fn(*args, **kwargs)`` on ``pool``'s ranks (a test session's, which skips the process start-up), else on
+    fresh ones (:func:`run_multirank`); the pool must have ``world_size`` ranks."""
+    if pool is None:
+        return run_multirank(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
+    if pool.world_size != world_size:
+        raise ValueError(f"this run needs {world_size} ranks; the pool given has {pool.world_size}")
+    return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
 def _format_error(name: str, outcomes: dict[int, tuple[str, Any]]) -> str:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fusedrl.testing.multirank import MultiRankPool, run_on_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "train_configs" / "debug_ppo.toml"
 # Small enough for CI (about 1 s per iteration on 4 CPU ranks sharing 2 cores); the debug config otherwise.
@@ -140,11 +142,11 @@ def stress(
     seed: int = 0,
     overrides: list[str] | tuple[str, ...] = (),
     timeout_s: float = 1800.0,
+    pool: MultiRankPool | None = None,
 ) -> dict[str, Any]:
-    """Run the stress test on ``nproc`` gloo ranks; returns rank 0's figures (raises if anything is lost)."""
+    """Run the stress test on ``nproc`` gloo ranks (``pool``'s if given); returns rank 0's figures (raises if anything is lost)."""
     from fusedrl.config import load_config
     from fusedrl.tasks.debug import sample_prompts
-    from fusedrl.testing import run_multirank
     from fusedrl.train import prepare
 
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,7 @@ def stress(
     argv += [f"--model.{k}={ROOT / v}" for k in ("actor_path", "critic_path", "reward_path") if (v := getattr(cfg.model, k))]
     prepare(argv, world_size=nproc)  # the config and path checks of `python -m fusedrl.train`, before any process starts
     start = time.perf_counter()
-    result = run_multirank(_stress_rank, nproc, argv, steps, seed, injected, timeout_s=timeout_s)[0]
+    result = run_on_ranks(pool, _stress_rank, nproc, argv, steps, seed, injected, timeout_s=timeout_s)[0]
     result["wall_s"] = time.perf_counter() - start
     result["bad_rows_injected"] = {k: sum(1 for v in injected.values() if v == k) for k in BAD_ROWS}
     if result["lost"] or result["duplicated"] or result["steps_not_reconciled"] or result["scored"] != steps * cfg.ppo.batch_size:
