@@ -181,6 +181,25 @@ def reuse_host_memory() -> bool:
         return False
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def host_heap_bytes() -> tuple[int, int] | None:
+    """The C allocator's bytes (glibc's ``mallinfo2``, every arena): (in use, free but held by the process). Tells a
+    leak (in use rising) from memory kept for reuse or lost to fragmentation (free rising). None off glibc 2.33+."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
 def release_host_memory() -> bool:
     """Give the C allocator's free memory back to the system (glibc's ``malloc_trim``), whatever
     :func:`reuse_host_memory` set: for a process that lives on, idle, after its work (a test session's pooled ranks).

@@ -21,6 +21,8 @@ def test_summary_leaves_out_the_warmup_and_the_evaluation_record_and_names_non_f
                 "step": step,
                 "resident_memory_gib": 2.0 + (0.5 if step <= 10 else leak),  # the warm-up's level is left out
                 "peak_memory_gib": 3.0,
+                "host_heap_free_gib": 0.5 + leak,  # on CPU: the kept memory grows, not what is in use
+                "host_heap_in_use_gib": 1.5,
                 "policy_loss": math.nan if step == 17 else 0.1,
                 "reward_mean": 0.5,
             }
@@ -30,4 +32,6 @@ def test_summary_leaves_out_the_warmup_and_the_evaluation_record_and_names_non_f
     assert summary["iterations"] == 30 and resident["first"] == pytest.approx(2.0 + 1 / 1024)
     assert resident["slope_mib_per_100"] == pytest.approx(100.0)
     assert summary["peak_memory_gib"]["slope_mib_per_100"] == 0.0 and summary["peak_memory_gib"]["last_over_first"] == 1.0
+    assert summary["host_heap_free_gib"]["slope_mib_per_100"] == pytest.approx(100.0)
+    assert summary["host_heap_in_use_gib"]["slope_mib_per_100"] == 0.0
     assert summary["non_finite"] == ["step 17: policy_loss = nan"]

@@ -12,6 +12,7 @@ from fusedrl.components.metrics import (
     MetricsLogger,
     PhaseTimers,
     length_stats,
+    memory_figures,
     peak_memory_gib,
     percentile,
     read_jsonl,
@@ -175,3 +176,17 @@ def test_timers_percentiles_memory_trace(tmp_path):
     before = resident_memory_gib()
     held = torch.ones(2**26)  # 256 MiB, every page written
     assert resident_memory_gib() - before > 0.2 and float(held[-1]) == 1.0  # the resident set, not a high-water mark
+
+
+def test_memory_figures_count_a_live_tensor_as_heap_in_use_on_cpu():
+    before = memory_figures("cpu")
+    if "host_heap_in_use_gib" not in before:
+        pytest.skip("no glibc mallinfo2 here")
+    held = torch.ones(2**26)  # 256 MiB
+    during = memory_figures("cpu")
+    assert float(held[-1]) == 1.0
+    del held
+    after = memory_figures("cpu")
+    assert during["host_heap_in_use_gib"] - before["host_heap_in_use_gib"] > 0.24
+    assert during["host_heap_in_use_gib"] - after["host_heap_in_use_gib"] > 0.24  # freed: no longer in use
+    assert set(during) == {"peak_memory_gib", "resident_memory_gib", "host_heap_in_use_gib", "host_heap_free_gib"}

@@ -6,8 +6,8 @@
 Runs ``torchrun --nproc_per_node N -m fusedrl.train`` on the config at a reduced size (4 prompts x 4 samples per
 iteration, 16 new tokens, evaluation off; overrides after ``--`` come last and win), checkpointing every
 ``--checkpoint-interval`` steps and keeping ``--keep``. From its ``metrics.jsonl``: the largest rank's resident memory
-(``resident_memory_gib``: the resident set on CPU, allocated memory on CUDA) and peak (``peak_memory_gib``) per
-iteration, their least-squares slope over the iterations after ``--warmup`` (MiB per 100 iterations) and the end
+(``resident_memory_gib``: the resident set on CPU, allocated memory on CUDA), peak (``peak_memory_gib``) and, on CPU,
+the C allocator's bytes in use and free but kept (``host_heap_in_use_gib``, ``host_heap_free_gib``) per iteration, their least-squares slope over the iterations after ``--warmup`` (MiB per 100 iterations) and the end
 against the first measured iteration as a ratio (the baseline of this run: the same job after its warm-up), every
 non-finite figure of the losses, rewards and gradient norms, and the checkpoint folders left. Prints a line every 10
 iterations while it runs.
@@ -41,6 +41,8 @@ REDUCED = (
     "--metrics.trace=[]",
 )
 ITERATION_LINE = re.compile(r"step (\d+): \w+=")
+# the trainer's memory figures (the heap pair on CPU under glibc: in use vs free but kept, a leak vs reuse)
+MEMORY_FIGURES = ("resident_memory_gib", "peak_memory_gib", "host_heap_in_use_gib", "host_heap_free_gib")
 WATCHED = ("policy_loss", "kl", "kl_loss", "reward_mean", "reward_fn_mean", "entropy", "grad_norm_actor", "value_loss")
 
 
@@ -59,7 +61,7 @@ def summarize(records: list[dict], warmup: int) -> dict:
     iterations = [r for r in records if r.get("step", 0) > 0]
     measured = [r for r in iterations if r["step"] > warmup]
     out: dict = {"iterations": len(iterations), "warmup": warmup}
-    for key in ("resident_memory_gib", "peak_memory_gib"):
+    for key in MEMORY_FIGURES:
         points = [(r["step"], r[key]) for r in measured if key in r]
         if not points:
             continue
@@ -132,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     summary = summarize(read_jsonl(out / "metrics.jsonl"), args.warmup)
     summary["checkpoints"] = CheckpointManager(out / "checkpoints", {}).complete_steps()
-    for key in ("resident_memory_gib", "peak_memory_gib"):
+    for key in MEMORY_FIGURES:
         m = summary.get(key)
         if m:
             print(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fusedrl.config import MetricsSection
+from fusedrl.hardware import host_heap_bytes
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,16 @@ def resident_memory_gib(device: torch.device | str | None = None) -> float:
     except OSError:
         return peak_memory_gib(device)
     return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def memory_figures(device: torch.device | str | None = None) -> dict[str, float]:
+    """An iteration's memory figures: ``peak_memory_gib`` and ``resident_memory_gib`` and, for CPU work under glibc,
+    the C allocator's ``host_heap_in_use_gib`` and ``host_heap_free_gib`` (free but kept by the process: reuse or
+    fragmentation, not a leak)."""
+    figures = {"peak_memory_gib": peak_memory_gib(device), "resident_memory_gib": resident_memory_gib(device)}
+    if torch.device(device or "cpu").type == "cpu" and (heap := host_heap_bytes()) is not None:
+        figures["host_heap_in_use_gib"], figures["host_heap_free_gib"] = (b / 2**30 for b in heap)
+    return figures
 
 
 class MetricsLogger:

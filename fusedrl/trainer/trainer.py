@@ -47,8 +47,7 @@ from fusedrl.components import (
     length_stats,
     load_prompts_from_config,
     load_tokenizer,
-    peak_memory_gib,
-    resident_memory_gib,
+    memory_figures,
     resume_step,
 )
 from fusedrl.config import JobConfig
@@ -475,7 +474,7 @@ class Trainer:
         record = reduce_iteration(
             update.stat_sums,
             timers.pop(),
-            {"peak_memory_gib": peak_memory_gib(self.device), "resident_memory_gib": resident_memory_gib(self.device)},
+            memory_figures(self.device),
             divisor=self.layout.dp * self.layout.tp * max(1, update.updates),
             device=self.device,
             first=update.first,
