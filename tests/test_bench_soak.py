@@ -34,4 +34,13 @@ def test_summary_leaves_out_the_warmup_and_the_evaluation_record_and_names_non_f
     assert summary["peak_memory_gib"]["slope_mib_per_100"] == 0.0 and summary["peak_memory_gib"]["last_over_first"] == 1.0
     assert summary["host_heap_free_gib"]["slope_mib_per_100"] == pytest.approx(100.0)
     assert summary["host_heap_in_use_gib"]["slope_mib_per_100"] == 0.0
+    assert resident["slope_second_half_mib_per_100"] == pytest.approx(100.0)  # a steady rise: the second half rises too
+
     assert summary["non_finite"] == ["step 17: policy_loss = nan"]
+
+
+def test_a_rise_that_stops_is_told_from_a_leak():
+    records = [{"step": s, "resident_memory_gib": 2.0 + min(s, 40) / 100} for s in range(1, 101)]  # flat from 40
+    resident = summarize(records, warmup=0)["resident_memory_gib"]
+    assert resident["slope_mib_per_100"] > 100 and resident["slope_second_half_mib_per_100"] == 0.0
+    assert resident["settled_from"] == 38  # 2.38 is within 1% of the end's 2.40; 2.37 is not

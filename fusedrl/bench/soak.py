@@ -8,7 +8,8 @@ iteration, 16 new tokens, evaluation off; overrides after ``--`` come last and w
 ``--checkpoint-interval`` steps and keeping ``--keep``. From its ``metrics.jsonl``: the largest rank's resident memory
 (``resident_memory_gib``: the resident set on CPU, allocated memory on CUDA), peak (``peak_memory_gib``) and, on CPU,
 the C allocator's bytes in use and free but kept (``host_heap_in_use_gib``, ``host_heap_free_gib``) per iteration, their least-squares slope over the iterations after ``--warmup`` (MiB per 100 iterations) and the end
-against the first measured iteration as a ratio (the baseline of this run: the same job after its warm-up), every
+against the first measured iteration as a ratio (the baseline of this run: the same job after its warm-up), the slope
+over the second half and the step from which the figure stays within 1% of its end (a rise that stops), every
 non-finite figure of the losses, rewards and gradient norms, and the checkpoint folders left. Prints a line every 10
 iterations while it runs.
 """
@@ -56,6 +57,16 @@ def slope_per_100(steps: Sequence[int], values: Sequence[float]) -> float:
     return 100 * sum((x - mx) * (y - my) for x, y in zip(steps, values)) / var if var else 0.0
 
 
+def settled_from(steps: Sequence[int], values: Sequence[float], within: float = 0.01) -> int:
+    """The first step from which every value stays within ``within`` (a fraction) of the last one."""
+    last, settled = values[-1], steps[-1]
+    for step, value in zip(reversed(steps), reversed(values)):
+        if abs(value - last) > within * abs(last):
+            break
+        settled = step
+    return settled
+
+
 def summarize(records: list[dict], warmup: int) -> dict:
     """The run's memory trend, non-finite figures and steps, from its metrics records."""
     iterations = [r for r in records if r.get("step", 0) > 0]
@@ -72,6 +83,11 @@ def summarize(records: list[dict], warmup: int) -> dict:
             "max": max(values),
             "slope_mib_per_100": slope_per_100(steps, [v * 1024 for v in values]),
             "last_over_first": values[-1] / values[0],
+            # a rise that stops (caches filling, the allocator's high-water mark) against one that goes on (a leak)
+            "slope_second_half_mib_per_100": slope_per_100(
+                steps[len(steps) // 2 :], [v * 1024 for v in values[len(values) // 2 :]]
+            ),
+            "settled_from": settled_from(steps, values),
         }
     out["non_finite"] = [
         f"step {r['step']}: {k} = {r[k]}"
@@ -139,7 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if m:
             print(
                 f"{key}: {m['first']:.3f} (step {args.warmup + 1}) -> {m['last']:.3f} (step {args.steps}), "
-                f"end / after warm-up {m['last_over_first']:.3f}x, slope {m['slope_mib_per_100']:+.1f} MiB per 100 iterations"
+                f"end / after warm-up {m['last_over_first']:.3f}x, slope {m['slope_mib_per_100']:+.1f} MiB per 100 iterations "
+                f"({m['slope_second_half_mib_per_100']:+.1f} over the second half; within 1% of the end from step "
+                f"{m['settled_from']})"
             )
     print(
         f"non-finite figures: {len(summary['non_finite'])}" + (f" ({summary['non_finite'][:3]})" if summary["non_finite"] else "")
