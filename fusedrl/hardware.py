@@ -5,6 +5,7 @@ limits of the machine at hand, measured (``measure_peak``), that a benchmark sta
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -167,20 +168,6 @@ def _cpu_name() -> str:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters (malloc.h)
 
 
-def reuse_host_memory() -> bool:
-    """Make the C allocator keep freed memory for reuse instead of returning it to the system (glibc's ``mallopt``:
-    no ``mmap``-ed blocks, no trimming of the heap). Each CPU tensor of an iteration (activations, gradients, logits
-    chunks) is otherwise a fresh ``mmap`` whose every page faults on first touch: measured on SmolLM2-135M's GRPO
-    update, ~450 thousand page faults and ~1.5 s of system time per iteration, none after this. The process's
-    resident memory then stays at its peak. Returns whether it took effect (False off glibc, e.g. macOS)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
-        return all(libc.mallopt(param, value) == 1 for param, value in settings)
-    except (OSError, AttributeError):
-        return False
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
@@ -188,23 +175,44 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc's allocator functions, or None where the C library is another (macOS, musl)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    if hasattr(libc, "mallinfo2"):  # glibc 2.33+
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def reuse_host_memory() -> bool:
+    """Make the C allocator keep freed memory for reuse instead of returning it to the system (glibc's ``mallopt``:
+    no ``mmap``-ed blocks, no trimming of the heap). Each CPU tensor of an iteration (activations, gradients, logits
+    chunks) is otherwise a fresh ``mmap`` whose every page faults on first touch: measured on SmolLM2-135M's GRPO
+    update, ~450 thousand page faults and ~1.5 s of system time per iteration, none after this. The process's
+    resident memory then stays at its peak. Returns whether it took effect (False off glibc, e.g. macOS)."""
+    libc = _glibc()
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 << 20))
+    return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
 def host_heap_bytes() -> tuple[int, int] | None:
     """The C allocator's bytes (glibc's ``mallinfo2``, every arena): (in use, free but held by the process). Tells a
     leak (in use rising) from memory kept for reuse or lost to fragmentation (free rising). None off glibc 2.33+."""
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
+    info = libc.mallinfo2()
     return info.uordblks + info.hblkhd, info.fordblks
 
 
 def release_host_memory() -> bool:
-    """Give the C allocator's free memory back to the system (glibc's ``malloc_trim``), whatever
-    :func:`reuse_host_memory` set: for a process that lives on, idle, after its work (a test session's pooled ranks).
+    """Give the C allocator's free memory back to the system (glibc's ``malloc_trim``); the settings of
+    :func:`reuse_host_memory` stay. For a process that lives on, idle, after its work (a test session's pooled ranks).
     Returns whether any memory was released (False off glibc)."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim(0) == 1
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1

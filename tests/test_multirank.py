@@ -59,6 +59,23 @@ def test_pool_reuses_processes_and_recovers_after_a_failure():
         assert set(pool.run(_pid)).isdisjoint(first)
 
 
+def _open_a_group() -> int:
+    dist.new_group(backend="gloo")  # never destroyed, as a trainer's meshes are not: its sockets stay open
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_ranks_over_the_open_file_budget_are_replaced_before_the_next_call():
+    with MultiRankPool(2) as pool:
+        first = pool.run(_open_a_group)
+        assert pool.run(_pid) == first  # under the default budget (half the soft limit): the same processes
+        pool.max_open_files = 0
+        second = pool.run(_pid)
+        assert set(second).isdisjoint(first)
+        pool.max_open_files = 10**6
+        assert pool.run(_pid) == second
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hang_is_killed_at_timeout(tmp_path):

@@ -77,7 +77,10 @@ def _trainer_progress(out: str, progress: bool) -> tuple[list[tuple[str, int, in
         f"--metrics.progress={str(progress).lower()}",
         f"--job.output_dir={out}",
     ]
-    history = run(load_config(overrides))
+    try:
+        history = run(load_config(overrides))
+    finally:  # the rank lives on in the session's pool
+        Trainer.progress = real  # type: ignore[method-assign]
     moved = [r["migration_moved"] for r in history]
     return [(p.desc, p.done, p.total, p.enabled) for p in made], moved
 

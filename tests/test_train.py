@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from fusedrl.hardware import host_heap_bytes
 from fusedrl.testing import free_port
 from fusedrl.testing.configs import TINY_DEBUG_RUN
 
@@ -137,8 +138,8 @@ def test_fusions_on_and_off_give_equal_losses_and_rewards(histories):
         _assert_close(a, b, COMPARED, 1e-4, f"step {step} on vs off")
     # the runs trained: the second iteration sampled from updated weights
     assert on[1]["lr_actor"] > 0 and on[0]["grad_norm_actor"] > 0
-    # CPU ranks report the C allocator's heap beside the resident set: bytes in use, and free ones it keeps
-    assert on[1]["host_heap_in_use_gib"] > 0 and on[1]["host_heap_free_gib"] >= 0
+    if host_heap_bytes() is not None:  # CPU ranks under glibc 2.33+: the C allocator's bytes in use and free ones it keeps
+        assert on[1]["host_heap_in_use_gib"] > 0 and on[1]["host_heap_free_gib"] >= 0
     # the recomputed old log-probs are the training forward's: the first minibatch starts at ratio 1; some responses
     # were truncated (and penalised)
     assert all(h["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6) and h["clip_frac_first"] == 0 for h in on + off)

@@ -5,13 +5,14 @@
 
 Runs ``torchrun --nproc_per_node N -m fusedrl.train`` on the config at a reduced size (4 prompts x 4 samples per
 iteration, 16 new tokens, evaluation off; overrides after ``--`` come last and win), checkpointing every
-``--checkpoint-interval`` steps and keeping ``--keep``. From its ``metrics.jsonl``: the largest rank's resident memory
-(``resident_memory_gib``: the resident set on CPU, allocated memory on CUDA), peak (``peak_memory_gib``) and, on CPU,
-the C allocator's bytes in use and free but kept (``host_heap_in_use_gib``, ``host_heap_free_gib``) per iteration, their least-squares slope over the iterations after ``--warmup`` (MiB per 100 iterations) and the end
-against the first measured iteration as a ratio (the baseline of this run: the same job after its warm-up), the slope
-over the second half and the step from which the figure stays within 1% of its end (a rise that stops), every
-non-finite figure of the losses, rewards and gradient norms, and the checkpoint folders left. Prints a line every 10
-iterations while it runs.
+``--checkpoint-interval`` steps and keeping ``--keep``. From its ``metrics.jsonl``, per iteration, the largest
+rank's resident memory (``resident_memory_gib``: the resident set on CPU, allocated memory on CUDA), peak
+(``peak_memory_gib``) and, on CPU, the C allocator's bytes in use and free but kept (``host_heap_in_use_gib``,
+``host_heap_free_gib``); of each, the least-squares slope over the iterations after ``--warmup`` (MiB per 100
+iterations), the end against the first measured iteration as a ratio (the baseline of this run: the same job after
+its warm-up), the slope over the second half and the step from which it stays within 16 MiB of its end (a rise that
+stops). Also every non-finite figure of the losses, rewards and gradient norms, and the checkpoint folders left.
+Prints a line every 10 iterations while it runs.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def slope_per_100(steps: Sequence[int], values: Sequence[float]) -> float:
     return 100 * sum((x - mx) * (y - my) for x, y in zip(steps, values)) / var if var else 0.0
 
 
-def settled_from(steps: Sequence[int], values: Sequence[float], within: float = 0.01) -> int:
-    """The first step from which every value stays within ``within`` (a fraction) of the last one."""
-    last, settled = values[-1], steps[-1]
-    for step, value in zip(reversed(steps), reversed(values)):
-        if abs(value - last) > within * abs(last):
+def settled_from(steps: Sequence[int], gib: Sequence[float], within_mib: float = 16.0) -> int:
+    """The first step from which every value (GiB) stays within ``within_mib`` of the last one."""
+    last, settled = gib[-1], steps[-1]
+    for step, value in zip(reversed(steps), reversed(gib)):
+        if abs(value - last) * 1024 > within_mib:
             break
         settled = step
     return settled
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{key}: {m['first']:.3f} (step {args.warmup + 1}) -> {m['last']:.3f} (step {args.steps}), "
                 f"end / after warm-up {m['last_over_first']:.3f}x, slope {m['slope_mib_per_100']:+.1f} MiB per 100 iterations "
-                f"({m['slope_second_half_mib_per_100']:+.1f} over the second half; within 1% of the end from step "
+                f"({m['slope_second_half_mib_per_100']:+.1f} over the second half; within 16 MiB of the end from step "
                 f"{m['settled_from']})"
             )
     print(

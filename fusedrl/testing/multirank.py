@@ -1,8 +1,8 @@
 """Run functions on N real processes that share a gloo process group (multi-rank tests).
 
 ``run_multirank`` spawns the processes for one call. ``MultiRankPool`` keeps them alive across
-calls (one process start-up per test module instead of per test: starting Python + torch dominates
-the cost of small multi-rank tests).
+calls (one process start-up per pool instead of per call: starting Python + torch dominates the
+cost of small multi-rank tests).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import resource
 import socket
 import time
 import traceback
@@ -91,14 +92,21 @@ class MultiRankPool:
 
     ``timeout_s`` bounds each call; starting the processes and the group is bounded separately by
     ``startup_timeout_s`` so that a loaded machine does not eat into a test's time.
+
+    Process groups a function creates and does not destroy (a trainer's meshes) keep their sockets and threads open in
+    the ranks: before a call, ranks holding more than ``max_open_files`` file descriptors (default: half the soft
+    ``RLIMIT_NOFILE``, often 1024) are replaced by fresh ones. Counted on Linux only (``/proc``).
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0, startup_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, world_size: int, timeout_s: float = 120.0, startup_timeout_s: float = 300.0, max_open_files: int | None = None
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
+        self.max_open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 if max_open_files is None else max_open_files
         self._ctx = mp.get_context("spawn")
         self._procs: list = []
         self._tasks: list = []
@@ -121,6 +129,8 @@ class MultiRankPool:
         payload = _pickle_task(fn, args, kwargs)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
+            if self._procs and self._open_files() > self.max_open_files:
+                self.close()
             if not self._procs:
                 self._start()
             task_id = next(self._task_ids)
@@ -130,6 +140,16 @@ class MultiRankPool:
         except BaseException:
             self._kill()
             raise
+
+    def _open_files(self) -> int:
+        """The most file descriptors a rank holds (0 where ``/proc`` cannot tell)."""
+        counts = []
+        for p in self._procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/fd")))
+            except OSError:
+                counts.append(0)
+        return max(counts, default=0)
 
     def close(self) -> None:
         """Stop the processes: gracefully if they are idle, else by killing them."""
@@ -238,12 +258,13 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
 
 
 def run_on_ranks(
-    pool: MultiRankPool | None, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any
+    pool: MultiRankPool | None, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None, **kwargs: Any
 ) -> list[Any]:
     """``fn(*args, **kwargs)`` on ``pool``'s ranks (a test session's, which skips the process start-up), else on
-    fresh ones (:func:`run_multirank`); the pool must have ``world_size`` ranks."""
+    fresh ones (:func:`run_multirank`); the pool must have ``world_size`` ranks. ``timeout_s``: default the pool's, or
+    run_multirank's."""
     if pool is None:
-        return run_multirank(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
+        return run_multirank(fn, world_size, *args, **({} if timeout_s is None else {"timeout_s": timeout_s}), **kwargs)
     if pool.world_size != world_size:
         raise ValueError(f"this run needs {world_size} ranks; the pool given has {pool.world_size}")
     return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
