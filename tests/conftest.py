@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from fusedrl.testing import MultiRankPool
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -17,14 +19,11 @@ class RankPools:
     every pool's processes (the next call starts them again)."""
 
     def __init__(self) -> None:
-        from fusedrl.testing import MultiRankPool
+        self._pools: dict[int, MultiRankPool] = {}
 
-        self._make = MultiRankPool
-        self._pools: dict = {}
-
-    def __call__(self, world_size: int):
+    def __call__(self, world_size: int) -> MultiRankPool:
         if world_size not in self._pools:
-            self._pools[world_size] = self._make(world_size, timeout_s=300)
+            self._pools[world_size] = MultiRankPool(world_size, timeout_s=300)
         return self._pools[world_size]
 
     def close(self) -> None:

@@ -258,13 +258,12 @@ def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
 
 
 def run_on_ranks(
-    pool: MultiRankPool | None, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None, **kwargs: Any
+    pool: MultiRankPool | None, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float, **kwargs: Any
 ) -> list[Any]:
     """``fn(*args, **kwargs)`` on ``pool``'s ranks (a test session's, which skips the process start-up), else on
-    fresh ones (:func:`run_multirank`); the pool must have ``world_size`` ranks. ``timeout_s``: default the pool's, or
-    run_multirank's."""
+    fresh ones (:func:`run_multirank`); the pool must have ``world_size`` ranks."""
     if pool is None:
-        return run_multirank(fn, world_size, *args, **({} if timeout_s is None else {"timeout_s": timeout_s}), **kwargs)
+        return run_multirank(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
     if pool.world_size != world_size:
         raise ValueError(f"this run needs {world_size} ranks; the pool given has {pool.world_size}")
     return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
