@@ -26,6 +26,7 @@ OWNERS = {
     "sampling": "generation",
     "engine_compile": "generation",
     "recompute": "rlhf",
+    "partial_rollouts": "rlhf",
     "data": "components",
     "models": "models",
     "lora": "models",

@@ -278,8 +278,8 @@ def _nan_reward_run(out: str) -> tuple[list[dict], list[tuple[float, float]]]:
     trainer = Trainer(cfg)
     run_rollout, train_step = trainer.controller.run, trainer.train_step
 
-    def poisoned_rollout(requests, gather: bool = False, progress=None):
-        result = run_rollout(requests, gather=gather, progress=progress)
+    def poisoned_rollout(requests, **options):
+        result = run_rollout(requests, **options)
         if trainer.step == 2:  # one sample's reward of iteration 2 is NaN, on every rank (same gathered parts)
             result.scored[0].scores[0] = float("nan")
         return result

@@ -49,7 +49,10 @@ from fusedrl.train import prepare
 from fusedrl.trainer import PHASES, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = {"off": ("false", "false"), "on": ("true", "true")}
+MODES: dict[str, tuple[str, ...]] = {
+    mode: (f"--fusion.inter_stage={flag}", f"--fusion.intra_stage={flag}") for mode, flag in (("off", "false"), ("on", "true"))
+}
+"""The fusions benchmark's modes: their config overrides."""
 LAYOUTS = {"one_rank_per_core": 1, "oversubscribed": 2}
 """The fusions benchmark's layouts, both on the same pp x tp cores, by their dp_shard."""
 
@@ -84,27 +87,30 @@ def pin_process(cores: list[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def _bench(argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]]) -> dict[str, list[dict]]:
-    """Pins the rank to ``cores[rank]``; both trainers live side by side and take turns iteration by iteration
-    (order off, on, on, off, ...), so that a drifting machine load biases neither mode."""
+def alternating_runs(
+    argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]], modes: dict[str, tuple[str, ...]] = MODES
+) -> dict[str, list[dict]]:
+    """Pins the rank to ``cores[rank]``; one trainer per mode (``argv``, no outputs, then the mode's overrides, which
+    may turn an evaluation back on), side by side, taking turns iteration by iteration (order a, b, b, a, ...), so
+    that a drifting machine load biases no mode. Returns each mode's metrics of the measured iterations (collective;
+    run it on every rank)."""
     pin_process(cores[dist.get_rank()])
     trainers = {}
-    for mode, (inter, intra) in MODES.items():
+    for mode, overrides in modes.items():
         cfg = load_config(
             [
                 *argv,
-                f"--fusion.inter_stage={inter}",
-                f"--fusion.intra_stage={intra}",
                 f"--training.steps={warmup + steps}",
                 f"--job.output_dir={out}/{mode}",
                 *NO_OUTPUT_OVERRIDES,
                 "--metrics.timeline_interval=1",
+                *overrides,
             ]
         )
         trainers[mode] = Trainer(cfg)
-    histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    histories: dict[str, list[dict]] = {mode: [] for mode in modes}
     for step in range(1, warmup + steps + 1):
-        for mode in list(MODES) if step % 2 else list(MODES)[::-1]:
+        for mode in list(modes) if step % 2 else list(modes)[::-1]:
             record = trainers[mode].train_step(step)
             if step > warmup:
                 histories[mode].append(record)
@@ -121,7 +127,7 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
     threshold simulated a rollout, the simulator's prediction of its length beside the measured one."""
     out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}, "response_len": {}, "migration": {}}
     for mode, records in histories.items():
-        out["samples_per_s"][mode] = _samples_per_s(records)
+        out["samples_per_s"][mode] = samples_per_s_of(records)
         out["phases"][mode] = {p: sum(r[f"time_{p}"] for r in records) / len(records) for p in PHASES}
         out["bubble_ratio"][mode] = sum(r["bubble_ratio"] for r in records) / len(records)
         if all("true_score" in r for r in records):
@@ -148,7 +154,7 @@ def migration_summary(records: list[dict]) -> dict[str, float | None]:
     }
 
 
-def _samples_per_s(records: list[dict]) -> float:
+def samples_per_s_of(records: list[dict]) -> float:
     total = sum(r["time_step"] for r in records)
     return sum(r["samples_per_s"] * r["time_step"] for r in records) / total
 
@@ -174,7 +180,7 @@ def _fusions(
         per_rank = rank_cores(cores, dp_shard)
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
-            histories = run_multirank(_bench, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)[0]
+            histories = run_multirank(alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)[0]
         layout = summarize(histories)
         layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank)
         result["layouts"][name] = layout
@@ -241,7 +247,7 @@ def _tree_figures(ranks: list[dict]) -> dict[str, float]:
         for r in ranks
     ]
     return {
-        "samples_per_s": _samples_per_s(ranks[0]["records"]),
+        "samples_per_s": samples_per_s_of(ranks[0]["records"]),
         "overhead_us_per_action": 1e6 * statistics.fmean(o for o, _ in per_rank),
         "overhead_us_per_action_without_waits": 1e6 * statistics.fmean(o for _, o in per_rank),
         "time_training": statistics.fmean(r["time_training"] for r in ranks[0]["records"]),

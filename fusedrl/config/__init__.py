@@ -22,6 +22,7 @@ from fusedrl.config.job_config import (
     OptimizerSection,
     ParallelismSection,
     PPOSection,
+    RolloutSection,
     TrainingSection,
     microbatch_count,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerSection",
     "PPOSection",
     "ParallelismSection",
+    "RolloutSection",
     "Startup",
     "StartupCheck",
     "TrainingSection",

@@ -278,6 +278,26 @@ class FusionSection:
 
 
 @dataclass
+class RolloutSection:
+    """[rollout]: over-provisioned rollouts with partial requests carried between iterations (opt-in)."""
+
+    over_provision: float = _key(
+        0.0,
+        "Start this fraction more prompt groups than ppo.batch_size needs on each generation instance and stop "
+        "decoding once enough whole groups have finished; the unfinished requests continue in the next iteration "
+        "(re-prefilled under the new weights), each token tagged with the iteration that sampled it. 0: off (every "
+        "iteration decodes its batch to the end). Needs ppo.tis_cap (the stale tokens' importance correction).",
+        at_least(0.0),
+    )
+    max_staleness: int = _key(
+        1,
+        "Most iterations a trained token may lag the policy it trains (over_provision > 0): a carried group that "
+        "would exceed it is discarded (its tokens counted as wasted) and its prompt starts again.",
+        at_least(1),
+    )
+
+
+@dataclass
 class ParallelismSection:
     """[parallelism]: training mesh (pp x dp_shard x tp = world size) and generation TP."""
 
@@ -641,6 +661,7 @@ class JobConfig:
     data: DataSection = field(default_factory=DataSection)
     generation: GenerationSection = field(default_factory=GenerationSection)
     fusion: FusionSection = field(default_factory=FusionSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     parallelism: ParallelismSection = field(default_factory=ParallelismSection)
     ppo: PPOSection = field(default_factory=PPOSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)

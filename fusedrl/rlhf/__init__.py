@@ -36,6 +36,7 @@ from fusedrl.rlhf.losses import (
     value_loss,
 )
 from fusedrl.rlhf.packing import PackedRows, pack_rows, sequence_lengths
+from fusedrl.rlhf.partial import PartialRollouts, RolloutPlan
 from fusedrl.rlhf.program import (
     TrainingExecutor,
     build_executor,
@@ -80,8 +81,10 @@ __all__ = [
     "MinibatchResult",
     "Optimizers",
     "POLICY_STATS",
+    "PartialRollouts",
     "PolicyLoss",
     "RewardFn",
+    "RolloutPlan",
     "RewardFunctionError",
     "RuleReward",
     "Scorer",

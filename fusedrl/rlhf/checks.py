@@ -1,5 +1,6 @@
 """Startup checks of the PPO settings that depend on other sections: when the old log-probs must be recomputed
-with the training layout, the fused schedule's activation-memory cap, and packed micro-batches."""
+with the training layout, the fused schedule's activation-memory cap, packed micro-batches, and over-provisioned
+rollouts."""
 
 from __future__ import annotations
 
@@ -51,4 +52,16 @@ def check_packing(startup: Startup) -> None:
             f"ppo.microbatch_tokens = {tokens} ({where}): with parallelism.pp = {cfg.parallelism.pp} a packed minibatch "
             f"keeps the pipeline program's micro-batch count, and a row then takes up to (ppo.microbatch_size + 1) x "
             f"the longest sequence = {need} tokens; raise it to at least {need}, or set 0 (no packing)"
+        )
+
+
+def check_partial_rollouts(startup: Startup) -> None:
+    """``rollout.over_provision`` trains tokens sampled by earlier policies: it needs ``ppo.tis_cap``, their
+    importance correction; raises ConfigError."""
+    cfg = startup.cfg
+    if cfg.rollout.over_provision > 0 and cfg.ppo.tis_cap <= 0:
+        raise ConfigError(
+            f"rollout.over_provision = {cfg.rollout.over_provision} ({source_of(cfg, 'rollout.over_provision')}) trains "
+            "tokens that earlier policies sampled, which needs their importance correction: set --ppo.tis_cap (e.g. 2.0, "
+            "with ppo.recompute_logprobs on), or --rollout.over_provision=0"
         )

@@ -3,14 +3,16 @@ rank's generation instance, generation + scoring of the batch, and its inter-sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fusedrl.components import Progress, PromptBatch, Tokenizer
 from fusedrl.config import JobConfig
-from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.generation import GenerationEngine, Request, RequestState, SamplingParams
 from fusedrl.layouts import RolloutLayout
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.reward_fn import RewardFn, RuleReward, load_reward_fn
 from fusedrl.rlhf.scoring import Scorer, ScoringModels
-from fusedrl.rollout_fusion import MigrationController, RolloutResult
+from fusedrl.rollout_fusion import GroupTarget, MigrationController, RolloutResult
 
 
 def build_requests(cfg: JobConfig, batch: PromptBatch, step: int, stop_ids: tuple[int, ...]) -> list[Request]:
@@ -85,11 +87,17 @@ def build_controller(
 
 
 def generate_and_score(
-    controller: MigrationController[Experience], requests: list[Request], pad_id: int, progress: Progress | None = None
+    controller: MigrationController[Experience],
+    requests: list[Request],
+    pad_id: int,
+    progress: Progress | None = None,
+    *,
+    resume: Sequence[RequestState] = (),
+    target: GroupTarget | None = None,
 ) -> tuple[RolloutResult[Experience], Experience]:
     """Generate and score this rank's requests (collective); every rank receives the whole scored batch
-    in sample-id order. ``progress``: see :meth:`MigrationController.run`."""
-    result = controller.run(requests, gather=True, progress=progress)
+    in sample-id order. ``progress``, ``resume`` and ``target``: see :meth:`MigrationController.run`."""
+    result = controller.run(requests, resume=resume, target=target, gather=True, progress=progress)
     exp = Experience.concat(result.scored, pad_token_id=pad_id)
     assert exp.sample_ids is not None  # Scorer.score sets sample_ids on every scored batch
     return result, exp.select(exp.sample_ids.argsort())

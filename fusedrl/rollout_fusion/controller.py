@@ -19,6 +19,12 @@ same all-gathered statistics, and move their own KV shards to the same TP index 
   the tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there,
   except a kept instance's share of its last step's samples, which it scores itself.
 
+With a :class:`GroupTarget` (over-provisioned rollouts, :class:`fusedrl.rlhf.PartialRollouts`) the ranks also
+all-gather the ids finished since the last check at every check (every ``check_interval`` decode steps, fusion on or
+off) and stop decoding once enough whole groups have finished: each rank then exports its unfinished requests
+(tokens and log-probs, no KV) as ``RolloutResult.carried``, which the next rollout resumes (``run(resume=...)``).
+The target is checked until a migration; a rollout that migrates first decodes its tail to the end.
+
 Scoring arrives as a callable (``score``): the controller cuts finished samples into length-sorted
 micro-batches and hands each to it; what it returns is collected, never inspected. Sampling uses
 per-request RNG streams that travel with the request, so fusion changes no output. Request ids must be
@@ -76,6 +82,26 @@ ScoreFn = Callable[[list[RequestResult]], T]
 """Scores one micro-batch of finished samples (at most ``micro_batch_size``, sorted by length)."""
 
 
+@dataclass(frozen=True)
+class GroupTarget:
+    """Stop a rollout once ``groups`` whole groups have finished, and at least one sample in it. Request ``i`` belongs
+    to group ``i // size``; ``finished`` holds ids that finished in earlier rollouts (their groups count too)."""
+
+    size: int
+    groups: int
+    finished: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.groups < 1:
+            raise ValueError(f"a group target needs size >= 1 and groups >= 1, got size {self.size}, groups {self.groups}")
+
+    def reached(self, finished: set[int]) -> bool:
+        counts: dict[int, int] = {}
+        for i in finished:
+            counts[i // self.size] = counts.get(i // self.size, 0) + 1
+        return len(finished) > len(self.finished) and sum(c == self.size for c in counts.values()) >= self.groups
+
+
 @dataclass
 class MigrationStats:
     """What the migration did (identical on every rank)."""
@@ -127,6 +153,7 @@ class RolloutResult(Generic[T]):
     trace: ChromeTrace  # spans of every rank (pid = rank): decode, migrate, score
     measurements: Measurements
     auto: AutoDecision | None = None  # the "auto" threshold's last simulated decision (None: none was simulated)
+    carried: list[RequestState] = field(default_factory=list)  # this rank's unfinished requests at a GroupTarget's stop
 
     @property
     def scoring_exposed_s(self) -> float:
@@ -214,23 +241,35 @@ class MigrationController(Generic[T]):
         )
 
     # ------------------------------------------------------------------------------------------ rollout
-    def run(self, requests: Sequence[Request], *, gather: bool = False, progress: Progress | None = None) -> RolloutResult[T]:
-        """Generate and score this instance's ``requests`` (the same on every rank of an instance; a collective over
-        the groups). ``progress`` counts the requests this engine finishes (its total follows migration) and shows
-        its decode tokens/s."""
-        for r in requests:
+    def run(
+        self,
+        requests: Sequence[Request],
+        *,
+        resume: Sequence[RequestState] = (),
+        target: GroupTarget | None = None,
+        gather: bool = False,
+        progress: Progress | None = None,
+    ) -> RolloutResult[T]:
+        """Generate and score this instance's ``requests`` and continue the unfinished request states ``resume`` (the
+        same on every rank of an instance; a collective over the groups). With a ``target`` decoding stops once it is
+        reached, and the requests left unfinished come back in ``RolloutResult.carried``. ``progress`` counts the
+        requests this engine finishes (its total follows migration) and shows its decode tokens/s."""
+        for r in [*requests, *(s.request for s in resume)]:
             if not isinstance(r.id, int):
                 raise ValueError(f"request id {r.id!r} is not an int; the controller needs int ids (sample ids)")
+        for r in requests:
             self.engine.add_request(r)
+        for state in resume:
+            self.engine.import_request(state)
         rank, world = dist.get_rank(self.control_group), dist.get_world_size(self.control_group)
-        ids_per_rank = self._all_gather([r.id for r in requests])
+        ids_per_rank = self._all_gather([r.id for r in requests] + [s.id for s in resume])
         all_ids = [i for ids in ids_per_rank for i in ids]
         if len(set(all_ids)) != len(all_ids):
             raise ValueError("request ids must be unique across ranks")
-        run = _Rollout(self, rank, world, len(all_ids), progress)
+        run = _Rollout(self, rank, world, len(all_ids), progress, target)
         run.execute()
         end = run.clock()
-        self._reconcile(run.scored_ids, all_ids)
+        self._reconcile(run.scored_ids + [int(s.id) for s in run.carried], all_ids)
         scored = run.scored
         if gather:
             scored = [part for parts in self._all_gather(scored) for part in parts]
@@ -251,6 +290,7 @@ class MigrationController(Generic[T]):
             trace=trace,
             measurements=run.measurements,
             auto=run.auto_decision,
+            carried=run.carried,
         )
 
     def _reconcile(self, scored_ids: list[int], all_ids: list[int]) -> None:
@@ -293,9 +333,20 @@ _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, re
 class _Rollout:
     """State of one rank during one rollout."""
 
-    def __init__(self, ctl: MigrationController, rank: int, world: int, batch: int, progress: Progress | None) -> None:
+    def __init__(
+        self,
+        ctl: MigrationController,
+        rank: int,
+        world: int,
+        batch: int,
+        progress: Progress | None,
+        target: GroupTarget | None = None,
+    ) -> None:
         self.ctl, self.engine, self.rank, self.world, self.batch = ctl, ctl.engine, rank, world, batch
-        self.progress = progress
+        self.progress, self.target = progress, target
+        self.done_ids: set[int] = set(target.finished) if target is not None else set()  # every rank's, as of the last check
+        self.unreported: list[int] = []  # finished here since the last check
+        self.carried: list[RequestState] = []
         self.decoded = 0  # tokens this engine decoded (for the progress's tokens/s)
         self.finished: list[RequestResult] = []  # finished here, not yet scored
         self.scored: list[Any] = []
@@ -343,6 +394,7 @@ class _Rollout:
             if not res.ok:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
+            self.unreported.append(int(res.id))
         end = self.clock()
         if self.progress is not None:
             self.decoded += stats.active
@@ -357,8 +409,32 @@ class _Rollout:
         self.decode_end = end
 
     def _decode_until_done(self) -> None:
-        while self.engine.has_work():
-            self._step()
+        if self.target is None:
+            while self.engine.has_work():
+                self._step()
+            return
+        while True:  # lockstep checks of the target, until it is reached or every rank is done
+            for _ in range(self.ctl.check_interval):
+                if self.engine.has_work():
+                    self._step()
+            reached, busy = self._check_target()
+            if reached or not busy:
+                return
+
+    def _check_target(self) -> tuple[bool, bool]:
+        """(the group target is reached, some rank still decodes), from every rank's ids finished since the last
+        check (collective). When reached, this rank's unfinished requests leave the engine as ``carried``."""
+        assert self.target is not None
+        parts = self.ctl._all_gather((self.unreported, self.engine.has_work()))
+        self.unreported = []
+        for ids, _ in parts:
+            self.done_ids.update(ids)
+        reached = self.target.reached(self.done_ids)
+        if reached:
+            self.carried = [self.engine.export_request(i, mode="reprefill") for i in self.engine.unfinished_ids()]
+            if self.progress is not None:
+                self.progress.set_total(self.progress.done)
+        return reached, any(busy for _, busy in parts)
 
     def _decode_until_threshold(self) -> MigrationPlan | None:
         """Decode with a check every ``check_interval`` steps. A check posts this instance's statistics (an
@@ -376,6 +452,10 @@ class _Rollout:
                     self._step()
                     self.new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
+            if self.target is not None and self._check_target()[0]:
+                for wait in posted:  # every rank posted them before this check: they complete
+                    wait()
+                return None
             start = self.clock()
             posted.append(self._post_stats())
             if len(posted) <= STATS_LAG:

@@ -60,6 +60,8 @@ from fusedrl.models import lora_spec, reference_from_base, trained_parameters
 from fusedrl.pipelining import Timeline
 from fusedrl.rlhf import (
     Experience,
+    PartialRollouts,
+    RolloutPlan,
     UpdateResult,
     base_reference_logprobs,
     build_controller,
@@ -192,6 +194,7 @@ class Trainer:
         self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
+        self.stop_ids = tuple(self.tokenizer.stop_token_ids)
         vocab = model_flavor(cfg, "actor").vocab_size
         check_vocab(self.tokenizer, vocab)
         self.layout = build_training_layout(cfg, self.device)
@@ -204,15 +207,27 @@ class Trainer:
         self.executor = build_executor(cfg, self.layout, self.device)
         texts = synthetic_prompts(cfg, self.task)
         self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=texts)
-        # every rank of an instance generates the same prompts: the loader shards over instances
-        self.loader = PromptLoader(
-            self.dataset,
-            cfg.ppo.batch_size // cfg.generation.n // self.rollout.instances,
-            rank=self.rollout.instance,
-            world_size=self.rollout.instances,
-            seed=cfg.job.seed,
-            shuffle=cfg.data.shuffle,
-        )
+        groups = cfg.ppo.batch_size // cfg.generation.n
+        self.partial: PartialRollouts | None = None
+        if cfg.rollout.over_provision > 0:  # plans every instance's prompts from the global stream
+            self.partial = PartialRollouts(
+                cfg,
+                PromptLoader(self.dataset, groups, seed=cfg.job.seed, shuffle=cfg.data.shuffle),
+                self.stop_ids,
+                instance=self.rollout.instance,
+                instances=self.rollout.instances,
+                pad_id=self.tokenizer.pad_id,
+            )
+            self.loader = self.partial.loader
+        else:  # every rank of an instance generates the same prompts: the loader shards over instances
+            self.loader = PromptLoader(
+                self.dataset,
+                groups // self.rollout.instances,
+                rank=self.rollout.instance,
+                world_size=self.rollout.instances,
+                seed=cfg.job.seed,
+                shuffle=cfg.data.shuffle,
+            )
         self.max_len = cfg.sequence_budget
         # old log-probs of the training forward: a pass of their own, or the update's forward (on-policy)
         self.recompute = recompute_enabled(cfg) and not old_logprobs_from_forward(cfg)
@@ -248,7 +263,8 @@ class Trainer:
             critic_name = f"critic_stage{self.layout.critic_index}"
             modules[critic_name], optimizers[critic_name] = self.layout.critic_stage, self.opt.critic
             schedules[critic_name] = self.opt.critic_lr
-        self.ckpt = CheckpointManager.from_config(cfg.checkpoint, self.out, modules, optimizers, schedules, {"data": self.loader})
+        extra = {"data": self.loader} | ({"rollout": self.partial} if self.partial is not None else {})
+        self.ckpt = CheckpointManager.from_config(cfg.checkpoint, self.out, modules, optimizers, schedules, extra)
         # rank 0 reads the folder once and its view decides: every rank resumes (or not) from the same step
         found = [self.ckpt.latest_step() if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
@@ -366,11 +382,20 @@ class Trainer:
         return UpdateResult({}, {}, 0, {"skipped_updates": self.updates_per_step, **self.opt.learning_rates()}, None, 0)
 
     def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
-        """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times."""
-        batch = self.loader.next_batch()
-        requests = build_requests(self.cfg, batch, step, tuple(self.tokenizer.stop_token_ids))
-        with self.progress(f"step {step} rollout (rank 0's engine)", len(requests), "req") as progress:
-            result, scored = generate_and_score(self.controller, requests, self.tokenizer.pad_id, progress)
+        """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times.
+        With ``[rollout] over_provision`` the rollout also resumes the carried requests and stops at the batch's worth
+        of whole groups, which it returns (:class:`PartialRollouts`)."""
+        if self.partial is None:
+            plan = RolloutPlan(build_requests(self.cfg, self.loader.next_batch(), step, self.stop_ids), [], None)
+        else:
+            plan = self.partial.plan(step)
+        count = len(plan.requests) + len(plan.resume)
+        with self.progress(f"step {step} rollout (rank 0's engine)", count, "req") as progress:
+            result, scored = generate_and_score(
+                self.controller, plan.requests, self.tokenizer.pad_id, progress, resume=plan.resume, target=plan.target
+            )
+        if self.partial is not None:
+            scored = self.partial.collect(step, result, scored)
         timers.add("generation", result.decode_end_s)
         timers.add("scoring", result.scoring_s)
         timers.add("scoring_exposed", result.scoring_exposed_s)
@@ -506,6 +531,8 @@ class Trainer:
         record.update(sampling_stats)
         record.update(update.figures)
         record.update(migration_metrics(result))
+        if self.partial is not None:
+            record.update(self.partial.figures())
         record.update(reward_fn_metrics(scored))
         eval_start = time.perf_counter()
         hook = self.task.evaluate if self.task is not None else None
