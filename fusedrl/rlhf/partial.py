@@ -118,7 +118,7 @@ class PartialRollouts:
         ids = range(gid * self.n, (gid + 1) * self.n)
         wasted = sum(self.carried_lengths.pop(i, 0) for i in ids)
         if self.rows is not None:
-            drop = torch.isin(self.rows.sample_ids, torch.tensor(list(ids)))  # type: ignore[arg-type]
+            drop = torch.tensor([i // self.n == gid for i in self._sample_ids(self.rows)], dtype=torch.bool)
             wasted += int(self.rows.response_mask[drop].sum())
             self.rows = self.rows.select(~drop) if not drop.all() else None
         self.states = [s for s in self.states if int(s.id) // self.n != gid]
