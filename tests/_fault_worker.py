@@ -34,8 +34,8 @@ def _install(phase: str, step: int) -> None:
 
         def round_with_fault(self, at: int, timers):
             if at == step:
-                trainer_module.generate_and_score = lambda c, r, pad, progress: generate_and_score(
-                    c, r, pad, _KillOnUpdate(progress)
+                trainer_module.generate_and_score = lambda c, r, pad, progress, **plan: generate_and_score(
+                    c, r, pad, _KillOnUpdate(progress), **plan
                 )
             return rollout_round(self, at, timers)
 
