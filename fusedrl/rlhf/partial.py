@@ -31,7 +31,7 @@ from fusedrl.config import JobConfig
 from fusedrl.generation import Request, RequestState
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.rollout import build_requests
-from fusedrl.rollout_fusion import GroupTarget, RolloutResult
+from fusedrl.rollout_fusion import GroupTarget, RolloutResult, whole_groups
 
 Prompt = tuple[int, int, list[int]]  # (prompt sample id, dataset index, token ids)
 
@@ -142,10 +142,7 @@ class PartialRollouts:
         self.states = list(result.carried)
         pool = scored if self.rows is None else Experience.concat([self.rows, scored], pad_token_id=self.pad_id)
         ids = self._sample_ids(pool)
-        members: dict[int, int] = {}
-        for i in ids:
-            members[i // self.n] = members.get(i // self.n, 0) + 1
-        complete = sorted((g for g, c in members.items() if c == self.n), key=lambda g: (self.groups[g].started, g))
+        complete = sorted(whole_groups(ids, self.n), key=lambda g: (self.groups[g].started, g))
         if len(complete) < self.batch_groups:
             raise RuntimeError(
                 f"step {step}: {len(complete)} whole groups finished, the batch needs {self.batch_groups}: the rollout "

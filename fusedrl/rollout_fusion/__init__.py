@@ -7,7 +7,14 @@ rollout under a cost model: the ``auto`` threshold and paper-scale estimates), :
 response lengths for benchmarks).
 """
 
-from fusedrl.rollout_fusion.controller import GroupTarget, MigrationController, MigrationStats, RolloutResult, ScoreFn
+from fusedrl.rollout_fusion.controller import (
+    GroupTarget,
+    MigrationController,
+    MigrationStats,
+    RolloutResult,
+    ScoreFn,
+    whole_groups,
+)
 from fusedrl.rollout_fusion.plan import MigrationPlan, PlanError, verify_plan
 from fusedrl.rollout_fusion.simulator import RolloutConfig, RolloutCosts, best_migration, simulate_rollout
 from fusedrl.rollout_fusion.workload import LengthDistribution, lmsys_lengths
@@ -27,4 +34,5 @@ __all__ = [
     "lmsys_lengths",
     "simulate_rollout",
     "verify_plan",
+    "whole_groups",
 ]

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -96,10 +96,13 @@ class GroupTarget:
             raise ValueError(f"a group target needs size >= 1 and groups >= 1, got size {self.size}, groups {self.groups}")
 
     def reached(self, finished: set[int]) -> bool:
-        counts: dict[int, int] = {}
-        for i in finished:
-            counts[i // self.size] = counts.get(i // self.size, 0) + 1
-        return len(finished) > len(self.finished) and sum(c == self.size for c in counts.values()) >= self.groups
+        return len(finished) > len(self.finished) and len(whole_groups(finished, self.size)) >= self.groups
+
+
+def whole_groups(ids: Iterable[int], size: int) -> list[int]:
+    """The groups (``id // size``) all ``size`` of whose distinct ids are among ``ids``."""
+    counts = Counter(i // size for i in set(ids))
+    return [g for g, c in counts.items() if c == size]
 
 
 @dataclass

@@ -73,11 +73,10 @@ def write_prompt_file(
 def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str]) -> dict[str, Any]:
     from collections.abc import Sequence
 
-    from fusedrl.components import Progress
     from fusedrl.config import load_config
-    from fusedrl.generation import Request, RequestState
+    from fusedrl.generation import Request
     from fusedrl.rlhf import Experience
-    from fusedrl.rollout_fusion import GroupTarget, RolloutResult
+    from fusedrl.rollout_fusion import RolloutResult
     from fusedrl.trainer import Trainer
 
     cfg = load_config(argv)
@@ -100,15 +99,8 @@ def _stress_rank(argv: list[str], steps: int, seed: int, injected: dict[int, str
         settings.append((ctl.threshold, ctl.mode, ctl.check_interval))
         return train_step(step)
 
-    def audited_rollout(
-        requests: Sequence[Request],
-        *,
-        resume: Sequence[RequestState] = (),
-        target: GroupTarget | None = None,
-        gather: bool = False,
-        progress: Progress | None = None,
-    ) -> RolloutResult[Experience]:
-        result = run_rollout(requests, resume=resume, target=target, gather=gather, progress=progress)
+    def audited_rollout(requests: Sequence[Request], **options: Any) -> RolloutResult[Experience]:
+        result = run_rollout(requests, **options)
         asked: list[list[int]] = [[] for _ in range(dist.get_world_size())]  # every slot is overwritten
         dist.all_gather_object(asked, [int(r.id) for r in requests])
         scored_ids: list[int] = []
