@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from fusedrl.bench import e2e
 from fusedrl.bench.e2e import LAYOUTS, ROOT, main, migration_summary, pick_cores, pin_process, rank_cores
 from fusedrl.config import ConfigError
 from fusedrl.train import prepare
@@ -74,3 +75,25 @@ def test_migration_summary_counts_migrations_and_the_simulators_error() -> None:
     assert summary["prediction_error"] == pytest.approx(0.15)
     fixed = migration_summary([{"migration_kept": 1, "migration_moved": 3}])
     assert fixed["auto_threshold"] is None and fixed["prediction_error"] is None
+
+
+def test_runs_apart_give_each_mode_its_own_runs_in_alternating_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+
+    def fake_run_multirank(fn, world, argv, out, warmup, steps, cores, modes, timeout_s):
+        assert fn is e2e.alternating_runs and world == len(cores) == 4 and (warmup, steps) == (1, 2)
+        calls.append(modes)
+        (mode,) = modes
+        return [{mode: [{"run": len(calls), "step": s, "samples_per_s": 1.0, "time_step": 1.0} for s in range(steps)]}]
+
+    monkeypatch.setattr(e2e, "run_multirank", fake_run_multirank)
+    histories = e2e.runs_apart(["--job.config_file", CONFIG], "/tmp/out", 1, 2, [[0, 1]] * 4, rounds=3)
+    assert calls == [{m: e2e.MODES[m]} for m in ("off", "on", "on", "off", "off", "on")]
+    assert [r["run"] for r in histories["off"]] == [1, 1, 4, 4, 5, 5]
+    assert [r["run"] for r in histories["on"]] == [2, 2, 3, 3, 6, 6]
+
+
+def test_apart_with_a_baseline_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--config", CONFIG, "--apart", "--baseline", str(ROOT)])
+    assert "--apart runs the fusion modes apart" in capsys.readouterr().err

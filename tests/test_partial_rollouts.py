@@ -94,10 +94,11 @@ def test_group_target_counts_whole_groups_with_earlier_samples_and_needs_a_new_o
 
 
 # ------------------------------------------------------------------------------------------------ the selection
-def _partial(over: float, staleness: int, prompts: int = 64) -> PartialRollouts:
+def _partial(over: float, staleness: int, prompts: int = 64, unfinished: str = "carry") -> PartialRollouts:
     cfg = JobConfig()
     cfg.generation.n, cfg.ppo.batch_size = 4, 16
     cfg.rollout.over_provision, cfg.rollout.max_staleness = over, staleness
+    cfg.rollout.unfinished = unfinished  # type: ignore[assignment]
     data = PromptDataset(
         [str(i) for i in range(prompts)], [[1, 2 + i % 7, 3] for i in range(prompts)], list(range(prompts)), DataReport("fake")
     )
@@ -109,20 +110,20 @@ def _fake_rollout(
     partial: PartialRollouts, step: int, rng: random.Random, left: dict[int, int], started: dict[int, int]
 ) -> Experience:
     """One rollout of a fake engine: each request has ``left[id]`` tokens to go; requests finish in a random order
-    and the rollout stops once its target is reached (as the controller does), the rest carried with their progress.
-    ``started``: prompt id -> the iteration its fresh requests (its current attempt) were planned in."""
+    and the rollout stops once its target is reached (as the controller does; without one, all finish), the rest
+    carried with their progress. ``started``: prompt id -> the iteration its fresh requests (its current attempt) were
+    planned in."""
     plan = partial.plan(step)
-    assert plan.target is not None
     started.update({r.id // 4: step for r in plan.requests})
     pending = {r.id: RequestState(r, [], []) for r in plan.requests} | {s.id: s for s in plan.resume}
     for r in plan.requests:
         left[r.id] = rng.choice([2, 3, 5, 40])  # a few long ones
-    finished: set[int] = set(plan.target.finished)
+    finished: set[int] = set() if plan.target is None else set(plan.target.finished)
     done: list[tuple[int, int]] = []  # (id, response length)
     order = sorted(pending, key=lambda i: left[i] + rng.random())
     budget = left[order[0]]
     for rid in order:
-        if plan.target.reached(finished):
+        if plan.target is not None and plan.target.reached(finished):
             break
         budget = max(budget, left[rid])
         finished.add(rid)
@@ -200,44 +201,98 @@ def test_selection_trains_whole_groups_within_the_staleness_bound_and_loses_no_p
         assert result["discarded"] > 0 and result["wasted"] > 0  # the 40-token requests outlive the bound
 
 
+def _iterate_deferred(over: float, steps: int, seed: int) -> dict:
+    partial, rng, left = _partial(over, 1, prompts=256, unfinished="defer"), random.Random(seed), {}
+    started: dict[int, int] = {}
+    trained: list[int] = []
+    deferred: set[int] = set()  # prompts ever sent to the long queue
+    long_rounds = 0
+    for step in range(1, steps + 1):
+        long_round = len(partial.long) >= 4
+        waiting = [p[0] for p in partial.long][:4]
+        batch = _fake_rollout(partial, step, rng, left, started)
+        ids = batch.sample_ids.tolist()
+        groups = sorted({i // 4 for i in ids})
+        assert ids == sorted(ids) and len(ids) == 16 and all([i // 4 for i in ids].count(g) == 4 for g in groups)
+        f = partial.figures()
+        assert f["rollout_staleness_max"] == 0 and f["rollout_stale_tokens_frac"] == 0  # on-policy
+        assert f["rollout_staleness_0_tokens"] == int(batch.response_mask.sum())
+        assert f["rollout_long_rounds"] == long_round and f["rollout_long_queue"] == len(partial.long)
+        if long_round:  # the four oldest deferred prompts, alone, each decoded to its end
+            long_rounds += 1
+            assert groups == sorted(waiting) and f["rollout_deferred_groups"] == 0
+        assert not partial.groups and not partial.states and partial.rows is None  # nothing carried
+        deferred |= {p[0] for p in partial.long}
+        trained += ids
+    assert len(trained) == len(set(trained))
+    drawn = set(range(partial.loader.position))
+    pending = {p[0] for p in (*partial.queue, *partial.long)}
+    assert {i // 4 for i in trained} | pending == drawn and not {i // 4 for i in trained} & pending  # no prompt lost
+    resumed = _partial(over, 1, prompts=256, unfinished="defer")
+    resumed.load_state_dict(partial.state_dict())
+    assert list(resumed.long) == list(partial.long) and list(resumed.queue) == list(partial.queue)
+    return {"long_rounds": long_rounds, "deferred_trained": len(deferred & {i // 4 for i in trained})}
+
+
+@pytest.mark.parametrize("over", [0.5, 1.0])
+def test_tail_batching_trains_on_policy_whole_groups_and_finishes_deferred_prompts_in_long_rounds(over):
+    result = _in_one_process(_iterate_deferred, over, 16, 7)
+    assert result["long_rounds"] > 0 and result["deferred_trained"] > 0
+
+
 # ------------------------------------------------------------------------------------------------ the trainer
-def _train_and_resume(out: str) -> dict:
-    """3 iterations on 2 ranks with a checkpoint after the second; then a run that resumes from it (requests in
-    flight at the checkpoint) for the third."""
+def _train_and_resume(out: str, unfinished: str, saved_at: int) -> dict:
+    """3 iterations on 2 ranks with a checkpoint after iteration ``saved_at``; then a run that resumes from it
+    (requests in flight, or prompts deferred, at the checkpoint) for the rest."""
     from test_grpo_train import CONFIG, TINY
 
     from fusedrl.train import Trainer
 
     def cfg(*extra: str):
         args = ["--job.config_file", CONFIG, *TINY, f"--job.output_dir={out}", "--parallelism.dp_shard=1"]
-        args += ["--rollout.over_provision=1.0", "--ppo.tis_cap=2.0", "--ppo.recompute_logprobs=true"]
-        return load_config([*args, "--fusion.inter_stage=false", "--checkpoint.interval=2", *extra])
+        args += ["--rollout.over_provision=1.0", f"--rollout.unfinished={unfinished}"]
+        args += ["--ppo.tis_cap=2.0", "--ppo.recompute_logprobs=true"]
+        return load_config([*args, "--fusion.inter_stage=false", f"--checkpoint.interval={saved_at}", *extra])
 
-    first = Trainer(cfg("--training.steps=2"))
+    first = Trainer(cfg(f"--training.steps={saved_at}"))
     history = first.train()
     assert first.partial is not None
     saved = first.partial.state_dict()
     resumed = Trainer(cfg("--training.steps=3", "--checkpoint.resume=true"))
-    assert resumed.partial is not None and resumed.resume_from == 2
-    resumed.ckpt.load(2)
+    assert resumed.partial is not None and resumed.resume_from == saved_at
+    resumed.ckpt.load(saved_at)
     restored = resumed.partial.state_dict()
     history += resumed.train()
-    return {"history": history, "saved": saved, "restored": restored, "in_flight": len(first.partial.groups)}
+    pending = len(first.partial.groups) + len(first.partial.long)
+    return {"history": history, "saved": saved, "restored": restored, "pending": pending, "long": len(first.partial.long)}
 
 
 def test_trainer_runs_over_provisioned_rollouts_and_resumes_the_groups_in_flight(rank_pools, tmp_path):
-    out = rank_pools(2).run(_train_and_resume, str(tmp_path), timeout_s=300)[0]
+    out = rank_pools(2).run(_train_and_resume, str(tmp_path), "carry", 2, timeout_s=300)[0]
     history = out["history"]
     assert len(history) == 3
     assert all(r["rollout_staleness_max"] <= 1 for r in history)
     assert history[0]["rollout_carried_requests"] + history[0]["rollout_carried_samples"] > 0
     assert sum(r["rollout_staleness_1_tokens"] for r in history[1:]) > 0  # carried tokens were trained
-    assert out["in_flight"] > 0 and out["restored"] == out["saved"]  # the groups in flight start again
+    assert out["pending"] > 0 and out["restored"] == out["saved"]  # the groups in flight start again
+
+
+def test_trainer_runs_tail_batching_on_policy_and_keeps_the_long_queue(rank_pools, tmp_path):
+    out = rank_pools(2).run(_train_and_resume, str(tmp_path), "defer", 1, timeout_s=300)[0]
+    history = out["history"]
+    assert len(history) == 3 and all(r["rollout_staleness_max"] == 0 for r in history)
+    assert history[0]["rollout_deferred_groups"] > 0 and history[0]["rollout_long_rounds"] == 0
+    assert out["long"] == history[0]["rollout_long_queue"] > 0 and out["restored"] == out["saved"]  # kept by the checkpoint
+    # the resumed run starts with the long round of the saved prompts once they fill a batch (4 groups)
+    assert history[1]["rollout_long_rounds"] == (out["long"] >= 4)
+    assert sum(r["rollout_long_rounds"] for r in history) >= 1
 
 
 def test_config_refuses_over_provisioning_without_its_importance_correction():
-    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_grpo.toml"), "--rollout.over_provision=0.5"])
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_grpo.toml"), "--rollout.over_provision=0.5"]
+    cfg = load_config(argv)
     with pytest.raises(ConfigError, match="ppo.tis_cap"):
         run_checks(cfg, 4)
+    run_checks(load_config([*argv, "--rollout.unfinished=defer"]), 4)  # tail batching trains on-policy tokens only
     with pytest.raises(ConfigError, match="max_staleness"):
         load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_grpo.toml"), "--rollout.max_staleness=0"])

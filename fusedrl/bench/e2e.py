@@ -7,10 +7,13 @@ on the same cores, each allowed on all of them, so that an idle rank hands its c
 dp_shard is not used; the global batch is the config's in both layouts. Each layout spawns its CPU processes with
 one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
 iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
-of other processes on the machine hits both alike. Reports per layout samples/s over the measured iterations, the
+of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer per
+rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
+rank (a real model's two trainers per rank may not fit at 2 ranks per core), at the price of slower drifts in the
+machine's load hitting the modes unevenly. Reports per layout samples/s over the measured iterations, the
 mean seconds per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the
-longest). ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks' memory:
-a real model's two trainers per rank may not fit twice). Both modes sample the same responses (fusion changes when work runs, not what is
+longest). ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks'
+memory). Both modes sample the same responses (fusion changes when work runs, not what is
 computed), so the ``true_score`` figures of the two modes agree. Needs Linux (``os.sched_setaffinity``) and at
 least pp x tp cores.
 
@@ -22,7 +25,7 @@ forward/backward and the losses) / program entries executed, and the same withou
 messages (see :mod:`fusedrl.bench.tree_worker`).
 
 Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--fusion-layouts NAMES]
-[--baseline TREE] [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
+[--apart] [--baseline TREE] [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
 (fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at dp_shard = 2,
 "layouts": {"one_rank_per_core": {"samples_per_s": {"on": .., "off": ..}, "phases": {...}, ...}, ...}, ...}``;
 trees: per layout the samples/s and overhead figures of both trees and their ratios).
@@ -120,6 +123,20 @@ def alternating_runs(
 LENGTH_FIGURES = ("p50", "p90", "p99", "max")
 
 
+def runs_apart(argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]], rounds: int) -> dict[str, list[dict]]:
+    """Each mode of :data:`MODES` alone (one trainer per rank, fresh processes per run), ``rounds`` runs each in the
+    order off, on, on, off, ...; each mode's metrics of the measured iterations of all its runs."""
+    histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for r in range(rounds):
+        for mode in list(MODES) if r % 2 == 0 else list(MODES)[::-1]:
+            run = run_multirank(
+                alternating_runs, len(cores), argv, out, warmup, steps, cores, {mode: MODES[mode]}, timeout_s=3600.0
+            )[0]
+            histories[mode] += run[mode]
+            print(f"run {r + 1}/{rounds}, fusions {mode}: {samples_per_s_of(run[mode]):.3f} samples/s", flush=True)
+    return histories
+
+
 def summarize(histories: dict[str, list[dict]]) -> dict:
     """samples/s over the measured steps (total samples / total step time), mean seconds per phase, the response
     lengths the rollout saw (per iteration p50 / p90 / p99, averaged over iterations, and the longest), and the
@@ -169,20 +186,28 @@ def _fusions(
     batch: int,
     as_json: bool,
     layouts: dict[str, int] = LAYOUTS,
+    apart_rounds: int = 0,
 ) -> None:
+    turns = "the modes taking turns (off, on, on, off, ...)"
+    if apart_rounds:
+        turns = f"each mode in {apart_rounds} runs of its own, alternating (off, on, on, off, ...)"
     print(
         f"end-to-end PPO, {config}, batch {batch}, on cores {cores}: {warmup} warm-up + {steps} measured iterations "
-        "per mode and layout, the modes taking turns (off, on, on, off, ...)",
+        f"per mode, run and layout, {turns}",
         flush=True,
     )
-    result: dict = {"config": config, "batch_size": batch, "measured_steps_per_mode": steps, "cores": cores, "layouts": {}}
+    result: dict = {"config": config, "batch_size": batch, "measured_steps_per_run": steps, "cores": cores, "layouts": {}}
     for name, dp_shard in layouts.items():
         per_rank = rank_cores(cores, dp_shard)
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
-            histories = run_multirank(alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)[0]
+            if apart_rounds:
+                histories = runs_apart(argv, out, warmup, steps, per_rank, apart_rounds)
+            else:
+                ranks = run_multirank(alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)
+                histories = ranks[0]
         layout = summarize(histories)
-        layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank)
+        layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank, runs_per_mode=apart_rounds or 1)
         result["layouts"][name] = layout
         pinning = f"rank r alone on core r of {cores}" if dp_shard == 1 else f"every rank on all of {cores}"
         print(f"\n{name}: {len(per_rank)} CPU ranks (pp={pp} x dp_shard={dp_shard}), {pinning}")
@@ -197,7 +222,7 @@ def _fusions(
             lengths = layout["response_len"][m]
             print(f"response tokens, fusions {m}: " + ", ".join(f"{q} {lengths[q]:.1f}" for q in LENGTH_FIGURES))
         moves = layout["migration"]["on"]
-        line = f"migrations, fusions on: {moves['iterations_migrated']} of {steps} iterations, "
+        line = f"migrations, fusions on: {moves['iterations_migrated']} of {steps * (apart_rounds or 1)} iterations, "
         line += f"{moves['moved_per_iteration']:.1f} requests moved per iteration"
         if moves["auto_threshold"] is not None:
             line += f", auto threshold {moves['auto_threshold']:.1f} requests (mean; 0: never migrate)"
@@ -318,10 +343,19 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(LAYOUTS),
         help="without --baseline: the layouts to run (one_rank_per_core, oversubscribed: twice the ranks and memory)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout")
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="without --baseline: run each fusion mode alone (one trainer per rank), alternating over --rounds",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout; with --apart: of each mode"
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if args.apart and args.baseline is not None:
+        parser.error("--apart runs the fusion modes apart; --baseline compares trees (each run apart already): drop one")
 
     unknown = set(args.fusion_layouts.split(",")) - set(LAYOUTS)
     if unknown:
@@ -342,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.baseline is None:
-        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json, layouts)
+        rounds = args.rounds if args.apart else 0
+        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json, layouts, rounds)
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():
         parser.error(

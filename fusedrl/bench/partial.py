@@ -2,8 +2,8 @@
 
 Two trainers per rank from the same initial weights take turns iteration by iteration (as ``bench.e2e``'s fusion
 modes, one rank per core): ``sync``, both fusions off and no over-provisioning (every iteration decodes its whole
-batch before anything else runs); ``partial``, the config's fusions on with ``[rollout] over_provision`` and
-``max_staleness`` as given. Both take ``ppo.tis_cap`` with recomputed old log-probs (the partial mode's stale tokens need it; the synchronous one
+batch before anything else runs); ``partial``, the config's fusions on with ``[rollout] over_provision``,
+``unfinished`` (``carry``: partial rollouts; ``defer``: tail batching) and ``max_staleness`` as given. Both take ``ppo.tis_cap`` with recomputed old log-probs (the partial mode's stale tokens need it; the synchronous one
 gets the same loss). Reports samples/s over the measured iterations and their ratio, the mean seconds per phase,
 the trained and the finished response lengths, carried / discarded / wasted figures, trained tokens per staleness,
 and per iteration each mode's cumulative step time with its reward, so that the score after the same wall time can
@@ -13,7 +13,8 @@ Freed host memory goes back to the system (``training.reuse_host_memory = false`
 rank keeping their high-water marks do not fit a 24 GiB machine with the reasoning recipe.
 
 Run: ``python -m fusedrl.bench.partial --config train_configs/smollm2_135m_reasoning_grpo.toml [--steps N] [--warmup
-N] [--over-provision F] [--max-staleness S] [--tis-cap C] [--eval] [--json] [--section.key=value ...]``.
+N] [--over-provision F] [--unfinished carry|defer] [--max-staleness S] [--tis-cap C] [--eval] [--json]
+[--section.key=value ...]``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ ROLLOUT_FIGURES = (
     "rollout_discarded_groups",
     "rollout_wasted_tokens",
     "rollout_stale_tokens_frac",
+    "rollout_long_rounds",  # tail batching's
+    "rollout_deferred_groups",
+    "rollout_long_queue",
 )
 
 
-def modes(over_provision: float, max_staleness: int, tis_cap: float) -> dict[str, tuple[str, ...]]:
+def modes(over_provision: float, unfinished: str, max_staleness: int, tis_cap: float) -> dict[str, tuple[str, ...]]:
     common = (f"--ppo.tis_cap={tis_cap}", "--ppo.recompute_logprobs=true")
     return {
         "sync": (*common, "--fusion.inter_stage=false", "--fusion.intra_stage=false", "--rollout.over_provision=0"),
@@ -48,6 +52,7 @@ def modes(over_provision: float, max_staleness: int, tis_cap: float) -> dict[str
             *common,
             "--fusion.inter_stage=true",
             f"--rollout.over_provision={over_provision}",
+            f"--rollout.unfinished={unfinished}",
             f"--rollout.max_staleness={max_staleness}",
         ),
     }
@@ -68,7 +73,7 @@ def summarize(histories: dict[str, list[dict]], warmup: int) -> dict:
             figures["finished_len"] = {
                 q: statistics.fmean(r[f"rollout_finished_len_{q}"] for r in measured) for q in ("mean", "p50", "p90")
             }
-            figures["rollout"] = {k: statistics.fmean(r[k] for r in measured) for k in ROLLOUT_FIGURES}
+            figures["rollout"] = {k: statistics.fmean(r[k] for r in measured) for k in ROLLOUT_FIGURES if k in measured[0]}
             stale = [k for k in measured[0] if k.startswith("rollout_staleness_") and k.endswith("_tokens")]
             figures["trained_tokens_by_staleness"] = {k: sum(r[k] for r in measured) for k in sorted(stale)}
         figures["migration"] = migration_summary(measured)
@@ -89,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="measured iterations per mode")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations per mode, before the measured ones")
     parser.add_argument("--over-provision", type=float, default=1.0, help="rollout.over_provision of the partial mode")
+    parser.add_argument(
+        "--unfinished", choices=("carry", "defer"), default="carry", help="rollout.unfinished of the partial mode"
+    )
     parser.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of the partial mode")
     parser.add_argument("--tis-cap", type=float, default=2.0, help="ppo.tis_cap of both modes")
     parser.add_argument("--eval", action="store_true", help="run the config's [eval] after the last iteration")
@@ -103,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     # recipe (one rank at 15.8 GiB after 7 iterations); returned to the system, each rank stays near 7 GiB
     config_argv.append("--training.reuse_host_memory=false")
     evaluation = (f"--eval.interval={total}",) if args.eval else ()
-    chosen = {m: (*o, *evaluation) for m, o in modes(args.over_provision, args.max_staleness, args.tis_cap).items()}
+    chosen = {
+        m: (*o, *evaluation) for m, o in modes(args.over_provision, args.unfinished, args.max_staleness, args.tis_cap).items()
+    }
     try:
         par = load_config(config_argv).parallelism
         cores = pick_cores(par.pp * par.tp)
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"over-provisioned rollouts vs synchronous, {args.config}: {len(per_rank)} ranks (rank r alone on core r of "
         f"{cores}), {args.warmup} warm-up + {args.steps} measured iterations per mode, taking turns; partial: "
-        f"over_provision {args.over_provision}, max_staleness {args.max_staleness}; both tis_cap {args.tis_cap}",
+        f"over_provision {args.over_provision}, unfinished {args.unfinished}, max_staleness {args.max_staleness}; both "
+        f"tis_cap {args.tis_cap}",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as out:

@@ -32,7 +32,7 @@ ORDER = (
     "sampling",  # generation: a sampling distribution PPO can use
     "engine_compile",  # generation: the engine's compile scope and mode
     "recompute",  # rlhf: what needs the old log-probs recomputed
-    "partial_rollouts",  # rlhf: over-provisioned rollouts have their stale tokens' importance correction
+    "partial_rollouts",  # rlhf: carried (stale) tokens of over-provisioned rollouts have their importance correction
     "data",  # components: the dataset
     "models",  # models: checkpoint folders, flavors, vocabulary, sequence length
     "lora",  # models: [lora] on built, trained models without float8

@@ -279,19 +279,27 @@ class FusionSection:
 
 @dataclass
 class RolloutSection:
-    """[rollout]: over-provisioned rollouts with partial requests carried between iterations (opt-in)."""
+    """[rollout]: over-provisioned rollouts, with the unfinished groups carried between iterations or deferred to
+    long rounds (opt-in)."""
 
     over_provision: float = _key(
         0.0,
         "Start this fraction more prompt groups than ppo.batch_size needs on each generation instance and stop "
-        "decoding once enough whole groups have finished; the unfinished requests continue in the next iteration "
-        "(re-prefilled under the new weights), each token tagged with the iteration that sampled it. 0: off (every "
-        "iteration decodes its batch to the end). Needs ppo.tis_cap (the stale tokens' importance correction).",
+        "decoding once enough whole groups have finished; the unfinished groups go on as rollout.unfinished says. "
+        "0: off (every iteration decodes its batch to the end).",
         at_least(0.0),
+    )
+    unfinished: Literal["carry", "defer"] = _key(
+        "carry",
+        "What becomes of the groups unfinished when an over-provisioned rollout stops: carry (partial rollouts: their "
+        "requests continue in the next iteration, re-prefilled under the new weights, each token tagged with the "
+        "iteration that sampled it; needs ppo.tis_cap, the stale tokens' importance correction) or defer (tail "
+        "batching: their tokens are dropped and their prompts wait in a long queue; once it holds a batch's worth, an "
+        "iteration decodes those prompts alone, to the end: every trained token is on-policy).",
     )
     max_staleness: int = _key(
         1,
-        "Most iterations a trained token may lag the policy it trains (over_provision > 0): a carried group that "
+        "Most iterations a trained token may lag the policy it trains (unfinished = carry): a carried group that "
         "would exceed it is discarded (its tokens counted as wasted) and its prompt starts again.",
         at_least(1),
     )

@@ -56,12 +56,13 @@ def check_packing(startup: Startup) -> None:
 
 
 def check_partial_rollouts(startup: Startup) -> None:
-    """``rollout.over_provision`` trains tokens sampled by earlier policies: it needs ``ppo.tis_cap``, their
-    importance correction; raises ConfigError."""
+    """``rollout.over_provision`` with ``unfinished = "carry"`` trains tokens sampled by earlier policies: it needs
+    ``ppo.tis_cap``, their importance correction; raises ConfigError."""
     cfg = startup.cfg
-    if cfg.rollout.over_provision > 0 and cfg.ppo.tis_cap <= 0:
+    if cfg.rollout.over_provision > 0 and cfg.rollout.unfinished == "carry" and cfg.ppo.tis_cap <= 0:
         raise ConfigError(
-            f"rollout.over_provision = {cfg.rollout.over_provision} ({source_of(cfg, 'rollout.over_provision')}) trains "
-            "tokens that earlier policies sampled, which needs their importance correction: set --ppo.tis_cap (e.g. 2.0, "
-            "with ppo.recompute_logprobs on), or --rollout.over_provision=0"
+            f"rollout.over_provision = {cfg.rollout.over_provision} ({source_of(cfg, 'rollout.over_provision')}) with "
+            "rollout.unfinished = carry trains tokens that earlier policies sampled, which needs their importance "
+            "correction: set --ppo.tis_cap (e.g. 2.0, with ppo.recompute_logprobs on), or --rollout.unfinished=defer "
+            "(tail batching: on-policy), or --rollout.over_provision=0"
         )

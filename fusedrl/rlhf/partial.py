@@ -1,18 +1,24 @@
-"""Over-provisioned rollouts with partial requests carried between iterations (``[rollout] over_provision``).
+"""Over-provisioned rollouts (``[rollout] over_provision``): partial rollouts or tail batching.
 
 Each generation instance keeps ``ceil(batch groups x (1 + over_provision) / instances)`` prompt groups in flight. A
 rollout stops decoding once the batch's worth of whole groups has finished (:class:`GroupTarget`); the iteration
-trains on whole groups only, oldest first, and carries the rest into the next one: unfinished requests as token
-states (re-prefilled under the next iteration's weights, their random streams continuing where they stopped) and
-finished, scored samples of groups not trained yet. Every response token is tagged with the iteration (policy
-version) that sampled it; a group whose oldest token would lag the trained policy by more than
-``rollout.max_staleness`` iterations is discarded (its tokens counted as wasted) and its prompt starts again. The
-stale tokens' importance correction is ``ppo.tis_cap``'s: the policy loss weighs each token by
-``min(pi_old / pi_sampled, tis_cap)``, ``pi_sampled`` being the log-prob the engine recorded when it sampled the token.
+trains on whole groups only, oldest first. ``rollout.unfinished`` says what becomes of the rest:
+
+- ``carry`` (partial rollouts): they go on in the next iteration: unfinished requests as token states (re-prefilled
+  under the next iteration's weights, their random streams continuing where they stopped) and finished, scored
+  samples of groups not trained yet. Every response token is tagged with the iteration (policy version) that sampled
+  it; a group whose oldest token would lag the trained policy by more than ``rollout.max_staleness`` iterations is
+  discarded (its tokens counted as wasted) and its prompt starts again. The stale tokens' importance correction is
+  ``ppo.tis_cap``'s: the policy loss weighs each token by ``min(pi_old / pi_sampled, tis_cap)``, ``pi_sampled`` being
+  the log-prob the engine recorded when it sampled the token.
+- ``defer`` (tail batching): a group unfinished when the rollout stops is dropped (its tokens counted as wasted) and
+  its prompt joins the long queue; whole groups past the batch start again first. Once the long queue holds a
+  batch's worth of prompts, the next rollout is a long round: those prompts alone, fresh, decoded to the end, without
+  over-provisioning. Every trained token was sampled by the policy it trains.
 
 Everything but the carried request states is the same on every rank (decided from all-gathered figures), so a
-checkpoint saves one copy: the prompts of the groups in flight and of the queue, which a resumed run starts again
-(their tokens are regenerated, none is lost). docs/algorithms.md states the semantics.
+checkpoint saves one copy: the prompts of the groups in flight, of the queue and of the long queue, which a resumed
+run starts again (their tokens are regenerated, none is lost). docs/algorithms.md states the semantics.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class RolloutPlan:
 
 
 class PartialRollouts:
-    """Plans over-provisioned rollouts and selects the whole groups each iteration trains on.
+    """Plans over-provisioned rollouts (and, deferring, long rounds) and selects the whole groups each iteration trains
+    on.
 
     Args:
         cfg: the job config (``rollout``, ``generation`` and ``ppo.batch_size``).
@@ -73,8 +80,10 @@ class PartialRollouts:
         self.n = cfg.generation.n
         self.batch_groups = cfg.ppo.batch_size // self.n
         self.max_staleness = cfg.rollout.max_staleness
+        self.defer = cfg.rollout.unfinished == "defer"
         self.in_flight = math.ceil(self.batch_groups * (1 + cfg.rollout.over_provision) / instances)
         self.queue: deque[Prompt] = deque()  # prompts not started yet
+        self.long: deque[Prompt] = deque()  # deferred prompts, for the next long round
         self.groups: dict[int, _Group] = {}  # started, not trained or discarded; by prompt sample id
         self.stretches: dict[int, list[tuple[int, int]]] = {}  # request id -> (token offset, iteration) per stretch
         self.carried_lengths: dict[int, int] = {}  # every instance's carried request id -> tokens generated so far
@@ -84,7 +93,13 @@ class PartialRollouts:
 
     # ------------------------------------------------------------------------------------------------ planning
     def plan(self, step: int) -> RolloutPlan:
-        """Discard groups too stale to train at ``step``, then top each instance up to its groups in flight."""
+        """Discard groups too stale to train at ``step``, then top each instance up to its groups in flight; deferring,
+        a long round instead once the long queue holds a batch's worth of prompts."""
+        if self.defer and len(self.long) >= self.batch_groups:
+            prompts = [self.long.popleft() for _ in range(self.batch_groups)]
+            mine = [p for k, p in enumerate(prompts) if self._start(p, step, k % self.instances)]
+            self._add({"rollout_long_rounds": 1})
+            return RolloutPlan(self._requests(mine, step), [], None)
         for gid in [g for g, group in self.groups.items() if step - group.started > self.max_staleness]:
             self._discard(gid)
         for rid, generated in self.carried_lengths.items():
@@ -93,20 +108,25 @@ class PartialRollouts:
         busy = [0] * self.instances
         for gid in {rid // self.n for rid in self.carried_lengths}:
             busy[self.groups[gid].instance] += 1
-        mine: list[Prompt] = []
+        mine = []
         for inst in range(self.instances):
             for _ in range(self.in_flight - busy[inst]):
                 prompt = self._next_prompt()
-                self.groups[prompt[0]] = _Group(prompt, step, inst)
-                self.stretches.update({prompt[0] * self.n + k: [(0, step)] for k in range(self.n)})
-                if inst == self.instance:
+                if self._start(prompt, step, inst):
                     mine.append(prompt)
-        batch = PromptBatch([p[2] for p in mine], [p[1] for p in mine], [p[0] for p in mine])
         finished = frozenset() if self.rows is None else frozenset(self._sample_ids(self.rows))
         states, self.states = self.states, []
-        return RolloutPlan(
-            build_requests(self.cfg, batch, step, self.stop_ids), states, GroupTarget(self.n, self.batch_groups, finished)
-        )
+        return RolloutPlan(self._requests(mine, step), states, GroupTarget(self.n, self.batch_groups, finished))
+
+    def _start(self, prompt: Prompt, step: int, instance: int) -> bool:
+        """Start ``prompt``'s group at ``step`` on ``instance``; whether that is this rank's instance."""
+        self.groups[prompt[0]] = _Group(prompt, step, instance)
+        self.stretches.update({prompt[0] * self.n + k: [(0, step)] for k in range(self.n)})
+        return instance == self.instance
+
+    def _requests(self, prompts: list[Prompt], step: int) -> list[Request]:
+        batch = PromptBatch([p[2] for p in prompts], [p[1] for p in prompts], [p[0] for p in prompts])
+        return build_requests(self.cfg, batch, step, self.stop_ids)
 
     def _next_prompt(self) -> Prompt:
         if not self.queue:
@@ -115,6 +135,17 @@ class PartialRollouts:
         return self.queue.popleft()
 
     def _discard(self, gid: int) -> None:
+        """Drop group ``gid``; its prompt starts again first."""
+        self.queue.appendleft(self._drop(gid))
+        self._add({"rollout_discarded_groups": 1})
+
+    def _defer(self, gid: int) -> None:
+        """Drop group ``gid``; its prompt waits for the next long round."""
+        self.long.append(self._drop(gid))
+        self._add({"rollout_deferred_groups": 1})
+
+    def _drop(self, gid: int) -> Prompt:
+        """Forget group ``gid``'s samples, carried requests and tags (their tokens counted as wasted); its prompt."""
         ids = range(gid * self.n, (gid + 1) * self.n)
         wasted = sum(self.carried_lengths.pop(i, 0) for i in ids)
         if self.rows is not None:
@@ -124,8 +155,8 @@ class PartialRollouts:
         self.states = [s for s in self.states if int(s.id) // self.n != gid]
         for i in ids:
             self.stretches.pop(i, None)
-        self.queue.appendleft(self.groups.pop(gid).prompt)
-        self._add({"rollout_discarded_groups": 1, "rollout_wasted_tokens": wasted})
+        self._add({"rollout_wasted_tokens": wasted})
+        return self.groups.pop(gid).prompt
 
     # ------------------------------------------------------------------------------------------------ selection
     def collect(self, step: int, result: RolloutResult[Any], scored: Experience) -> Experience:
@@ -156,6 +187,12 @@ class PartialRollouts:
         self._tag(step, trained)
         for gid in chosen:
             del self.groups[gid]
+        if self.defer:  # whole groups past the batch start again first, in order; the unfinished wait for a long round
+            extra = set(complete[self.batch_groups :])
+            for gid in sorted(extra, reverse=True):
+                self._discard(gid)
+            for gid in sorted(self.groups):
+                self._defer(gid)
         lengths = scored.response_mask.sum(1)
         self._add({"rollout_finished_samples": scored.batch_size})
         self._figures.update(length_stats(lengths, "rollout_finished_len"))
@@ -190,6 +227,10 @@ class PartialRollouts:
         out["rollout_staleness_max"] = max((k for k, c in enumerate(stale) if c), default=0)
         out.setdefault("rollout_discarded_groups", 0)
         out.setdefault("rollout_wasted_tokens", 0)
+        if self.defer:
+            out.setdefault("rollout_long_rounds", 0)
+            out.setdefault("rollout_deferred_groups", 0)
+            out["rollout_long_queue"] = len(self.long)
         return out
 
     def _add(self, counts: dict[str, float]) -> None:
@@ -203,12 +244,17 @@ class PartialRollouts:
 
     # ------------------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, str]:
-        """The prompts of the groups in flight (oldest first) and of the queue; a resumed run starts them again."""
+        """The prompts of the groups in flight (oldest first) and of the queue, and those of the long queue; a resumed
+        run starts them again."""
         started = sorted(self.groups.values(), key=lambda g: (g.started, g.prompt[0]))
-        return {"prompts": json.dumps([list(g.prompt) for g in started] + [list(p) for p in self.queue])}
+        return {
+            "prompts": json.dumps([list(g.prompt) for g in started] + [list(p) for p in self.queue]),
+            "long": json.dumps([list(p) for p in self.long]),
+        }
 
     def load_state_dict(self, state: dict[str, str]) -> None:
-        self.queue = deque(
-            (int(sid), int(index), [int(t) for t in tokens]) for sid, index, tokens in json.loads(state["prompts"])
+        self.queue, self.long = (
+            deque((int(sid), int(index), [int(t) for t in tokens]) for sid, index, tokens in json.loads(saved))
+            for saved in (state["prompts"], state.get("long", "[]"))  # a checkpoint of a run that deferred nothing
         )
         self.groups, self.stretches, self.carried_lengths, self.states, self.rows = {}, {}, {}, [], None

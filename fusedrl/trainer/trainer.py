@@ -383,8 +383,9 @@ class Trainer:
 
     def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
         """Generate and score the next prompt batch (``generation.n`` samples each; collective); adds its phase times.
-        With ``[rollout] over_provision`` the rollout also resumes the carried requests and stops at the batch's worth
-        of whole groups, which it returns (:class:`PartialRollouts`)."""
+        With ``[rollout] over_provision`` the rollout follows :class:`PartialRollouts`' plan (carried requests resumed,
+        a stop at the batch's worth of whole groups, or a long round of deferred prompts) and returns the batch it
+        selects."""
         if self.partial is None:
             plan = RolloutPlan(build_requests(self.cfg, self.loader.next_batch(), step, self.stop_ids), [], None)
         else:
