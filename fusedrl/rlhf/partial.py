@@ -188,8 +188,7 @@ class PartialRollouts:
         for gid in chosen:
             del self.groups[gid]
         if self.defer:  # whole groups past the batch start again first, in order; the unfinished wait for a long round
-            extra = set(complete[self.batch_groups :])
-            for gid in sorted(extra, reverse=True):
+            for gid in sorted(complete[self.batch_groups :], reverse=True):
                 self._discard(gid)
             for gid in sorted(self.groups):
                 self._defer(gid)
@@ -255,6 +254,6 @@ class PartialRollouts:
     def load_state_dict(self, state: dict[str, str]) -> None:
         self.queue, self.long = (
             deque((int(sid), int(index), [int(t) for t in tokens]) for sid, index, tokens in json.loads(saved))
-            for saved in (state["prompts"], state.get("long", "[]"))  # a checkpoint of a run that deferred nothing
+            for saved in (state["prompts"], state.get("long", "[]"))  # checkpoints from before tail batching: no "long"
         )
         self.groups, self.stretches, self.carried_lengths, self.states, self.rows = {}, {}, {}, [], None
