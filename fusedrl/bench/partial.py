@@ -3,11 +3,12 @@
 Two trainers per rank from the same initial weights take turns iteration by iteration (as ``bench.e2e``'s fusion
 modes, one rank per core): ``sync``, both fusions off and no over-provisioning (every iteration decodes its whole
 batch before anything else runs); ``partial``, the config's fusions on with ``[rollout] over_provision``,
-``unfinished`` (``carry``: partial rollouts; ``defer``: tail batching) and ``max_staleness`` as given. Both take ``ppo.tis_cap`` with recomputed old log-probs (the partial mode's stale tokens need it; the synchronous one
-gets the same loss). Reports samples/s over the measured iterations and their ratio, the mean seconds per phase,
-the trained and the finished response lengths, carried / discarded / wasted figures, trained tokens per staleness,
-and per iteration each mode's cumulative step time with its reward, so that the score after the same wall time can
-be read off both curves; with ``--eval`` both modes run the config's held-out evaluation after the last iteration.
+``unfinished`` (``carry``: partial rollouts; ``defer``: tail batching) and ``max_staleness`` as given. Both take
+``ppo.tis_cap`` with recomputed old log-probs (carried stale tokens need it; the other modes get the same loss).
+Reports samples/s over the measured iterations and their ratio, the mean seconds per phase, the trained and the
+finished response lengths, carried / discarded / wasted / deferred figures, trained tokens per staleness, and per
+iteration each mode's cumulative step time with its reward, so that the score after the same wall time can be read
+off both curves; with ``--eval`` both modes run the config's held-out evaluation after the last iteration.
 
 Freed host memory goes back to the system (``training.reuse_host_memory = false``) in both modes: two trainers per
 rank keeping their high-water marks do not fit a 24 GiB machine with the reasoning recipe.
