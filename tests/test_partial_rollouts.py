@@ -155,6 +155,15 @@ def _in_one_process(fn, *args):
         dist.destroy_process_group()
 
 
+def _no_prompt_lost(partial: PartialRollouts, trained: list[int]) -> set[int]:
+    """Assert that every prompt drawn so far was trained (``trained``: sample ids) or is pending (in flight, queued or
+    deferred), never both; the drawn prompt ids."""
+    drawn = set(range(partial.loader.position))
+    pending = set(partial.groups) | {p[0] for p in (*partial.queue, *partial.long)}
+    assert {i // 4 for i in trained} | pending == drawn and not {i // 4 for i in trained} & pending
+    return drawn
+
+
 def _iterate(over: float, staleness: int, steps: int, seed: int) -> dict:
     partial, rng, left = _partial(over, staleness), random.Random(seed), {}
     started: dict[int, int] = {}  # prompt id -> iteration that started its current attempt
@@ -174,9 +183,7 @@ def _iterate(over: float, staleness: int, steps: int, seed: int) -> dict:
         trained += ids
         figures.append(f)
     assert len(trained) == len(set(trained))  # no sample trained twice
-    drawn = set(range(partial.loader.position))
-    pending = set(partial.groups) | {p[0] for p in partial.queue}
-    assert {i // 4 for i in trained} | pending == drawn and not {i // 4 for i in trained} & pending  # no prompt lost
+    drawn = _no_prompt_lost(partial, trained)
     state = partial.state_dict()
     resumed = _partial(over, staleness)
     resumed.load_state_dict(state)
@@ -225,9 +232,7 @@ def _iterate_deferred(over: float, steps: int, seed: int) -> dict:
         deferred |= {p[0] for p in partial.long}
         trained += ids
     assert len(trained) == len(set(trained))
-    drawn = set(range(partial.loader.position))
-    pending = {p[0] for p in (*partial.queue, *partial.long)}
-    assert {i // 4 for i in trained} | pending == drawn and not {i // 4 for i in trained} & pending  # no prompt lost
+    _no_prompt_lost(partial, trained)
     resumed = _partial(over, 1, prompts=256, unfinished="defer")
     resumed.load_state_dict(partial.state_dict())
     assert list(resumed.long) == list(partial.long) and list(resumed.queue) == list(partial.queue)
