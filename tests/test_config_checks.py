@@ -152,6 +152,11 @@ RULES = [
         "engine_compile",
         "generation.compile_mode = reduce-overhead (command line) records CUDA graphs of the whole decode step",
     ),
+    (
+        ["--generation.compile=true", "--parallelism.gen_tp=2"],
+        "engine_compile",
+        "generation.compile = true (command line) with parallelism.gen_tp = 2: the compiled decode does not take",
+    ),
     (["--ppo.tis_cap=2", "--ppo.recompute_logprobs=false"], "recompute", "ppo.tis_cap = 2.0 (command line): truncated"),
     (
         ["--generation.quantize=int8_weight_only", "--ppo.recompute_logprobs=false"],

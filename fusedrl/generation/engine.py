@@ -129,6 +129,17 @@ def _stack_projections(linears: list[nn.Linear]) -> None:
             offset += rows
 
 
+@torch.no_grad()
+def _separate_projections(linears: list[nn.Linear]) -> None:
+    """Undo :func:`_stack_projections` (an engine built earlier over the same model may have stacked them): each
+    weight of ``linears`` in a storage of its own, the same Parameter objects and values. A nested compile region
+    takes no inputs that alias each other."""
+    weights = [m.weight for m in linears]
+    if len({w.untyped_storage().data_ptr() for w in weights}) < len(weights):
+        for w in weights:
+            w.data = w.detach().clone()
+
+
 def _linear_cpu(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
     """The projections ``F.linear(x, w, b)`` of ``weights``/``biases``, concatenated along the last dimension: one
     product with the weights stacked (q/k/v, and the MLP's gate/up: 2 and 1 fewer calls per layer, whose fixed cost
@@ -181,8 +192,15 @@ def _can_use_cpu_layouts(model: TransformerDecoder) -> bool:
 
 def check_compile(startup: Startup) -> None:
     """Startup check (raises ConfigError): CUDA graphs (``compile_mode = "reduce-overhead"``) record the whole decode
-    step, so they need ``compile_scope = "step"``."""
+    step, so they need ``compile_scope = "step"``; the compiled decode takes no tensor-parallel weights."""
     g = startup.cfg.generation
+    gen_tp = startup.cfg.parallelism.gen_tp
+    if g.compile and gen_tp > 1:
+        raise ConfigError(
+            f"generation.compile = true ({source_of(startup.cfg, 'generation.compile')}) with parallelism.gen_tp = "
+            f"{gen_tp}: the compiled decode does not take tensor-parallel (DTensor) weights in this torch; set "
+            "--generation.compile=false or parallelism.gen_tp = 1"
+        )
     if g.compile and g.compile_scope == "layer" and g.compile_mode == "reduce-overhead":
         raise ConfigError(
             f"generation.compile_mode = reduce-overhead ({source_of(startup.cfg, 'generation.compile_mode')}) records CUDA "
@@ -204,15 +222,23 @@ class _SlotForward(nn.Module):
     columns: torch.Tensor  # 0..max_len-1 (a buffer): a decode step's attended columns are a slice of it
 
     def __init__(
-        self, model: TransformerDecoder, slots: int, max_len: int, cpu_layouts: bool, kv_dtype: torch.dtype | None = None
+        self,
+        model: TransformerDecoder,
+        slots: int,
+        max_len: int,
+        cpu_layouts: bool,
+        kv_dtype: torch.dtype | None = None,
+        stack_projections: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
         self.cpu_layouts = cpu_layouts  # CPU fp32 linears through cached weight layouts (see _linear_cpu)
-        if cpu_layouts:  # q/k/v and gate/up each in one storage: their stacked layouts read them without a copy
+        # q/k/v and gate/up each in one storage: their stacked layouts read them without a copy (unless a compile
+        # region will take them; the layouts are then built from a concatenated copy)
+        if cpu_layouts:
             for layer in model.layers:
                 for group in self._stackable(layer):
-                    _stack_projections(group)
+                    (_stack_projections if stack_projections else _separate_projections)(group)
         attn = model.layers[0].attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         weight = model.tok_embeddings.weight
@@ -228,9 +254,8 @@ class _SlotForward(nn.Module):
                 compat.mark_static(buf)  # compiled per layer, only the batch and attended length are symbolic
                 self.register_buffer(f"{kind}_{i}", buf, persistent=False)
         self.register_buffer("columns", torch.arange(max_len, device=weight.device), persistent=False)
-        # the engine swaps in compiled forms of these two when it compiles per layer
+        # the engine swaps in a nested compile region of the layer when it compiles per layer
         self.decode_layer: Callable[..., torch.Tensor] = self._decode_layer
-        self.sample_rows: Callable[..., tuple[torch.Tensor, torch.Tensor]] = _sample_rows
 
     def cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s slot cache (k, v), each [slots, max_len, kv_heads, head_dim]."""
@@ -367,7 +392,7 @@ class _SlotForward(nn.Module):
     ) -> torch.Tensor:
         """One layer of a decode step: ``h`` [b, 1, dim] of rows 0..b-1 through ``layer``, their keys and values
         written into the layer's cache ``kc``/``vc`` at ``positions``. Every layer has the same structure, so that
-        compiled (``compile_scope = "layer"``) one graph serves them all."""
+        compiled (``compile_scope = "layer"``) one region's code serves them all."""
         b, length = h.shape[0], mask.shape[-1]
         q, k, v = self._qkv(layer.attn, layer.sa_norm(h), positions[:, None])
         kc.index_put_((rows, positions), k[:, 0].to(kc.dtype))
@@ -407,8 +432,17 @@ class _SlotForward(nn.Module):
         included."""
         tokens, pos = ints[:, _SlotState.TOKEN].contiguous(), ints[:, _SlotState.POSITION].contiguous()
         mask = (columns[None, :] <= pos[:, None])[:, None, None, :]
-        sampled, logprobs = self.sample_rows(self(tokens, pos, mask), ints, floats, any_sampled, any_filtered)
+        sampled, logprobs = _sample_rows(self(tokens, pos, mask), ints, floats, any_sampled, any_filtered)
         return sampled, logprobs, _SlotState.advanced(ints, sampled)
+
+
+def _layer_region(forward: _SlotForward) -> Callable[..., torch.Tensor]:
+    """``forward._decode_layer`` as a nested compile region (a function of its own: the region marks it)."""
+
+    def decode_layer(layer, h, kc, vc, rows, positions, mask) -> torch.Tensor:
+        return forward._decode_layer(layer, h, kc, vc, rows, positions, mask)
+
+    return torch.compiler.nested_compile_region(decode_layer)
 
 
 def _sample_rows(
@@ -521,9 +555,10 @@ class GenerationEngine:
         seed: default seed; each request's random stream is keyed by (request.seed or seed, request.id) and the
             number of tokens it has sampled (see :mod:`.sampling`).
         compile: compile as ``compile_scope`` says.
-        compile_scope: ``"layer"`` (default): one decoder layer's decode, a graph that every layer reuses, and the
-            sampling, both with symbolic batch and length (a graph each for one row and for more), so that compiling
-            costs the same whatever the model's depth and the buckets visited; the prefill and the LM head stay eager.
+        compile_scope: ``"layer"`` (default): the decode step with its sampling as one graph in which each decoder
+            layer is one nested compile region (compiled once, its code reused by every layer), with symbolic batch
+            and length (one graph; a single row decodes beside a free slot), so that compiling costs about the same
+            whatever the model's depth and the buckets visited; the prefill stays eager.
             ``"step"``: the whole decode step with its sampling (batch padded to ``batch_buckets``,
             attended length to ``len_buckets`` but symbolic: one graph per batch bucket; with
             ``mode="reduce-overhead"`` a CUDA graph per (batch, length) bucket pair that occurs) and the prefill (one
@@ -571,6 +606,8 @@ class GenerationEngine:
                 import torch_tensorrt  # noqa: F401
             except ImportError as e:
                 raise ImportError("backend='tensorrt' needs torch-tensorrt: pip install fusedrl[tensorrt]") from e
+        if compile and any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError("compile=True with tensor-parallel (DTensor) weights: the compiled decode does not take them")
         model_max = model.max_seq_len
         if not 2 <= max_len <= model_max:
             raise ValueError(f"max_len must be in [2, {model_max}] (the model's max_seq_len), got {max_len}")
@@ -636,21 +673,29 @@ class GenerationEngine:
             quantize_(model, Int8WeightOnlyConfig())
         self.model = model.eval()
         cpu_layouts = self.quantize is None and _can_use_cpu_layouts(self.model)
-        self._forward = _SlotForward(self.model, self.max_slots, self.max_len, cpu_layouts, self.kv_dtype)
+        # torchao's quantized weights (tensor subclasses) do not enter a nested compile region (torch 2.13): a quantized
+        # engine's step graph traces every layer inline
+        regions = self.compile and self.compile_scope == "layer" and self.quantize is None
+        self._forward = _SlotForward(
+            self.model, self.max_slots, self.max_len, cpu_layouts, self.kv_dtype, stack_projections=not regions
+        )
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward.sample_step
         self._prefill_fn: Callable[..., torch.Tensor] = self._forward.prefill
         self.compile_stats = CompileStats()
-        if self.compile and self.compile_scope == "layer":
-            forward = self._forward
-            forward.decode_layer = torch.compile(forward.decode_layer, backend=self.backend, mode=self.mode, dynamic=True)
-            forward.sample_rows = torch.compile(forward.sample_rows, backend=self.backend, mode=self.mode, dynamic=True)
-        elif self.compile:
+        if regions:
+            # The decode step with its sampling is one graph (one dispatch and one set of guards per step) in which
+            # every layer is the same nested compile region: compiled once, its code reused by every layer. The batch
+            # and the attended length are symbolic (marked per call): one graph per pair of sampling flags. The
+            # prefill stays eager.
+            self._forward.decode_layer = _layer_region(self._forward)
+        elif self.compile and self.compile_scope == "step":
             compat.allow_recompiles(4 * len(self.batch_buckets))  # a graph per batch bucket and sampling flags
-            self._decode = torch.compile(self._forward.sample_step, backend=self.backend, mode=self.mode, dynamic=False)
             # prefill: one graph over symbolic rows and prompt length (padding a prompt to a length bucket would
             # cost up to twice its compute); no CUDA graphs: one prefill runs long enough that launch overhead
             # does not matter, and graph pools would hold its large activations
             self._prefill_fn = torch.compile(self._forward.prefill, backend=self.backend, dynamic=True)
+        if self.compile:
+            self._decode = torch.compile(self._forward.sample_step, backend=self.backend, mode=self.mode, dynamic=False)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -875,22 +920,29 @@ class GenerationEngine:
             sampled_slots = [slots[r] for r in fresh]
             ints, floats = self._state.ints[rows], self._state.floats[rows]
             flags = self._sampling_flags(sampled_slots)
-            tokens, logprobs = self._call(self._forward.sample_rows, logits[fresh], ints, floats, *flags)
+            tokens, logprobs = _sample_rows(logits[fresh], ints, floats, *flags)
             self._state.ints[rows] = _SlotState.advanced(ints, tokens)
             self._record(sampled_slots, tokens, logprobs)
 
     def _decode_step(self) -> None:
         n = len(self._active)
         b = round_up(n, self.batch_buckets)
+        if self.compile and self.compile_scope == "layer":
+            # one row decodes as two (the second a free slot): a batch of one would need a graph of its own (a size of
+            # 1 is never symbolic)
+            b = max(b, min(2, self.max_slots))
         # the host knows every cache length: the length bucket needs no device read
         length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
-        columns = self._forward.columns[:length]
-        if self.compile and self.compile_scope == "step":  # one graph per batch bucket: the attended length is
-            compat.mark_dim_dynamic(columns, 0)  # symbolic (its buckets bound the CUDA graphs recorded, one per length)
+        columns, ints, floats = self._forward.columns[:length], self._state.ints[:b], self._state.floats[:b]
+        if self.compile:
+            # the attended length is symbolic: one graph for every length bucket (compiled per step, the buckets bound
+            # the CUDA graphs recorded, one per length); per layer, the batch too where it varies (2 <= b <= max_slots)
+            compat.mark_dim_dynamic(columns, 0)
+            if self.compile_scope == "layer" and self.max_slots > 2:
+                compat.mark_dim_dynamic(ints, 0)
+                compat.mark_dim_dynamic(floats, 0)
         # rows past n: free slots (token 0 at position 0, cleared when their request left)
-        tokens, logprobs, ints = self._call(
-            self._decode, self._state.ints[:b], self._state.floats[:b], columns, *self._sampling_flags(self._active)
-        )
+        tokens, logprobs, ints = self._call(self._decode, ints, floats, columns, *self._sampling_flags(self._active))
         self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
         self._record(list(self._active), tokens[:n], logprobs[:n])
 
