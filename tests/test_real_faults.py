@@ -29,6 +29,7 @@ REDUCED = [
     "--ppo.minibatch_size=4",  # two minibatches: the kill lands between their optimizer steps
     "--ppo.microbatch_size=2",
     "--generation.max_new_tokens=8",
+    "--generation.compile=false",  # 8 tokens a response: a compile would cost more than it saves
     "--fusion.schedule_search_budget_s=0.2",
     f"--training.steps={STEPS}",
     "--checkpoint.keep=0",
