@@ -180,11 +180,16 @@ def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
         _copy_tensor_data(getattr(dst, name), getattr(src, name))
 
 
+def _tensor_parallel(model: TransformerDecoder) -> bool:
+    """Whether ``model``'s weights are DTensors (``fusedrl.distributed.apply_tp`` over a generation instance)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _can_use_cpu_layouts(model: TransformerDecoder) -> bool:
     """Plain fp32 CPU weights, or bf16 ones where oneDNN runs bf16 natively (not tensor-parallel DTensors, whose
     linears must run their own hooks)."""
     weight = model.tok_embeddings.weight
-    plain = not any(isinstance(p, DTensor) for p in model.parameters())
+    plain = not _tensor_parallel(model)
     if not (plain and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()):
         return False
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and compat.onednn_bf16_supported())
@@ -606,7 +611,7 @@ class GenerationEngine:
                 import torch_tensorrt  # noqa: F401
             except ImportError as e:
                 raise ImportError("backend='tensorrt' needs torch-tensorrt: pip install fusedrl[tensorrt]") from e
-        if compile and any(isinstance(p, DTensor) for p in model.parameters()):
+        if compile and _tensor_parallel(model):
             raise ValueError("compile=True with tensor-parallel (DTensor) weights: the compiled decode does not take them")
         model_max = model.max_seq_len
         if not 2 <= max_len <= model_max:
