@@ -220,7 +220,8 @@ class GenerationSection:
         "layer",
         "What compile = true compiles: layer (the decode step with its sampling as one graph, each decoder layer a "
         "region compiled once and reused by every layer; batch and length symbolic: one graph, ~17-21 s cold and ~4 s "
-        "with a warm cache on a 2-core CPU for SmolLM2-135M; the prefill eager) or step (the whole decode step with "
+        "with a warm cache on a 2-core CPU for SmolLM2-135M, and one more for a single row, whose CPU products stream "
+        "the weights as fused loops; the prefill eager) or step (the whole decode step with "
         "its sampling, one graph per batch bucket, and the prefill; needed for compile_mode = reduce-overhead's CUDA "
         "graphs).",
     )

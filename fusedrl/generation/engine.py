@@ -156,6 +156,40 @@ def _linear_cpu(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch
     return compat.onednn_packed_linear(x, _weight_layout(weights, "packed"), bias)
 
 
+# Weight streams of a one-row product: each weight is split into _ONE_ROW_STREAMS // len(weights) row blocks whose
+# products inductor fuses into one loop, so each thread reads that many weight streams side by side (SmolLM2-135M,
+# bf16, 2 threads of a Xeon with AMX: a decoder layer's kernel 409 us with 1 stream, 384 with 2, 329 with 4, 271 with
+# 8, 291-304 with 16 or 32; docs/benchmarks.md).
+_ONE_ROW_STREAMS = 8
+
+
+def _one_row(rows: int | torch.SymInt) -> bool:
+    """Whether a traced step holds one row (a static size: a step whose batch is symbolic holds several)."""
+    return isinstance(rows, int) and rows == 1
+
+
+def _one_row_products(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """``_linear_cpu`` of one row, traced (compiled only: eagerly the products would be materialized) as
+    multiply-and-sum expressions that inductor compiles into loops streaming each weight once, accumulating in float32,
+    fused with the layer's other element-wise work. oneDNN reads one row's weights at about half the bandwidth."""
+    xf = x.float().unsqueeze(-2)
+    blocks = max(1, _ONE_ROW_STREAMS // len(weights))
+    outs = []
+    for w, b in zip(weights, biases):
+        out = torch.cat([(xf * rows.float()).sum(-1) for rows in w.chunk(blocks)], dim=-1)
+        outs.append((out if b is None else out + b.float()).to(x.dtype))
+    return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+
+def _one_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of one decode row, q [1, KV, G, hd] against k/v [1, KV, L, hd] under ``mask`` [1, 1, 1, L], as
+    expressions (compiled only) that inductor fuses into the layer's kernel: no separate SDPA call (~87 us a layer
+    at L <= 128, more than the fused loops take). Float32 throughout, as the CPU kernel accumulates."""
+    scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)
+
+
 # ``fusedrl::cpu_linear(x, weights, biases)`` is ``_linear_cpu``: an operator (not a Python call) so that
 # torch.compile keeps it as one opaque node with the live weights as its inputs; a plain torch.library op costs
 # ~20 us less per call than a ``custom_op``.
@@ -303,7 +337,9 @@ class _SlotForward(nn.Module):
         weights: list[torch.Tensor] = [m.tied_module.weight if isinstance(m, TiedLinear) else m.weight for m in inner]  # type: ignore[misc]
         biases: list[torch.Tensor | None] = [None if isinstance(m, TiedLinear) else m.bias for m in inner]  # type: ignore[misc]
         adapted = [m for m in inner if type(m) is LoRALinear and m.adapted]  # eval mode: no dropout
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _one_row(x.shape[:-1].numel()):
+            out = _one_row_products(x, weights, biases)
+        elif torch.compiler.is_compiling():
             out = torch.ops.fusedrl.cpu_linear(x, weights, biases)
         else:
             out = _linear_cpu(x, weights, biases)
@@ -365,7 +401,10 @@ class _SlotForward(nn.Module):
             ).transpose(1, 2)
         else:
             grouped = q.reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            out = F.scaled_dot_product_attention(grouped.to(self.dtype), k, v, attn_mask=mask)
+            if self.cpu_layouts and torch.compiler.is_compiling() and _one_row(b * s):
+                out = _one_row_attention(grouped, k, v, mask).to(self.dtype)
+            else:
+                out = F.scaled_dot_product_attention(grouped.to(self.dtype), k, v, attn_mask=mask)
         out = out.reshape(b, s, self.num_heads * self.head_dim).to(q.dtype)
         return self._linear(attn.output_proj, out)
 
@@ -562,8 +601,9 @@ class GenerationEngine:
         compile: compile as ``compile_scope`` says.
         compile_scope: ``"layer"`` (default): the decode step with its sampling as one graph in which each decoder
             layer is one nested compile region (compiled once, its code reused by every layer), with symbolic batch
-            and length (one graph; a single row decodes beside a free slot), so that compiling costs about the same
-            whatever the model's depth and the buckets visited; the prefill stays eager.
+            and length (one graph for 2 or more rows, another for a single row, whose CPU products and attention are
+            fused loops streaming the weights), so that compiling costs about the same whatever the model's depth and
+            the buckets visited; the prefill stays eager.
             ``"step"``: the whole decode step with its sampling (batch padded to ``batch_buckets``,
             attended length to ``len_buckets`` but symbolic: one graph per batch bucket; with
             ``mode="reduce-overhead"`` a CUDA graph per (batch, length) bucket pair that occurs) and the prefill (one
@@ -690,8 +730,8 @@ class GenerationEngine:
         if regions:
             # The decode step with its sampling is one graph (one dispatch and one set of guards per step) in which
             # every layer is the same nested compile region: compiled once, its code reused by every layer. The batch
-            # and the attended length are symbolic (marked per call): one graph per pair of sampling flags. The
-            # prefill stays eager.
+            # and the attended length are symbolic (marked per call): one graph per pair of sampling flags, and one
+            # for a single row. The prefill stays eager.
             self._forward.decode_layer = _layer_region(self._forward)
         elif self.compile and self.compile_scope == "step":
             compat.allow_recompiles(4 * len(self.batch_buckets))  # a graph per batch bucket and sampling flags
@@ -932,18 +972,15 @@ class GenerationEngine:
     def _decode_step(self) -> None:
         n = len(self._active)
         b = round_up(n, self.batch_buckets)
-        if self.compile and self.compile_scope == "layer":
-            # one row decodes as two (the second a free slot): a batch of one would need a graph of its own (a size of
-            # 1 is never symbolic)
-            b = max(b, min(2, self.max_slots))
         # the host knows every cache length: the length bucket needs no device read
         length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
         columns, ints, floats = self._forward.columns[:length], self._state.ints[:b], self._state.floats[:b]
         if self.compile:
             # the attended length is symbolic: one graph for every length bucket (compiled per step, the buckets bound
-            # the CUDA graphs recorded, one per length); per layer, the batch too where it varies (2 <= b <= max_slots)
+            # the CUDA graphs recorded, one per length); per layer, the batch too where it varies (2 <= b <= max_slots;
+            # a single row has a graph of its own, a size of 1 is never symbolic, and its CPU products stream weights)
             compat.mark_dim_dynamic(columns, 0)
-            if self.compile_scope == "layer" and self.max_slots > 2:
+            if self.compile_scope == "layer" and self.max_slots > 2 and b > 1:
                 compat.mark_dim_dynamic(ints, 0)
                 compat.mark_dim_dynamic(floats, 0)
         # rows past n: free slots (token 0 at position 0, cleared when their request left)
