@@ -185,7 +185,7 @@ def _one_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """SDPA of one decode row, q [1, KV, G, hd] against k/v [1, KV, L, hd] under ``mask`` [1, 1, 1, L], as
     expressions (compiled only: eagerly they would materialize the products) that inductor fuses into the layer's
     kernel, in float32 as the CPU kernel accumulates: no separate SDPA call (~87 us a layer at L <= 128). At 16 rows
-    the same loops ran 1.1x faster than SDPA at L <= 97 but 1.15x slower at L ~ 450 (1 thread), so many rows keep
+    the same loops ran 1.06-1.11x faster than SDPA at L <= 97 but 1.14x slower at L ~ 450 (1 thread), so many rows keep
     SDPA."""
     scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(2)).sum(-1) * q.shape[-1] ** -0.5
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
