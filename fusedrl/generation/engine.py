@@ -735,6 +735,7 @@ class GenerationEngine:
             # and the attended length are symbolic (marked per call): one graph per pair of sampling flags, and one
             # for a single row. The prefill stays eager.
             self._forward.decode_layer = _layer_region(self._forward)
+            compat.allow_recompiles(2 * 4)  # many rows and one row, for each of the 4 pairs of sampling flags
         elif self.compile and self.compile_scope == "step":
             compat.allow_recompiles(4 * len(self.batch_buckets))  # a graph per batch bucket and sampling flags
             # prefill: one graph over symbolic rows and prompt length (padding a prompt to a length bucket would
