@@ -339,17 +339,18 @@ class _SlotForward(nn.Module):
         weights: list[torch.Tensor] = [m.tied_module.weight if isinstance(m, TiedLinear) else m.weight for m in inner]  # type: ignore[misc]
         biases: list[torch.Tensor | None] = [None if isinstance(m, TiedLinear) else m.bias for m in inner]  # type: ignore[misc]
         adapted = [m for m in inner if type(m) is LoRALinear and m.adapted]  # eval mode: no dropout
-        if torch.compiler.is_compiling() and _one_row(x.shape[:-1].numel()):
-            out = _one_row_products(x, weights, biases)
-        elif torch.compiler.is_compiling():
-            out = torch.ops.fusedrl.cpu_linear(x, weights, biases)
-        else:
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             out = _linear_cpu(x, weights, biases)
             if adapted:  # two products for the group's updates, added in place: no second output
                 xa = _linear_cpu(x, [m.lora_a for m in adapted], [None] * len(adapted))
                 out.add_(_linear_cpu(xa, [_adapter_blocks(inner)], [None]))  # type: ignore[arg-type]
+        elif _one_row(x.shape[:-1].numel()):
+            out = _one_row_products(x, weights, biases)
+        else:
+            out = torch.ops.fusedrl.cpu_linear(x, weights, biases)
         parts = out.split([w.shape[0] for w in weights], dim=-1) if len(weights) > 1 else (out,)
-        if adapted and torch.compiler.is_compiling():  # traced per projection (inductor fuses them)
+        if adapted and compiling:  # traced per projection (inductor fuses them)
             for m, part in zip(inner, parts):
                 if type(m) is LoRALinear and m.adapted:
                     part.add_(F.linear(F.linear(x, m.lora_a) * m.scale, m.lora_b))
