@@ -21,7 +21,9 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention
 
 
-@dataclass(frozen=True)
+# Not frozen: torch 2.11's dynamo guards on a frozen dataclass's fields, so a compiled layer given new spans
+# with another document count compiled again, until its graph limit (2.13 and 2.14 guard on the type only).
+@dataclass(eq=False)
 class DocumentSpans:
     """The documents of each row of a packed batch: ``lengths[r]`` are row ``r``'s document lengths in order, summing
     to the row's length (trailing padding is a document of its own). Passed as the ``mask`` of a fusedrl decoder's
