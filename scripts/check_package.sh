@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packaging check (docs/ci.md): `python -m build` makes the sdist and, from it, the wheel; the wheel must hold every
-# file of fusedrl/; each of the two installs (--no-deps) into a fresh venv that sees this environment's packages
-# (torch, torchtune, ...), and from a folder outside the repository `python -m fusedrl.config --help` runs and
+# file of fusedrl/; each of the two installs (--no-deps) into a fresh venv that sees this interpreter's packages
+# (torch, torchtune, ...; scripts/venv_seeing_packages.py, also from inside a virtual environment), and from a folder outside the repository `python -m fusedrl.config --help` runs and
 # train_configs/debug_ppo.toml validates with fusedrl imported from the venv's site-packages, not from this tree.
 #   bash scripts/check_package.sh     # needs the `build` package (dev extra) and network for the isolated builds
 set -euo pipefail
@@ -34,7 +34,8 @@ for kind in wheel sdist; do
   artifact=${!kind}
   name=$(basename "$artifact")
   venv="$work/venv-$kind"
-  "$python" -m venv --system-site-packages "$venv"
+  # a venv that sees this interpreter's packages (torch, torchtune, ...), virtual environment or not
+  "$python" scripts/venv_seeing_packages.py "$venv" --with-pip --exclude "$root" > /dev/null
   "$venv/bin/python" -m pip install --quiet --no-deps "$artifact" > "$work/install.log" 2>&1 \
     || { tail -n 40 "$work/install.log"; echo "check_package: installing $name failed" >&2; exit 1; }
   (

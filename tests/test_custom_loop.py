@@ -24,6 +24,34 @@ def doc_function(name: str):
     return namespace[name]
 
 
+DEBUG = ROOT / "assets" / "debug"
+TASK_PROMPTS = ["repeat ab 3 times:", "repeat c 5 times:", "repeat xy 2 times:", "repeat q 4 times:"]
+
+
+def test_one_process_grpo_with_the_engine_sharing_the_trained_model():
+    # no process group, the engine over the very Actor that trains (fused AdamW, the CPU layouts on): every step
+    # samples from the current weights, so the engine's log-probs equal the training forward's before each update,
+    # and the run is the copy + WeightSync run, reward for reward
+    grpo_loop = doc_function("grpo_loop")
+    shared = grpo_loop(TASK_PROMPTS, str(DEBUG / "actor"), str(DEBUG / "tokenizer"))
+    copied = grpo_loop(TASK_PROMPTS, str(DEBUG / "actor"), str(DEBUG / "tokenizer"), share_model=False)
+    assert len(shared) == 3
+    for step in shared + copied:
+        assert step["logprob_diff_max"] <= 1e-5, step
+    assert [s["reward"] for s in shared] == [c["reward"] for c in copied]
+    assert [s["loss"] for s in shared] == [c["loss"] for c in copied]
+    assert len({s["reward"] for s in shared}) == 3  # the policy moved: each step samples anew
+
+
+def test_one_process_ppo_with_a_critic():
+    history = doc_function("ppo_loop_one_process")(TASK_PROMPTS, str(DEBUG / "actor"), str(DEBUG / "tokenizer"))
+    assert len(history) == 3
+    assert abs(history[0]["kl"]) < 1e-5  # step 0 samples from the Reference's weights
+    assert abs(history[2]["kl"]) > 1e-4  # then the policy moved away, and the engine sampled from the moved one
+    assert all(h["logprob_diff_max"] <= 1e-5 for h in history), history  # the engine sampled from the trained weights
+    assert all(math.isfinite(h["policy_loss"]) and math.isfinite(h["value_loss"]) for h in history)
+
+
 def _run_doc_loop() -> list[dict]:
     return doc_function("ppo_loop")(PROMPTS, iterations=2)
 

@@ -521,6 +521,9 @@ def test_bad_controller_arguments():
         MigrationController(engine, Scorer(scoring).score, mode="copy")
     with pytest.raises(ValueError, match="micro_batch_size"):
         MigrationController(engine, Scorer(scoring).score, micro_batch_size=0)
+    with pytest.raises(RuntimeError, match="needs a process group .* engine.generate and scorer.score"):
+        MigrationController(engine, Scorer(scoring).score).run([Request(0, [1, 2], SamplingParams(max_new_tokens=2))])
+    assert engine.num_unfinished == 0  # refused before any request entered the engine
 
 
 # ------------------------------------------------------------------------------------ instances of 2 TP ranks

@@ -1,8 +1,10 @@
+import copy
 import os
 import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fusedrl.config import GenerationSection
@@ -354,13 +356,96 @@ def test_weights_changed_in_place_after_decoding_are_used(compile):
     torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
 
 
+def _greedy_in_eval(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    modes = {m: m.training for m in model.modules()}
+    try:
+        return _reference_greedy(model.eval(), prompt, GREEDY.max_new_tokens)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+@pytest.mark.parametrize(
+    "optimizer,compile",
+    [
+        ("fused", False),
+        ("foreach", False),
+        ("plain", False),
+        ("data", False),
+        pytest.param("fused", True, marks=pytest.mark.slow),
+    ],
+)
+def test_an_engine_sharing_the_trained_model_samples_from_its_current_weights(optimizer, compile):
+    # A loop that trains the engine's own model: after any optimizer step (AdamW's fused kernel moves no version
+    # counter), or a write through .data followed by weights_updated(), the next rollout decodes with the new weights,
+    # the CPU layouts (one row and many rows; compiled: the many-row product node) rebuilt. The model keeps its mode.
+    torch.manual_seed(5)
+    model = build_model("debug")  # training mode, as a loop leaves it
+    modes = {name: m.training for name, m in model.named_modules()}  # (torchtune shares one SiLU across models)
+    buckets = dict(batch_buckets=[1, 2], len_buckets=[32], compile_scope="step") if compile else {}
+    engine = GenerationEngine(model, max_slots=2, max_len=32, compile=compile, **buckets)
+    prompts = [_prompt(5, 11), _prompt(7, 12)]
+    before = [r.tokens for r in engine.generate([Request(i, p, GREEDY) for i, p in enumerate(prompts)])]
+    before += [engine.generate([Request(2, prompts[0], GREEDY)])[0].tokens]  # one row too
+    assert {name: m.training for name, m in model.named_modules()} == modes  # decoded in eval mode, modes given back
+    params = list(model.parameters())
+    if optimizer == "data":
+        for p in params:
+            p.data.add_(torch.randn_like(p) * 0.5)  # unseen by autograd's version counters
+        engine.weights_updated()
+    else:
+        kinds = {"fused": dict(fused=True), "foreach": dict(foreach=True), "plain": dict(foreach=False)}
+        opt = torch.optim.AdamW(params, lr=0.05, **kinds[optimizer])
+        model(torch.tensor([prompts[0]])).float().logsumexp(-1).mean().backward()
+        opt.step()
+    after = engine.generate([Request(3 + i, p, GREEDY) for i, p in enumerate(prompts)])
+    after += engine.generate([Request(5, prompts[0], GREEDY)])
+    assert [r.tokens for r in after] != before  # the weights moved enough to change greedy tokens
+    for r, prompt in zip(after, [*prompts, prompts[0]]):
+        tokens, logprobs = _greedy_in_eval(model, prompt)
+        assert r.tokens == tokens
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def test_a_quantized_engine_over_a_trained_model_requantizes_before_its_next_rollout():
+    torch.manual_seed(5)
+    model = build_model("debug")
+    engine = GenerationEngine(model, max_slots=2, max_len=32, quantize="int8_weight_only")
+    prompt = _prompt(6, 9)
+    engine.generate([Request(0, prompt, GREEDY)])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    model(torch.tensor([prompt])).float().logsumexp(-1).mean().backward()
+    opt.step()
+    fresh = GenerationEngine(copy.deepcopy(model), max_slots=2, max_len=32, quantize="int8_weight_only")
+    got, expected = (e.generate([Request(1, prompt, GREEDY)])[0] for e in (engine, fresh))
+    assert got.tokens == expected.tokens and got.logprobs == expected.logprobs
+
+
+def test_an_engine_refuses_a_model_sharded_by_fully_shard():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fusedrl.distributed.compat import init_fake_process_group
+
+    init_fake_process_group(0, 1)
+    try:
+        model = build_model("debug")
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match="sharded by fully_shard .* an unsharded copy .* WeightSync"):
+            GenerationEngine(model, max_slots=1, max_len=16)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("in_one_storage", [False, True])
 def test_stacked_cpu_linear_follows_each_weight_of_its_group(rows, in_one_storage):
     # q/k/v (and gate/up) run as one product of their stacked weights, cached; an in-place change of any one weight
     # of the group (not only the first) must rebuild the stacked copy. The engine first moves a group's weights into
     # one storage (the same Parameter objects, the same values), which the stacked layout then reads as one tensor.
-    from fusedrl.generation.engine import _linear_cpu, _stack_projections
+    from fusedrl.generation.cpu_kernels import linear as _linear_cpu
+    from fusedrl.generation.cpu_kernels import stack_projections as _stack_projections
 
     torch.manual_seed(0)
     linears = [torch.nn.Linear(16, n, bias=False) for n in (16, 4, 4)]

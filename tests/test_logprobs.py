@@ -2,6 +2,7 @@
 temperature, checked against exact values on a small vocabulary."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from fusedrl.rlhf import kl_estimate
 from fusedrl.rlhf.losses import policy_loss, token_entropy, token_logprobs
 
 VOCAB = 7
+SINGLE = str(Path(__file__).resolve().parents[1] / "train_configs" / "debug_ppo_single.toml")
 
 
 def _logits(seed: int) -> torch.Tensor:
@@ -284,3 +286,66 @@ def test_recomputed_log_probs_remove_the_gap_of_bf16_and_int8_engines(tmp_path, 
         assert h["logprob_diff_first"] > 1e-4 and h["logprob_diff_mean"] == h["logprob_diff_first"]
         assert h["importance_ratio_mean"] == h["importance_ratio_first"] != 1.0
         assert math.isfinite(h["policy_loss"]) and h["grad_norm_actor"] > 0
+
+
+def test_the_gap_guard_warns_or_stops_far_above_rounding_only(caplog):
+    from fusedrl.rlhf import LogprobGapError, check_logprob_gap, logprob_gap_limit
+
+    assert logprob_gap_limit([torch.float32, torch.float32]) == 1e-3
+    assert logprob_gap_limit([torch.float32, torch.bfloat16]) == 0.5
+    assert logprob_gap_limit([torch.float32], quantized=True) == 0.5
+    with caplog.at_level("WARNING"):
+        assert check_logprob_gap(9e-4, 1e-3)
+        assert not caplog.records
+        assert not check_logprob_gap(0.7, 0.5, where="step 3")
+    (record,) = caplog.records
+    assert "\n" not in record.getMessage()
+    assert record.getMessage().startswith("step 3: the engine's log-probs differ") and "stale weights" in record.getMessage()
+    with pytest.raises(LogprobGapError, match="0.7 on average .* stale weights"):
+        check_logprob_gap(0.7, 0.5, stop=True)
+
+
+def _stale_engine_runs(out: str) -> dict:
+    """The one-process debug run, 3 iterations under logprob_gap_check = "stop": as it is, and with the weight sync
+    doing nothing (the engine keeps sampling from the initial weights)."""
+    from fusedrl.config import load_config
+    from fusedrl.generation import WeightSync
+    from fusedrl.rlhf import LogprobGapError
+    from fusedrl.testing.configs import TINY_DEBUG_RUN
+    from fusedrl.train import run
+
+    def cfg(name: str):
+        return load_config(
+            [
+                "--job.config_file",
+                SINGLE,
+                *TINY_DEBUG_RUN,
+                "--training.steps=3",
+                "--training.logprob_gap_check=stop",
+                "--checkpoint.export_hf=false",
+                "--checkpoint.interval=0",
+                "--metrics.trace=[]",
+                "--lr_scheduler.warmup_steps=0",
+                "--optimizer.actor_lr=1e-2",
+                f"--job.output_dir={out}/{name}",
+            ]
+        )
+
+    gaps = [h["logprob_diff_mean"] for h in run(cfg("synced"))]
+    sync = WeightSync.sync
+    WeightSync.sync = lambda self: None  # type: ignore[method-assign]
+    try:
+        run(cfg("stale"))
+        stopped = ""
+    except LogprobGapError as e:
+        stopped = str(e)
+    finally:
+        WeightSync.sync = sync  # type: ignore[method-assign]
+    return {"gaps": gaps, "stopped": stopped}
+
+
+@pytest.mark.slow
+def test_the_trainer_stops_on_an_engine_that_samples_from_stale_weights(tmp_path, rank_pools):
+    (result,) = rank_pools(1).run(_stale_engine_runs, str(tmp_path), timeout_s=300.0)
+    assert len(result["gaps"]) == 3 and max(result["gaps"]) < 1e-4  # float32: rounding
+    assert result["stopped"].startswith("step ") and "stale weights" in result["stopped"]

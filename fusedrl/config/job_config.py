@@ -528,6 +528,18 @@ class TrainingSection:
     nan_policy: Literal["skip", "stop"] = _key(
         "skip", "On NaN/inf in rewards, losses or gradients: skip the update with a logged reason, or stop the run."
     )
+    logprob_gap_check: Literal["warn", "stop", "off"] = _key(
+        "warn",
+        "When the engine's log-probs of samples drawn with the current weights differ from the training forward's by "
+        "more than logprob_gap_limit on average (most likely stale rollout weights): log a one-line warning, stop the "
+        "run, or check nothing.",
+    )
+    logprob_gap_limit: float = _key(
+        0.0,
+        "Mean absolute log-prob gap (engine vs training forward) above which logprob_gap_check acts; 0: by the dtypes "
+        "in play, 1e-3 when the engine and training both compute in float32, else 0.5 (bf16, an int8 engine).",
+        at_least(0),
+    )
     collective_timeout_s: float = _key(
         1800.0, "Seconds a collective waits for a peer before the run fails (a hung rank; a dead one fails at once).", positive
     )

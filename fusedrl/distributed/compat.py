@@ -90,6 +90,12 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes autograd has seen to ``tensor`` (and its views): ``Tensor._version``, which has no
+    public name."""
+    return tensor._version
+
+
 def onednn_pack_linear_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     """``weight`` [out, in] (fp32, CPU) reordered into oneDNN's blocked layout for products with about
     ``rows_hint`` rows. ``torch.ops.mkldnn`` has no public linear that takes a prepacked weight; these two ops

@@ -415,3 +415,34 @@ def logprob_gap(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor)
         "importance_ratio_min": float(ratio.min()),
         "importance_ratio_max": float(ratio.max()),
     }
+
+
+class LogprobGapError(RuntimeError):
+    """The engine's log-probs are too far from the training forward's (``training.logprob_gap_check = "stop"``)."""
+
+
+def logprob_gap_limit(dtypes: Sequence[torch.dtype], quantized: bool = False) -> float:
+    """A mean absolute engine-vs-training log-prob gap that rounding in ``dtypes`` (the engine's weights and KV cache,
+    training's compute) stays far below: 1e-3 when all are float32 (measured ~1e-6), else 0.5 (bf16 SmolLM2-135M
+    ~0.05, an int8 engine against bf16 training ~4e-3; docs/ppo.md). Stale rollout weights give gaps of order 1."""
+    exact = not quantized and all(d in (torch.float32, torch.float64) for d in dtypes)
+    return 1e-3 if exact else 0.5
+
+
+def check_logprob_gap(mean_gap: float, limit: float, *, stop: bool = False, where: str = "") -> bool:
+    """Whether the engine-vs-training gap ``mean_gap`` (``logprob_gap``'s ``logprob_diff_mean``, or the first
+    minibatch's ``logprob_diff`` before any update) is within ``limit`` (:func:`logprob_gap_limit`); if not, a one-line
+    warning naming stale rollout weights as the likely cause, or :class:`LogprobGapError` with ``stop``. Only samples
+    drawn with the weights being trained compare: carried (partial-rollout) samples differ by design."""
+    if mean_gap <= limit:
+        return True
+    message = (
+        f"{where}{': ' if where else ''}the engine's log-probs differ from the training forward's by {mean_gap:.3g} on "
+        f"average (limit {limit:g}): the engine most likely sampled from stale weights. An engine sharing the trained "
+        "model: call engine.weights_updated() after writes through .data or kernels of your own; an engine over a copy: "
+        "WeightSync.sync() before each rollout (training.logprob_gap_check / logprob_gap_limit set this check)"
+    )
+    if stop:
+        raise LogprobGapError(message)
+    log.warning(message)
+    return False

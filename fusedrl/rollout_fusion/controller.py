@@ -257,6 +257,12 @@ class MigrationController(Generic[T]):
         same on every rank of an instance; a collective over the groups). With a ``target`` decoding stops once it is
         reached, and the requests left unfinished come back in ``RolloutResult.carried``. ``progress`` counts the
         requests this engine finishes (its total follows migration) and shows its decode tokens/s."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MigrationController.run needs a process group (it exchanges request counts between generation "
+                "instances): call torch.distributed.init_process_group (world_size=1 in one process), or in one process "
+                "use engine.generate and scorer.score instead (docs/custom_loop.md)"
+            )
         for r in [*requests, *(s.request for s in resume)]:
             if not isinstance(r.id, int):
                 raise ValueError(f"request id {r.id!r} is not an int; the controller needs int ids (sample ids)")

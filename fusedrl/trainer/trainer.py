@@ -69,9 +69,11 @@ from fusedrl.rlhf import (
     build_optimizers,
     build_requests,
     build_scorer,
+    check_logprob_gap,
     compute_advantages,
     generate_and_score,
     logprob_gap,
+    logprob_gap_limit,
     migration_metrics,
     old_logprobs_from_forward,
     pad_to_bucket,
@@ -231,6 +233,11 @@ class Trainer:
         self.max_len = cfg.sequence_budget
         # old log-probs of the training forward: a pass of their own, or the update's forward (on-policy)
         self.recompute = recompute_enabled(cfg) and not old_logprobs_from_forward(cfg)
+        t = cfg.training
+        self.logprob_gap_limit = t.logprob_gap_limit or logprob_gap_limit(
+            [DTYPES[t.rollout_dtype], DTYPES[t.kv_cache_dtype], DTYPES[t.mixed_precision_param]],
+            cfg.generation.quantize != "none",
+        )
         self.reference_from_base = reference_from_base(cfg)  # a LoRA Actor's Reference: its stages, adapters off
         # one rank's matmul peak, the denominator of train_mfu / score_mfu
         self.peak_flops = peak_flops_per_s(cfg, None if cfg.training.peak_tflops > 0 else cached_peak(self.device))
@@ -534,6 +541,9 @@ class Trainer:
         record.update(migration_metrics(result))
         if self.partial is not None:
             record.update(self.partial.figures())
+        check = cfg.training.logprob_gap_check
+        if gap is not None and check != "off" and not record.get("rollout_stale_tokens_frac"):  # carried: off-policy
+            check_logprob_gap(gap["logprob_diff_mean"], self.logprob_gap_limit, stop=check == "stop", where=f"step {step}")
         record.update(reward_fn_metrics(scored))
         eval_start = time.perf_counter()
         hook = self.task.evaluate if self.task is not None else None
