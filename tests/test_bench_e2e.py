@@ -64,15 +64,18 @@ def test_pin_process_pins_threads_started_before_and_after() -> None:
 
 
 def test_migration_summary_counts_migrations_and_the_simulators_error() -> None:
+    common = {"rollout_s": 10.0, "rollout_predicted_never_s": 13.0}
     records = [
-        {"migration_kept": 1, "migration_moved": 6, "auto_threshold": 8, "rollout_predicted_s": 9.0, "rollout_s": 10.0},
-        {"migration_kept": 0, "migration_moved": 0, "auto_threshold": 0, "rollout_predicted_s": 12.0, "rollout_s": 10.0},
+        {"migration_kept": 1, "migration_moved": 6, "auto_threshold": 8, "rollout_predicted_s": 9.0, **common},
+        {"migration_kept": 0, "migration_moved": 0, "auto_threshold": 0, "rollout_predicted_s": 12.0, **common},
         {"migration_kept": 0, "migration_moved": 0},  # decided before any scoring cost: no simulation
     ]
     summary = migration_summary(records)
     assert summary["iterations_migrated"] == 1 and summary["moved_per_iteration"] == 2.0
     assert summary["auto_threshold"] == 4.0 and summary["predicted_iterations"] == 2
     assert summary["prediction_error"] == pytest.approx(0.15)
+    assert summary["predicted_rollout_s"] == 10.5 and summary["predicted_never_s"] == 13.0
+    assert summary["measured_rollout_s"] == 10.0
     fixed = migration_summary([{"migration_kept": 1, "migration_moved": 3}])
     assert fixed["auto_threshold"] is None and fixed["prediction_error"] is None
 

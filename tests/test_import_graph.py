@@ -19,7 +19,7 @@ LAYERS = [
     {"models"},
     {"distributed"},
     {"components"},
-    {"pipelining", "generation"},
+    {"pipelining", "generation", "envs"},
     {"layouts"},
     {"rollout_fusion"},
     {"rlhf"},

@@ -1,4 +1,5 @@
-"""End-to-end PPO iterations on the debug config: both fusions on vs both off, or this tree vs another one.
+"""End-to-end PPO iterations on the debug config: the fusions as configured ("auto" by default) vs both off, or this
+tree vs another one.
 
 Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core``
 (dp_shard = 1: pp x tp ranks, rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in
@@ -14,8 +15,11 @@ machine's load hitting the modes unevenly. Reports per layout samples/s over the
 mean seconds per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the
 longest). ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks'
 memory). Both modes sample the same responses (fusion changes when work runs, not what is
-computed), so the ``true_score`` figures of the two modes agree. Needs Linux (``os.sched_setaffinity``) and at
-least pp x tp cores.
+computed): the first iteration of every run compares the same work, checked by the iterations' sample digests
+(``samples_digest``); later ones may not (bf16 updates under two schedules round differently). The iteration-1
+protocol: ``--apart --warm-cache --warmup 0 --steps 1``. Where the "auto" threshold simulated a rollout, the
+simulator's prediction is printed beside the measured rollout. Needs Linux (``os.sched_setaffinity``) and at least
+pp x tp cores.
 
 Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
 this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and
@@ -52,10 +56,9 @@ from fusedrl.train import prepare
 from fusedrl.trainer import PHASES, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES: dict[str, tuple[str, ...]] = {
-    mode: (f"--fusion.inter_stage={flag}", f"--fusion.intra_stage={flag}") for mode, flag in (("off", "false"), ("on", "true"))
-}
-"""The fusions benchmark's modes: their config overrides."""
+MODES: dict[str, tuple[str, ...]] = {"off": ("--fusion.inter_stage=false", "--fusion.intra_stage=false"), "on": ()}
+"""The fusions benchmark's modes: their config overrides ("on": the fusions as the config and the command line set
+them, "auto" by default; ``--fusion.inter_stage=true --fusion.intra_stage=true`` forces them on)."""
 LAYOUTS = {"one_rank_per_core": 1, "oversubscribed": 2}
 """The fusions benchmark's layouts, both on the same pp x tp cores, by their dp_shard."""
 
@@ -123,10 +126,16 @@ def alternating_runs(
 LENGTH_FIGURES = ("p50", "p90", "p99", "max")
 
 
-def runs_apart(argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]], rounds: int) -> dict[str, list[dict]]:
+def runs_apart(
+    argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]], rounds: int, warm_cache: bool = False
+) -> dict[str, list[dict]]:
     """Each mode of :data:`MODES` alone (one trainer per rank, fresh processes per run), ``rounds`` runs each in the
-    order off, on, on, off, ...; each mode's metrics of the measured iterations of all its runs."""
+    order off, on, on, off, ...; each mode's metrics of the measured iterations of all its runs. ``warm_cache``: one
+    unmeasured run of one iteration first (torch.compile's cache then holds the graphs every measured run needs)."""
     histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    if warm_cache:
+        run_multirank(alternating_runs, len(cores), argv, out, 0, 1, cores, {"on": MODES["on"]}, timeout_s=3600.0)
+        print("warm-up run (unmeasured) done", flush=True)
     for r in range(rounds):
         for mode in list(MODES) if r % 2 == 0 else list(MODES)[::-1]:
             run = run_multirank(
@@ -143,6 +152,9 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
     inter-stage fusion's migrations: iterations that migrated, requests moved per iteration, and where the "auto"
     threshold simulated a rollout, the simulator's prediction of its length beside the measured one."""
     out: dict = {"samples_per_s": {}, "phases": {}, "bubble_ratio": {}, "true_score": {}, "response_len": {}, "migration": {}}
+    digests = [[r["samples_digest"] for r in histories[mode]] for mode in MODES]
+    out["samples_identical"] = sum(len(set(d)) == 1 for d in zip(*digests))
+    out["samples_compared"] = min(len(d) for d in digests)
     for mode, records in histories.items():
         out["samples_per_s"][mode] = samples_per_s_of(records)
         out["phases"][mode] = {p: sum(r[f"time_{p}"] for r in records) / len(records) for p in PHASES}
@@ -160,14 +172,25 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
 def migration_summary(records: list[dict]) -> dict[str, float | None]:
     """Migrations over ``records`` (iteration metrics) and the rollout simulator's prediction error (mean of
     |predicted - measured| / measured over the iterations it predicted; None when it predicted none)."""
-    predicted = [(r["rollout_predicted_s"], r["rollout_s"]) for r in records if "rollout_predicted_s" in r]
+    predicted = [r for r in records if "rollout_predicted_s" in r]
     thresholds = [r["auto_threshold"] for r in records if "auto_threshold" in r]
+
+    def mean(key: str) -> float | None:
+        return statistics.fmean(r[key] for r in predicted) if predicted else None
+
     return {
         "iterations_migrated": sum(r["migration_kept"] > 0 for r in records),
         "moved_per_iteration": statistics.fmean(r["migration_moved"] for r in records),
         "auto_threshold": statistics.fmean(thresholds) if thresholds else None,
         "predicted_iterations": len(predicted),
-        "prediction_error": statistics.fmean(abs(p - m) / m for p, m in predicted) if predicted else None,
+        "prediction_error": (
+            statistics.fmean(abs(r["rollout_predicted_s"] - r["rollout_s"]) / r["rollout_s"] for r in predicted)
+            if predicted
+            else None
+        ),
+        "measured_rollout_s": mean("rollout_s"),
+        "predicted_rollout_s": mean("rollout_predicted_s"),
+        "predicted_never_s": mean("rollout_predicted_never_s"),
     }
 
 
@@ -187,6 +210,7 @@ def _fusions(
     as_json: bool,
     layouts: dict[str, int] = LAYOUTS,
     apart_rounds: int = 0,
+    warm_cache: bool = False,
 ) -> None:
     turns = "the modes taking turns (off, on, on, off, ...)"
     if apart_rounds:
@@ -202,7 +226,7 @@ def _fusions(
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
             if apart_rounds:
-                histories = runs_apart(argv, out, warmup, steps, per_rank, apart_rounds)
+                histories = runs_apart(argv, out, warmup, steps, per_rank, apart_rounds, warm_cache)
             else:
                 ranks = run_multirank(alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)
                 histories = ranks[0]
@@ -232,6 +256,14 @@ def _fusions(
                 f"(mean over {moves['predicted_iterations']} iterations)"
             )
         print(line)
+        if moves["predicted_rollout_s"] is not None:
+            print(
+                f"rollout, fusions on: {moves['measured_rollout_s']:.2f} s measured, the simulator's prediction "
+                f"{moves['predicted_rollout_s']:.2f} s, without migrating {moves['predicted_never_s']:.2f} s (means)"
+            )
+        same, compared = layout["samples_identical"], layout["samples_compared"]
+        verdict = "identical" if same == compared else f"identical in {same} only (the others compare different work)"
+        print(f"samples of the two modes (sample digests, iteration by iteration): {verdict} of {compared} compared")
         print(f"speedup (samples/s, on / off): {layout['speedup']:.3f}x", flush=True)
     pinned, shared = result["layouts"].get("one_rank_per_core"), result["layouts"].get("oversubscribed")
     result["speedup"] = None if pinned is None else pinned["speedup"]
@@ -349,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         help="without --baseline: run each fusion mode alone (one trainer per rank), alternating over --rounds",
     )
     parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="with --apart: one unmeasured run of one iteration first, so that no measured run compiles cold",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="with --baseline: runs of each tree per layout; with --apart: of each mode"
     )
     args, overrides = parser.parse_known_args(argv)
@@ -377,7 +414,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.baseline is None:
         rounds = args.rounds if args.apart else 0
-        _fusions(config_argv, cores, par.pp, args.warmup, args.steps, args.config, cfg.ppo.batch_size, args.json, layouts, rounds)
+        _fusions(
+            config_argv,
+            cores,
+            par.pp,
+            args.warmup,
+            args.steps,
+            args.config,
+            cfg.ppo.batch_size,
+            args.json,
+            layouts,
+            rounds,
+            args.warm_cache,
+        )
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():
         parser.error(

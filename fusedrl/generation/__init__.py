@@ -1,7 +1,7 @@
 """fusedrl.generation: the engine only: slot KV cache, continuous batching, sampling, compiled decode,
 request-state export/import and its wire format, and loading training weights into the engine."""
 
-from fusedrl.generation.engine import CompileStats, EngineStats, GenerationEngine, RequestProgress
+from fusedrl.generation.engine import CompileStats, EngineStats, GenerationEngine, PrefillStats, RequestProgress
 from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import check_sampling
 from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
@@ -12,6 +12,7 @@ __all__ = [
     "EngineStats",
     "GenerationEngine",
     "PendingSend",
+    "PrefillStats",
     "Request",
     "RequestProgress",
     "RequestResult",

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar, get_args
 
@@ -78,10 +78,27 @@ class _Slot:
     seed: int  # request_seed(seed, id): the key of the request's random stream
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    observations: list[tuple[int, int]] = field(default_factory=list)  # spans of generated an environment appended
+    turn_start: int = 0  # where the current turn began in generated (its token budget counts from there)
 
     @property
     def cache_len(self) -> int:
         return len(self.request.prompt) + len(self.generated) - 1
+
+    @property
+    def sampled(self) -> int:
+        return len(self.generated) - sum(end - start for start, end in self.observations)
+
+    def state(self, reason: FinishReason | None = None) -> RequestState:
+        """This slot's request as a state without KV (``reason``: its turn ended)."""
+        return RequestState(
+            self.request,
+            list(self.generated),
+            list(self.logprobs),
+            observations=list(self.observations),
+            turn_start=self.turn_start,
+            finish_reason=reason,
+        )
 
 
 @dataclass
@@ -90,6 +107,15 @@ class CompileStats:
     (compilation plus that call's own run)."""
 
     graphs: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class PrefillStats:
+    """The prefills an engine ran so far that compiled no graph: the tokens computed (a prompt shared by several
+    requests once) and their wall time, sampling of the first tokens included."""
+
+    tokens: int = 0
     seconds: float = 0.0
 
 
@@ -217,6 +243,7 @@ class GenerationEngine:
         self._active: list[_Slot] = []
         self._waiting: deque[RequestState] = deque()
         self._ready: list[RequestResult] = []
+        self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
         self._ids: set[RequestId] = set()
 
     @classmethod
@@ -274,6 +301,7 @@ class GenerationEngine:
         self._decode: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward.sample_step
         self._prefill_fn: Callable[..., torch.Tensor] = self._forward.prefill
         self.compile_stats = CompileStats()
+        self.prefill_stats = PrefillStats()
         if regions:
             # The decode step with its sampling is one graph (one dispatch and one set of guards per step) in which
             # every layer is the same nested compile region: compiled once, its code reused by every layer. The batch
@@ -371,14 +399,19 @@ class GenerationEngine:
         if error is not None:
             raise ValueError(f"cannot import request {state.id!r}: {error}")
         if state.k is not None:
-            expected = (len(self.model.layers), state.cache_len, self._forward.num_kv_heads, self._forward.head_dim)
-            if tuple(state.k.shape) != expected or state.k.dtype != self._forward.dtype:
+            layout = (len(self.model.layers), self._forward.num_kv_heads, self._forward.head_dim)
+            k = state.k
+            if (k.shape[0], *k.shape[2:]) != layout or k.shape[1] > state.cache_len or k.dtype != self._forward.dtype:
                 raise ValueError(
-                    f"request {state.id!r} KV has shape {tuple(state.k.shape)} {state.k.dtype}, this engine needs "
-                    f"{expected} {self._forward.dtype}: export it with mode='reprefill' instead"
+                    f"request {state.id!r} KV has shape {tuple(k.shape)} {k.dtype}, this engine needs "
+                    f"({layout[0]}, <= {state.cache_len}, {layout[1]}, {layout[2]}) {self._forward.dtype}: export it "
+                    "with mode='reprefill' instead"
                 )
         self._ids.add(state.id)
-        self._waiting.append(state)
+        if state.awaiting:
+            self._parked[state.id] = state
+        else:
+            self._waiting.append(state)
 
     # ---------------------------------------------------------------- requests out
     def export_request(self, request_id: RequestId, mode: Literal["kv", "reprefill"] = "kv") -> RequestState:
@@ -399,15 +432,70 @@ class GenerationEngine:
                 self._waiting.remove(state)
                 self._ids.discard(request_id)
                 return state if mode == "kv" else state.without_kv()
+        if request_id in self._parked:
+            self._ids.discard(request_id)
+            state = self._parked.pop(request_id)
+            return state if mode == "kv" else state.without_kv()
         raise KeyError(f"request {request_id!r} is not unfinished in this engine (finished, exported or never added)")
 
     def unfinished_ids(self) -> list[RequestId]:
-        return [s.request.id for s in self._active] + [s.id for s in self._waiting]
+        """Requests decoding, queued, or (multi-turn) waiting between turns."""
+        return [s.request.id for s in self._active] + [s.id for s in self._waiting] + list(self._parked)
+
+    # ---------------------------------------------------------------- multi-turn requests
+    def continue_request(self, request_id: RequestId, observation: Sequence[int]) -> None:
+        """Append an environment's ``observation`` (token ids, not sampled: log-prob 0, in ``observations``) to a
+        multi-turn request whose turn ended (``awaiting``), and queue its next turn: its earlier KV is kept and only
+        the observation (with the stop token before it) is computed when it takes a slot again."""
+        state = self._awaiting(request_id)
+        ids = [int(t) for t in observation]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: an empty observation; end the request instead (end_request)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: observation token id {bad[0]} is outside [0, {self.vocab_size})")
+        total = len(state.request.prompt) + len(state.generated) + len(ids)
+        if total >= self.max_len:
+            raise ValueError(
+                f"request {request_id!r}: the observation of {len(ids)} tokens takes it to {total} tokens, past the "
+                f"engine's max_len {self.max_len} less one for its next turn: end the episode (end_request), shorten "
+                "the observation or raise max_len"
+            )
+        del self._parked[request_id]
+        start = len(state.generated)
+        state.generated += ids
+        state.logprobs += [0.0] * len(ids)
+        state.observations.append((start, start + len(ids)))
+        state.turn_start, state.awaiting, state.finish_reason = len(state.generated), False, None
+        self._waiting.appendleft(state)  # an episode under way goes before fresh requests
+
+    def end_request(self, request_id: RequestId) -> RequestResult:
+        """End a multi-turn request whose turn ended: its result (every turn and observation); its KV is freed."""
+        state = self._awaiting(request_id)
+        del self._parked[request_id]
+        self._ids.discard(request_id)
+        assert state.finish_reason is not None  # set when its turn ended
+        return RequestResult(state.request, state.generated, state.logprobs, state.finish_reason, observations=state.observations)
+
+    def _awaiting(self, request_id: RequestId) -> RequestState:
+        state = self._parked.get(request_id)
+        if state is None:
+            raise KeyError(
+                f"request {request_id!r} is not waiting between turns here (a multi_turn request whose result had "
+                "awaiting=True, not yet continued or ended)"
+            )
+        return state
+
+    @property
+    def num_awaiting(self) -> int:
+        """Multi-turn requests waiting between turns (they hold KV but no slot)."""
+        return len(self._parked)
 
     def progress(self) -> list[RequestProgress]:
-        """Every unfinished request's progress: active slots first, then the waiting queue in order."""
-        entries = [(s.request, len(s.generated), True) for s in self._active]
-        entries += [(s.request, len(s.generated), False) for s in self._waiting]
+        """Every unfinished request's progress (``generated``: its current turn's tokens): active slots first, then the
+        waiting queue in order (multi-turn requests between turns left out)."""
+        entries = [(s.request, len(s.generated) - s.turn_start, True) for s in self._active]
+        entries += [(s.request, len(s.generated) - s.turn_start, False) for s in self._waiting]
         return [
             RequestProgress(r.id, len(r.prompt), n, r.sampling.new_token_budget, r.sampling.target_len is not None, active)
             for r, n, active in entries
@@ -415,14 +503,17 @@ class GenerationEngine:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._active) + len(self._waiting)
+        """Requests decoding, queued, or waiting between turns."""
+        return len(self._active) + len(self._waiting) + len(self._parked)
 
     def has_work(self) -> bool:
+        """Whether :meth:`step` has something to do (multi-turn requests between turns wait for their caller)."""
         return bool(self._active or self._waiting or self._ready)
 
     def stats(self) -> EngineStats:
-        remaining = sum(s.request.sampling.new_token_budget - len(s.generated) for s in self._active)
-        remaining += sum(s.request.sampling.new_token_budget - len(s.generated) for s in self._waiting)
+        turn = [(s.request, len(s.generated) - s.turn_start) for s in self._active]
+        turn += [(s.request, len(s.generated) - s.turn_start) for s in self._waiting]
+        remaining = sum(r.sampling.new_token_budget - n for r, n in turn)
         return EngineStats(
             active=len(self._active),
             waiting=len(self._waiting),
@@ -459,6 +550,12 @@ class GenerationEngine:
         ``progress``: a tqdm bar on rank 0 (None: only when stderr is a terminal; False: never).
         """
         requests = list(requests)
+        turns = [r.id for r in requests if r.multi_turn]
+        if turns:
+            raise ValueError(
+                f"generate got multi_turn requests ({turns[:3]}); their turns wait for observations: drive them with "
+                "step(), continue_request() and end_request() (fusedrl.envs runs environments that way)"
+            )
         for r in requests:
             self.add_request(r)
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -482,24 +579,38 @@ class GenerationEngine:
             return
         taken = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         to_prefill: list[_Slot] = []
+        to_extend: list[tuple[int, int]] = []  # (row, cached positions) of requests whose KV ends before cache_len
         for state in taken:
             seed = self.seed if state.request.seed is None else state.request.seed  # imported without one
-            slot = _Slot(state.request, request_seed(seed, state.id), list(state.generated), list(state.logprobs))
+            slot = _Slot(
+                state.request,
+                request_seed(seed, state.id),
+                list(state.generated),
+                list(state.logprobs),
+                list(state.observations),
+                state.turn_start,
+            )
             i = len(self._active)
             self._active.append(slot)
-            self._state.write(i, slot.generated, slot.cache_len, slot.seed, slot.request.sampling)
+            pending = slot.generated[-1] if slot.generated else 0  # a fresh slot's first token comes from its prefill
+            self._state.write(i, pending, slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
             if state.k is not None:
                 assert state.v is not None  # a state's K and V are set together
                 self._forward.write_slot(i, state.k.to(self.device), state.v.to(self.device))
+                if state.k.shape[1] < slot.cache_len:  # continued after an observation: compute what follows
+                    to_extend.append((i, state.k.shape[1]))
             else:
                 to_prefill.append(slot)
         if to_prefill:
             self._prefill(to_prefill)
+        if to_extend:
+            self._extend(to_extend)
 
     def _prefill(self, slots: list[_Slot]) -> None:
         """Prefill ``slots`` (fresh or resumed from tokens). Slots whose tokens are identical (a GRPO group's samples
         of one prompt) share one prefill: it runs once, into the first one's cache row, whose filled positions are
         then copied to the others', and they sample from the same logits, each with its own random stream."""
+        start, graphs = time.perf_counter(), self.compile_stats.graphs
         seqs = [s.request.prompt + s.generated[:-1] for s in slots]
         index = [self._active.index(s) for s in slots]
         first: dict[tuple[int, ...], int] = {}  # each distinct token sequence -> its row among the prefilled ones
@@ -531,6 +642,24 @@ class GenerationEngine:
             tokens, logprobs = sample_rows(logits[fresh], ints, floats, *flags)
             self._state.ints[rows] = SlotState.advanced(ints, tokens)
             self._record(sampled_slots, tokens, logprobs)
+        if self.compile_stats.graphs == graphs:
+            self.prefill_stats.tokens += sum(lengths)
+            self.prefill_stats.seconds += time.perf_counter() - start
+
+    def _extend(self, rows: list[tuple[int, int]]) -> None:
+        """Compute the KV of each ``(row, cached)`` slot's positions from ``cached`` to its cache length (a multi-turn
+        request's stop token and observation; its pending token, the observation's last, decodes next)."""
+        seqs = [self._active[i].request.prompt + self._active[i].generated for i, _ in rows]
+        parts = [seq[cached : self._active[i].cache_len] for seq, (i, cached) in zip(seqs, rows)]
+        tokens = torch.zeros(len(parts), max(len(p) for p in parts), dtype=torch.int64)
+        for r, part in enumerate(parts):
+            tokens[r, : len(part)] = torch.tensor(part)
+        self._forward.extend(
+            tokens.to(self.device),
+            torch.tensor([i for i, _ in rows], device=self.device),
+            torch.tensor([cached for _, cached in rows], device=self.device),
+            torch.tensor([len(p) for p in parts], device=self.device),
+        )
 
     def _decode_step(self) -> None:
         n = len(self._active)
@@ -570,7 +699,8 @@ class GenerationEngine:
         return any(p.temperature > 0 for p in params), any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
     def _record(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots."""
+        """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots: a
+        multi-turn request whose turn ended leaves its slot with its KV and waits (``continue_request``)."""
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
         finished = []
         for slot, tok, lp in zip(slots, map(int, host[0]), host[1]):
@@ -581,20 +711,28 @@ class GenerationEngine:
                 finished.append((self._active.index(slot), reason))
         for i, reason in sorted(finished, reverse=True):
             slot = self._active[i]
-            self._ready.append(RequestResult(slot.request, slot.generated, slot.logprobs, reason))
-            self._ids.discard(slot.request.id)
+            result = RequestResult(slot.request, slot.generated, slot.logprobs, reason, observations=slot.observations)
+            if slot.request.multi_turn and reason != "max_len":
+                state = slot.state(reason)
+                state.k, state.v = self._forward.read_slot(i, slot.cache_len)
+                state.awaiting = result.awaiting = True
+                self._parked[slot.request.id] = state
+            else:
+                self._ids.discard(slot.request.id)
+            self._ready.append(result)
             self._remove_slot(i)
 
     def _finish_reason(self, slot: _Slot, token: int) -> FinishReason | None:
+        """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""
         p: SamplingParams = slot.request.sampling
-        n = len(slot.generated)
+        n = len(slot.generated) - slot.turn_start
         if p.target_len is not None:
             return "length" if n >= p.target_len else None
         if token in p.stop_token_ids:
             return "stop"
         if n >= p.max_new_tokens:
             return "length"
-        if len(slot.request.prompt) + n >= self.max_len:
+        if len(slot.request.prompt) + len(slot.generated) >= self.max_len:
             return "max_len"
         return None
 

@@ -48,12 +48,18 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """A prompt to complete. ``seed=None`` uses the engine's seed; the RNG is seeded from (seed, id)."""
+    """A prompt to complete. ``seed=None`` uses the engine's seed; the RNG is seeded from (seed, id).
+
+    ``multi_turn``: a turn that ends (a stop token, or ``sampling.max_new_tokens`` tokens: the budget is per turn) does
+    not end the request: the engine reports it (a result with ``awaiting``) and keeps its KV until
+    :meth:`~fusedrl.generation.GenerationEngine.continue_request` appends an observation or
+    :meth:`~fusedrl.generation.GenerationEngine.end_request` ends it."""
 
     id: RequestId
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
+    multi_turn: bool = False
 
     def __post_init__(self) -> None:
         self.prompt = [int(t) for t in self.prompt]
@@ -61,7 +67,10 @@ class Request:
 
 @dataclass
 class RequestResult:
-    """A finished request: its generated ``tokens`` (stop token included when it stopped) and their log-probs.
+    """A finished request (or, with ``awaiting``, a multi-turn request's finished turn): its ``tokens`` after the prompt
+    (stop tokens included where turns stopped) and their log-probs. ``observations``: the ``[start, end)`` spans of
+    ``tokens`` that environments appended between turns (not sampled: log-prob 0, out of every loss); the rest was
+    sampled.
 
     ``logprobs[i]`` is log pi(tokens[i] | prefix) under the distribution the token was sampled from: the
     log-softmax of ``logits / temperature`` after the top-k / top-p filters (at temperature 0, greedy, of the
@@ -75,6 +84,16 @@ class RequestResult:
     logprobs: list[float]
     finish_reason: FinishReason
     error: str | None = None
+    observations: list[tuple[int, int]] = field(default_factory=list)
+    awaiting: bool = False  # a multi-turn request's turn ended; it waits for continue_request / end_request
+
+    @property
+    def sampled_mask(self) -> list[bool]:
+        """Per token of ``tokens``: sampled (True) or appended by an environment (False)."""
+        mask = [True] * len(self.tokens)
+        for start, end in self.observations:
+            mask[start:end] = [False] * (end - start)
+        return mask
 
     @property
     def id(self) -> RequestId:

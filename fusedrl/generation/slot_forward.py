@@ -202,6 +202,32 @@ class SlotForward(nn.Module):
         last = h[torch.arange(n, device=tokens.device), lengths - 1]
         return self._linear(self.model.output, self.model.norm(last)).float()
 
+    def extend(self, tokens: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded tokens [n, L] at positions ``starts[i] .. starts[i] + lengths[i] - 1`` of cache rows ``rows``,
+        each attending to its row's cached positions before ``starts[i]`` and causally to its own new ones; their keys
+        and values are written into the cache. Returns the final hidden states [n, L, dim] (normed): the logits of
+        any position are ``self._linear(self.model.output, h)``. Padding positions land past a row's length (or in
+        the spare column past ``max_len``), where decode overwrites them before they are ever attended to."""
+        n, width = tokens.shape
+        offsets = torch.arange(width, device=tokens.device)
+        pos = starts[:, None] + offsets[None, :]  # [n, L]
+        write = pos.clamp(max=self.columns.shape[0])  # padding past max_len goes to the spare column
+        span = int((starts + lengths).max())
+        mask = (self.columns[None, None, :span] <= pos[:, :, None])[:, None]  # [n, 1, L, span]
+        h = self.model.tok_embeddings(tokens)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = self._qkv(layer.attn, layer.sa_norm(h), pos)
+            kc, vc = self.cache(i)
+            kc[rows[:, None], write] = k.to(kc.dtype)
+            vc[rows[:, None], write] = v.to(vc.dtype)
+            keys, values = kc[rows, :span].transpose(1, 2), vc[rows, :span].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(self.dtype), keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            ).transpose(1, 2)
+            out = self._linear(layer.attn.output_proj, out.reshape(n, width, self.num_heads * self.head_dim).to(q.dtype))
+            h = self._block(layer, h, out)
+        return self.model.norm(h)
+
     def sample_step(
         self, ints: torch.Tensor, floats: torch.Tensor, columns: torch.Tensor, any_sampled: bool, any_filtered: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,11 +282,10 @@ class SlotState:
         self.ints = torch.zeros(slots, 6, dtype=torch.int64, device=device)
         self.floats = torch.zeros(slots, 2, dtype=torch.float32, device=device)
 
-    def write(self, i: int, generated: list[int], cache_len: int, seed: int, sampling: SamplingParams) -> None:
-        """Row ``i`` takes a request that has sampled ``generated`` (its last one pending; none: a fresh request, whose
-        first token comes from its prefill) over a cache of ``cache_len`` positions."""
-        pending = generated[-1] if generated else 0
-        self.ints[i] = torch.tensor([pending, cache_len, seed, len(generated), sampling.top_k, 1])
+    def write(self, i: int, pending: int, cache_len: int, seed: int, sampled: int, sampling: SamplingParams) -> None:
+        """Row ``i`` takes a request whose ``pending`` token (0 for a fresh request, whose first token comes from its
+        prefill) follows a cache of ``cache_len`` positions, after it sampled ``sampled`` tokens."""
+        self.ints[i] = torch.tensor([pending, cache_len, seed, sampled, sampling.top_k, 1])
         self.floats[i] = torch.tensor([sampling.temperature, sampling.top_p])
 
     def move(self, src: int, dst: int) -> None:

@@ -27,12 +27,15 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 class RequestState:
     """Everything needed to continue a request on another engine with identical output, or to score it.
 
-    ``generated`` holds the tokens sampled so far; while in flight the last one is *pending* (not yet in the
-    KV cache). ``k``/``v`` are the request's cache rows, shape [num_layers, cache_len, kv_heads, head_dim],
-    where ``cache_len == len(prompt) + len(generated) - 1``; they are ``None`` for a re-prefill export (the
-    importing engine recomputes them from the tokens), for a request that has not started, and for a
-    finished one. The request's random stream is a function of its seed, id and token count (see
-    :mod:`.sampling`): there is no RNG state to carry.
+    ``generated`` holds the tokens after the prompt so far; while in flight the last one is *pending* (not yet in
+    the KV cache). ``k``/``v`` are the request's cache rows, shape [num_layers, n, kv_heads, head_dim] with ``n <=
+    cache_len == len(prompt) + len(generated) - 1`` (a multi-turn request continued after an observation holds the
+    rows it had: the importing engine computes the rest); they are ``None`` for a re-prefill export (the importing
+    engine recomputes them from the tokens), for a request that has not started, and for a finished one. The
+    request's random stream is a function of its seed, id and the count of tokens it sampled (see :mod:`.sampling`):
+    there is no RNG state to carry. Multi-turn: ``observations`` are the ``[start, end)`` spans of ``generated`` that
+    environments appended, ``turn_start`` where the current turn began (its token budget counts from there), and
+    ``awaiting`` marks a request whose turn ended and that waits for an observation.
     """
 
     request: Request
@@ -41,6 +44,14 @@ class RequestState:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     finish_reason: FinishReason | None = None
+    observations: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    turn_start: int = 0
+    awaiting: bool = False
+
+    @property
+    def sampled(self) -> int:
+        """Tokens of ``generated`` the request sampled (the position of its random stream)."""
+        return len(self.generated) - sum(end - start for start, end in self.observations)
 
     @property
     def id(self) -> RequestId:
@@ -62,12 +73,20 @@ class RequestState:
     @classmethod
     def of_result(cls, result: RequestResult) -> RequestState:
         """The finished state of an engine's result (to send it to the rank that scores it)."""
-        return cls(result.request, list(result.tokens), list(result.logprobs), finish_reason=result.finish_reason)
+        return cls(
+            result.request,
+            list(result.tokens),
+            list(result.logprobs),
+            finish_reason=result.finish_reason,
+            observations=list(result.observations),
+        )
 
     def to_result(self) -> RequestResult:
         if self.finish_reason is None:
             raise ValueError(f"request {self.id!r} has not finished; only a finished state becomes a result")
-        return RequestResult(self.request, self.generated, self.logprobs, self.finish_reason)
+        return RequestResult(
+            self.request, self.generated, self.logprobs, self.finish_reason, observations=list(self.observations)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +114,10 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
                 "seed": s.request.seed,
                 "sampling": dataclasses.asdict(s.request.sampling),
                 "finish_reason": s.finish_reason,
+                "multi_turn": s.request.multi_turn,
+                "observations": s.observations,
+                "turn_start": s.turn_start,
+                "awaiting": s.awaiting,
             }
         ).encode()
         for s in states
@@ -145,10 +168,13 @@ def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
         sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
         seq = token_ids[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
         state = RequestState(
-            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"]),
+            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"], info["multi_turn"]),
             seq[n_prompt:],
             logprob_values[pos["logprobs"] : pos["logprobs"] + n_gen],
             finish_reason=info["finish_reason"],
+            observations=[(int(a), int(b)) for a, b in info["observations"]],
+            turn_start=info["turn_start"],
+            awaiting=info["awaiting"],
         )
         if n_kv:
             assert k is not None and v is not None  # a batch with KV rows carries K and V

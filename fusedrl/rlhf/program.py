@@ -95,13 +95,23 @@ def schedule_memory_limit(cfg: JobConfig, seq_len: int) -> float | None:
     return cap
 
 
+AUTO_MIN_GAIN = 0.02
+"""``fusion.intra_stage = "auto"`` takes the fused schedule where its simulated makespan is at least this fraction
+shorter than sequential 1F1B's."""
+
+
 def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
     """The schedule of one minibatch: the fused schedule search (intra_stage; without a Critic it schedules the Actor
-    alone, with split backwards when ``fusion.split_backward``) or sequential 1F1B."""
+    alone, with split backwards when ``fusion.split_backward``) or sequential 1F1B (intra_stage off, or "auto" where
+    fusing is not predicted to pay: the decision is logged)."""
     placement, costs, counts = pipeline_costs(cfg, seq_len)
-    if not cfg.fusion.intra_stage:
+    setting = cfg.fusion.intra_stage
+    if setting is False:
         return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
-    return fused_schedule(
+    if setting == "auto" and counts[CRITIC] == 0 and not cfg.fusion.split_backward:
+        log.info('fusion.intra_stage = "auto": off, no Critic to fuse with the Actor (fusion.split_backward is off)')
+        return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
+    found = fused_schedule(
         placement,
         costs,
         counts[ACTOR],
@@ -111,6 +121,20 @@ def _plan(cfg: JobConfig, seq_len: int) -> PlanResult | Schedule:
         memory_limit=schedule_memory_limit(cfg, seq_len),
         split_backward=cfg.fusion.split_backward,
     )
+    gain = found.sequential_1f1b_makespan / found.makespan
+    if setting == "auto":
+        on = found.makespan <= (1 - AUTO_MIN_GAIN) * found.sequential_1f1b_makespan
+        log.info(
+            'fusion.intra_stage = "auto": %s, the %s schedule simulates %.3fx sequential 1F1B\'s speed (at least %.2fx '
+            "turns it on)",
+            "on" if on else "off",
+            found.method,
+            gain,
+            1 / (1 - AUTO_MIN_GAIN),
+        )
+        if not on:
+            return sequential_1f1b(placement, counts[ACTOR], counts[CRITIC])
+    return found
 
 
 def plan_program(cfg: JobConfig, seq_len: int) -> tuple[LoweredProgram, str]:
@@ -154,7 +178,7 @@ def build_executor(cfg: JobConfig, layout: TrainingLayout, device: torch.device)
         local = LocalSchedule(actor_spec, critic_spec, counts, group=layout.pp_group, device=device)
         if critic_spec is None:
             return TrainingExecutor(local, "none: pp = 1, the Actor alone", cfg.microbatches)
-        if cfg.fusion.intra_stage and dist.get_rank() == 0:
+        if cfg.fusion.intra_stage is True and dist.get_rank() == 0:
             log.info(
                 "fusion.intra_stage = true has nothing to fuse with parallelism.pp = 1 (no pipeline bubbles): "
                 "the Actor and the Critic train one after the other"

@@ -105,8 +105,9 @@ def generate_and_score(
 
 def migration_metrics(result: RolloutResult) -> dict[str, float]:
     """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank), and where the
-    "auto" threshold simulated the rollout, its last choice (``auto_threshold``: 0 = never migrate), when it chose
-    (``auto_at_s``) and the simulated rollout's length (``rollout_predicted_s``, beside the measured ``rollout_s``)."""
+        "auto" threshold simulated the rollout, its last choice (``auto_threshold``: 0 = never migrate), when it chose
+        (``auto_at_s``) and the simulated rollout's length with that choice and without migrating (``rollout_predicted_s``,
+    ``rollout_predicted_never_s``, beside the measured ``rollout_s``)."""
     auto = {}
     if result.auto is not None:
         a = result.auto
@@ -115,6 +116,7 @@ def migration_metrics(result: RolloutResult) -> dict[str, float]:
             "auto_min_kept": a.min_kept,
             "auto_at_s": a.at_s,
             "rollout_predicted_s": a.predicted_s,
+            "rollout_predicted_never_s": a.never_s,
             "rollout_s": result.rollout_s,
         }
     return _migration_figures(result) | auto

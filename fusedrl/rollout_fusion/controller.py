@@ -39,7 +39,9 @@ ranks only its TP rank 0 sends and receives finished samples and hands them to i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -71,12 +73,15 @@ from fusedrl.rollout_fusion.simulator import (
     RolloutCosts,
     SimRequest,
     best_migration,
+    simulate_rollout,
 )
 
 log = logging.getLogger(__name__)
 
 MigrationMode = Literal["kv", "reprefill"]
-AUTO_FALLBACK_FRACTION = 0.1  # "auto" before any scoring cost has been measured (first rollout, no costs given)
+AUTO_FALLBACK_FRACTION = 0.1  # an "auto" threshold before costs are known, where no gain is required
+AUTO_MIN_GAIN = 0.05  # inter_stage = "auto": a migration must be predicted to shorten the rollout this much
+PROBE_MIN_STEPS = 64  # "auto" measures scoring mid-rollout only with at least this many decode steps left to gain in
 T = TypeVar("T")
 ScoreFn = Callable[[list[RequestResult]], T]
 """Scores one micro-batch of finished samples (at most ``micro_batch_size``, sorted by length)."""
@@ -128,7 +133,7 @@ class Measurements:
     """Costs this rank measured, to fit :class:`RolloutCosts` (see :meth:`RolloutCosts.fit`)."""
 
     decode: list[tuple[int, int, float]] = field(default_factory=list)  # (batch, cached tokens, s)
-    prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) of steps that admitted requests
+    prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) of the engine's prefills (PrefillStats)
     score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s) per micro-batch
     transfers: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s)
     checks: list[float] = field(default_factory=list)  # s per statistics all-gather
@@ -142,6 +147,7 @@ class AutoDecision:
     min_kept: int
     at_s: float  # seconds into the rollout when it was simulated
     predicted_s: float  # the simulated rollout's end with that choice, seconds from the rollout's start
+    never_s: float  # the simulated rollout's end without migrating
 
 
 @dataclass
@@ -171,8 +177,14 @@ class MigrationController(Generic[T]):
         engine: this rank's generation instance (all ranks' engines must share the seed).
         score: scores one micro-batch of finished samples on this rank (e.g. ``Scorer.score``).
         micro_batch_size: most samples per ``score`` call.
-        fusion: migrate the tail and overlap scoring (False: score only after all decoding ends).
+        fusion: migrate the tail and overlap scoring (False: score only after all decoding ends). With it an instance
+            whose own requests are done while others decode scores its finished samples meanwhile, in chunks that
+            keep pace with the others' checks.
         threshold: migrate when global unfinished <= ``threshold * batch`` (0 < threshold < 1), or ``"auto"``.
+        min_gain: with ``"auto"``, migrate only where the simulated rollout ends at least this fraction sooner than
+            without migrating (until costs are known: never). Before any scoring was measured (the first rollout) and
+            with :data:`PROBE_MIN_STEPS` decode steps or more left, ``"auto"`` scores rank 0's first finished sample
+            at once: its cost per token stands for scoring's until more is measured.
         mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
         check_interval: decode steps between statistics all-gathers.
         costs: rollout costs for ``auto``; default: fitted from this controller's own earlier measurements.
@@ -191,6 +203,7 @@ class MigrationController(Generic[T]):
         micro_batch_size: int = 8,
         fusion: bool = True,
         threshold: float | Literal["auto"] = "auto",
+        min_gain: float = 0.0,
         mode: MigrationMode = "kv",
         check_interval: int = 8,
         costs: RolloutCosts | None = None,
@@ -209,6 +222,7 @@ class MigrationController(Generic[T]):
         self.engine, self.score, self.micro_batch_size = engine, score, micro_batch_size
         self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
         self.costs, self.group = costs, group
+        self.min_gain = min_gain
         self.control_group = control_group if control_group is not None else group
         self.instance_group = instance_group if instance_group is not None and dist.get_world_size(instance_group) > 1 else None
         self.leader = self.instance_group is None or dist.get_rank(self.instance_group) == 0
@@ -229,13 +243,15 @@ class MigrationController(Generic[T]):
         control_group: dist.ProcessGroup | None = None,
         instance_group: dist.ProcessGroup | None = None,
     ) -> MigrationController[T]:
-        """A controller as the ``[fusion]`` section says (``inter_stage``, ``migration_*``)."""
+        """A controller as the ``[fusion]`` section says (``inter_stage``: "auto" migrates where the simulator predicts
+        at least :data:`AUTO_MIN_GAIN`; ``migration_*``)."""
         return cls(
             engine,
             score,
             micro_batch_size=micro_batch_size,
-            fusion=section.inter_stage,
+            fusion=section.inter_stage is not False,
             threshold=section.migration_threshold,
+            min_gain=AUTO_MIN_GAIN if section.inter_stage == "auto" else 0.0,
             mode=section.migration_mode,
             check_interval=section.migration_check_interval,
             group=group,
@@ -278,6 +294,16 @@ class MigrationController(Generic[T]):
         run = _Rollout(self, rank, world, len(all_ids), progress, target)
         run.execute()
         end = run.clock()
+        a = run.auto_decision
+        if a is not None and rank == 0:
+            choice = f"migrate at <= {a.threshold} unfinished" if a.threshold else "no migration"
+            log.info(
+                "inter-stage fusion: %s (simulated %.1f s into the rollout: it ends at %.1f s, %.1f s without migrating)",
+                choice if run.migration is None or not a.threshold else f"migrated ({choice})",
+                a.at_s,
+                a.predicted_s,
+                a.never_s,
+            )
         self._reconcile(run.scored_ids + [int(s.id) for s in run.carried], all_ids)
         scored = run.scored
         if gather:
@@ -328,12 +354,23 @@ class MigrationController(Generic[T]):
         dist.broadcast_object_list(box, group_src=0, group=self.instance_group)
         return box[0]
 
-    def _fitted_costs(self, decode: list[tuple[int, int, float]]) -> RolloutCosts | None:
+    def _fitted_costs(self, now: Measurements) -> RolloutCosts | None:
+        """Costs fitted to this rollout's decode steps (``now``; the engine pads a step to its batch and length
+        buckets) and every scoring micro-batch measured so far (one alone: its cost per token, no fixed cost). None:
+        too few measurements."""
         if self.costs is not None:
             return self.costs
-        if len(self._history.score) < 2 or len(decode) < 3:
+        score = self._history.score + now.score
+        if len(now.decode) < 3 or not score:
             return None
-        return RolloutCosts.fit(decode, self._history.score)
+        rows, length, seconds = score[0]
+        return RolloutCosts.fit(
+            now.decode,
+            score if len(score) >= 2 else [],
+            batch_buckets=self.engine.batch_buckets,
+            len_buckets=self.engine.len_buckets,
+            score_per_token_s=None if len(score) >= 2 else seconds / (rows * length),
+        )
 
 
 _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
@@ -372,6 +409,7 @@ class _Rollout:
         self.auto_decision: AutoDecision | None = None  # the last simulation's choice and prediction
         self.auto_evaluated_at: int | None = None
         self.auto_fallback_logged = False
+        self.idle_scoring: tuple[threading.Thread, list[BaseException]] | None = None
         dist.barrier(group=ctl.control_group)
         self.t0 = time.perf_counter()
 
@@ -384,21 +422,22 @@ class _Rollout:
         if not ctl.fusion or self.world == 1:
             self._decode_until_done()
             dist.barrier(group=ctl.control_group)  # scoring starts only after every instance finished decoding
-            self._score(self.finished)
+            self._score_finished()
             return
         plan = self._decode_until_threshold()
+        self._join_idle_scoring()
         if plan is None:  # decoding ended before the threshold was reached
-            self._score(self.finished)
+            self._score_finished()
             return
         if self.rank in plan.kept:
             self._decode_tail(plan)
         else:
-            self._score(self.finished)
+            self._score_finished()
             self._score_tail_streams(plan)
 
     def _step(self) -> None:
-        stats = self.engine.stats()
-        start, before = self.clock(), len(self.finished)
+        stats, prefilled = self.engine.stats(), dataclasses.replace(self.engine.prefill_stats)
+        start, before, graphs = self.clock(), len(self.finished), self.engine.compile_stats.graphs
         for res in self.engine.step():
             if not res.ok:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
@@ -408,12 +447,11 @@ class _Rollout:
         if self.progress is not None:
             self.decoded += stats.active
             self.progress.update(len(self.finished) - before, tok_s=self.decoded / max(end, 1e-9))
-        if stats.waiting == 0 and stats.active:  # a pure decode step (no admission / prefill)
+        now = self.engine.prefill_stats
+        if now.tokens > prefilled.tokens:  # the engine times its prefills apart (those that compiled nothing)
+            self.measurements.prefill.append((now.tokens - prefilled.tokens, now.seconds - prefilled.seconds))
+        if stats.waiting == 0 and stats.active and self.engine.compile_stats.graphs == graphs:  # a pure decode step
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
-        elif stats.waiting:  # admission: tokens that entered the KV cache beyond one per decoded request
-            self.measurements.prefill.append(
-                (self.engine.stats().cached_tokens - stats.cached_tokens - stats.active, end - start)
-            )
         self._span("decode", start, end)
         self.decode_end = end
 
@@ -461,6 +499,12 @@ class _Rollout:
                     self._step()
                     self.new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
+            if not self.engine.has_work() and self.finished and self.target is None:
+                self._score_while_idle()
+            elif self._probe_due():
+                first = min(self.finished, key=lambda s: s.num_tokens)  # a first measurement of scoring's cost
+                self.finished.remove(first)
+                self._score([first])
             if self.target is not None and self._check_target()[0]:
                 for wait in posted:  # every rank posted them before this check: they complete
                     wait()
@@ -549,15 +593,16 @@ class _Rollout:
         return self.auto_choice
 
     def _simulate_threshold(self, details: list) -> tuple[int, int, AutoDecision | None]:
-        costs = self.ctl._fitted_costs(self.measurements.decode)
-        if costs is None:
+        costs = self.ctl._fitted_costs(self.measurements)
+        if costs is None:  # inter_stage = "auto" (a gain required) migrates on no guess; true takes a fixed share
+            fallback = 0 if self.ctl.min_gain > 0 else max(1, round(AUTO_FALLBACK_FRACTION * self.batch))
             if not self.auto_fallback_logged:  # once per rollout, not at every re-simulation
                 log.info(
-                    "auto migration threshold: too few scoring costs measured yet, using %.0f%% of the batch",
-                    100 * AUTO_FALLBACK_FRACTION,
+                    "auto migration threshold: too few costs measured yet, %s",
+                    f"using {100 * AUTO_FALLBACK_FRACTION:.0f}% of the batch" if fallback else "no migration",
                 )
                 self.auto_fallback_logged = True
-            return max(1, round(AUTO_FALLBACK_FRACTION * self.batch)), 1, None
+            return fallback, 1, None
         observed = sorted(self.observed_lengths)
         instances = [
             [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
@@ -573,8 +618,11 @@ class _Rollout:
         )
         backlog = [finished for _, finished in details]
         now = self.clock()
-        threshold, min_kept, times = best_migration(instances, costs, config, backlog=backlog, batch_size=self.batch)
-        return threshold, min_kept, AutoDecision(threshold, min_kept, now, now + times.total_s)
+        threshold, min_kept, times = best_migration(
+            instances, costs, config, backlog=backlog, batch_size=self.batch, min_gain=self.ctl.min_gain
+        )
+        never = simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog)
+        return threshold, min_kept, AutoDecision(threshold, min_kept, now, now + times.total_s, now + never.total_s)
 
     # -------------------------------------------------------------------------------------- migration
     def _migrate(self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int) -> MigrationPlan:
@@ -703,6 +751,49 @@ class _Rollout:
                 return
             self._score(batch)
 
+    def _probe_due(self) -> bool:
+        """Whether the deciding rank (rank 0) of an "auto" threshold should score a finished sample now: no scoring
+        cost is known yet (the first rollout) and at least :data:`PROBE_MIN_STEPS` decode steps remain, so that what
+        the measurement lets it decide can gain more than the measurement costs."""
+        ctl = self.ctl
+        if ctl.threshold != "auto" or self.rank != 0 or not self.finished or ctl._history.score or self.measurements.score:
+            return False
+        left = max((p.budget - p.generated for p in self.engine.progress()), default=0)
+        return left >= PROBE_MIN_STEPS
+
+    def _score_while_idle(self) -> None:
+        """This instance's requests are done while others decode: score its finished samples in a thread (in full
+        micro-batches, as :meth:`_score` cuts them) while this one keeps posting the checks, so that no instance waits
+        for it. Joined (:meth:`_join_idle_scoring`) before any other scoring here, so that every rank of an instance
+        scores the same micro-batches in the same order."""
+        if self.idle_scoring is not None:
+            return
+        samples, self.finished = self.finished, []
+        errors: list[BaseException] = []
+
+        def score() -> None:
+            try:
+                self._score(samples)
+            except BaseException as e:  # raised again by the join, in the rollout's own thread
+                errors.append(e)
+
+        thread = threading.Thread(target=score, name="fusedrl-idle-scoring", daemon=True)
+        self.idle_scoring = (thread, errors)
+        thread.start()
+
+    def _join_idle_scoring(self) -> None:
+        if self.idle_scoring is None:
+            return
+        thread, errors = self.idle_scoring
+        thread.join()
+        self.idle_scoring = None
+        if errors:
+            raise errors[0]
+
+    def _score_finished(self) -> None:
+        samples, self.finished = self.finished, []
+        self._score(samples)
+
     def _score(self, samples: list[RequestResult]) -> None:
         """Score ``samples`` in micro-batches of similar lengths (the shortest first), each timed."""
         if not samples:
@@ -719,8 +810,6 @@ class _Rollout:
         end = self.clock()
         self.scoring_s += end - start
         self._span("score", start, end, samples=len(samples))
-        if samples is self.finished:
-            self.finished = []
 
     def _span(self, kind: str, start: float, end: float, **args: Any) -> None:
         """Record a span; consecutive decode steps merge into one span."""

@@ -150,13 +150,19 @@ class RolloutCosts:
         check_s: float = 0.0,
         batch_buckets: Sequence[int] = (),
         len_buckets: Sequence[int] = (),
+        score_per_token_s: float | None = None,
     ) -> RolloutCosts:
         """Least-squares fit to measurements: decode (batch, cached tokens, s), score (rows, padded_len, s),
         prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0. With the
         engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
-        position of a measured step is taken as its mean (exact when its requests started together)."""
-        if len(decode) < 3 or len(score) < 2:
-            raise ValueError("fit needs >= 3 decode and >= 2 scoring measurements; run more steps/micro-batches")
+        position of a measured step is taken as its mean (exact when its requests started together). Given
+        ``score_per_token_s`` (from fewer than two scoring measurements) scoring costs that per padded token and
+        nothing per micro-batch."""
+        estimated = score_per_token_s is not None
+        if len(decode) < 3 or (len(score) < 2 and not estimated):
+            raise ValueError(
+                "fit needs >= 3 decode and >= 2 scoring measurements (or score_per_token_s); run more steps/micro-batches"
+            )
         bb, lb = tuple(batch_buckets), tuple(len_buckets)
         shape = cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.0, batch_buckets=bb, len_buckets=lb).padded_shape
         rows = [[1.0, float(n), *map(float, shape(n, ctx))] for n, ctx, _ in decode]
@@ -165,11 +171,14 @@ class RolloutCosts:
         coef = _lstsq(rows, [s for *_, s in decode])
         a, b, c = coef[0], coef[1], coef[-1]
         row = coef[2] if bb else 0.0
-        quadratic = len(score) >= 4  # the attention term needs one more measurement than the linear fit
-        s0, s1, *s2 = _lstsq(
-            [[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score]
-        )
         p = sum(s for _, s in prefill) / max(1, sum(t for t, _ in prefill)) if prefill else 0.0
+        if score_per_token_s is not None:
+            s0, s1, s2 = 0.0, score_per_token_s, []
+        else:
+            quadratic = len(score) >= 4  # the attention term needs one more measurement than the linear fit
+            s0, s1, *s2 = _lstsq(
+                [[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score]
+            )
         lat, bw = fit_transfers(transfers)
         return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s, row, s2[0] if s2 else 0.0, bb, lb)
 
@@ -297,7 +306,8 @@ def simulate_rollout(
 ) -> RolloutTimes:
     """Time of the rollout. ``instances[i]`` are instance i's unfinished requests; ``backlog[i]`` the token
     counts of its finished, unscored samples. ``threshold``: migrate when at most this many requests are
-    unfinished at a check (fused only); ``min_kept``: keep at least this many instances decoding."""
+    unfinished at a check (fused only); ``min_kept``: keep at least this many instances decoding. Fused, an
+    instance whose own requests are done scores its samples while the others decode (shortest first)."""
     n = len(instances)
     backlog_tokens = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
     start = [costs.prefill_per_token_s * sum(r.ctx for r in reqs) if config.prefill else 0.0 for reqs in instances]
@@ -334,15 +344,22 @@ def simulate_rollout(
     first = int(decides.nonzero()[0])
     t = _check_clock(per_step.view(n, intervals, k).sum(-1), start, costs.check_s, first)
     s0 = int(check_steps[first]) if counts[first] > 0 else None
-    if s0 is None:  # decoding ended before the threshold: everyone scores its own samples
+    own_end = [start[i] + float(steps[i].sum()) for i in range(n)]
+    if s0 is None:  # decoding ended before the threshold: everyone scores its own samples, from its own end on
         score = _unfused_scoring(final, costs, config)
+        ends = [max(t, own_end[i] + score[i]) for i in range(n)]
         for i in range(n):
-            spans += [(i, "decode", 0.0, t), (i, "score", t, t + score[i])]
-        return RolloutTimes(t + max(score), t, spans=spans)
+            spans += [(i, "decode", 0.0, own_end[i]), (i, "score", own_end[i], ends[i])]
+        return RolloutTimes(max(ends), t, spans=spans)
 
     done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
     alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
     unscored = [backlog_tokens[i] + done[i] for i in range(n)]
+    for i in range(n):  # an instance done before the migration scored its shortest samples meanwhile
+        if not alive[i] and own_end[i] < t:
+            unscored[i] = _unscored_after(unscored[i], t - own_end[i], costs, config.micro_batch_size)
+            if unscored[i] != backlog_tokens[i] + done[i]:
+                spans.append((i, "score", own_end[i], t))
     stats = [
         InstanceStats(
             rank=i,
@@ -464,6 +481,15 @@ def simulate_rollout(
     )
 
 
+def _unscored_after(samples: list[int], seconds: float, costs: RolloutCosts, micro_batch_size: int) -> list[int]:
+    """What is left of ``samples`` (token counts) after ``seconds`` of scoring them one at a time, shortest first."""
+    left = sorted(samples)
+    while left and costs.score_s(left[:1], micro_batch_size) <= seconds:
+        seconds -= costs.score_s(left[:1], micro_batch_size)
+        left.pop(0)
+    return left
+
+
 def _unfused_scoring(samples: list[list[int]], costs: RolloutCosts, config: RolloutConfig) -> list[float]:
     """Each instance's scoring time once decoding has ended everywhere (see ``RolloutConfig.unfused_scoring``)."""
     mbs = config.micro_batch_size
@@ -493,23 +519,25 @@ def best_migration(
     backlog: Sequence[Sequence[int]] | None = None,
     batch_size: int | None = None,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    min_gain: float = 0.0,
 ) -> tuple[int, int, RolloutTimes]:
     """(threshold, min_kept, simulated rollout) with the shortest simulated rollout. Thresholds: ``fractions``
-    of ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more);
-    min_kept: :func:`kept_candidates` (fewer kept instances free more for scoring, more decode the tail
-    faster)."""
+    of ``batch_size`` and 0 (never migrate: when scoring everything on the freed instances costs more; also when
+    the best migration ends less than ``min_gain`` of the rollout sooner); min_kept: :func:`kept_candidates` (fewer
+    kept instances free more for scoring, more decode the tail faster)."""
     batch = batch_size if batch_size is not None else sum(len(r) for r in instances)
     thresholds = sorted({max(1, round(f * batch)) for f in fractions})
     unfinished = sum(len(r) for r in instances)
     at_once = [t for t in thresholds if t >= unfinished]  # all of these migrate at the first check: simulate one
     thresholds = [t for t in thresholds if t < unfinished] + at_once[:1]
-    best = (0, 1, simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog))
+    never = (0, 1, simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog))
+    best = never
     for m in kept_candidates(len(instances)):
         for c in thresholds:
             res = simulate_rollout(instances, costs, config, fused=True, threshold=c, backlog=backlog, min_kept=m)
             if res.total_s < best[2].total_s - 1e-12:
                 best = (c, m, res)
-    return best
+    return best if best[2].total_s <= (1 - min_gain) * never[2].total_s else never
 
 
 def split_round_robin(lengths: Sequence[int], prompt_lens: Sequence[int] | int, num_instances: int) -> list[list[SimRequest]]:

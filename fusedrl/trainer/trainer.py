@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,18 @@ STDOUT_KEYS = (
     "time_training",
     "time_step",
 )
+
+
+def samples_digest(exp: Experience) -> int:
+    """CRC-32 of a scored batch's sample ids and token ids (rows in sample-id order, each up to its last response
+    token): two runs sampled the same batch exactly when their digests agree (e.g. fused against unfused,
+    ``bench.e2e --apart``)."""
+    assert exp.sample_ids is not None  # the scorer sets them
+    crc = zlib.crc32(exp.sample_ids.to(torch.int64).numpy().tobytes())
+    ends = (exp.response_mask > 0).cumsum(1).argmax(1)  # each row's last response position
+    for row, end in zip(exp.tokens, ends.tolist()):
+        crc = zlib.crc32(row[: end + 1].to(torch.int64).numpy().tobytes(), crc)
+    return crc
 
 
 def reduce_iteration(
@@ -524,6 +537,7 @@ class Trainer:
         record["samples_per_s"] = cfg.ppo.batch_size / record["time_step"]
         record["tokens_per_s"] = lengths.sum().item() / record["time_step"]
         record.update(length_stats(lengths))
+        record["samples_digest"] = samples_digest(scored)
         record.update(
             compute_figures(
                 cfg,
