@@ -71,8 +71,10 @@ class Peak:
 
 
 def measure_peak(device: torch.device | str = "cpu", threads: int | None = None, seconds: float = 2.0) -> Peak:
-    """Time ``device``'s matmul throughput (shapes of LLM linears, float32 and bfloat16) and memory read bandwidth
-    (the sum of a tensor far larger than any cache), best of repeats after a warm-up each, on ``threads`` host threads
+    """Time ``device``'s matmul throughput (shapes of LLM linears, float32 and bfloat16; each shape through
+    ``torch.matmul`` and through ``F.linear``, whose kernels differ: the best of all, so that no pass of a model through
+    either runs above it) and memory read bandwidth (the sum of a tensor far larger than any cache), best of repeats
+    after a warm-up each, on ``threads`` host threads
     (the current count when None; restored afterwards). ``seconds`` is the time the repeats share: each measurement
     runs a warm-up and at least two timed repeats, more while its share lasts; warm-ups and filling the tensors add
     1-2 s on a 2-core CPU. CUDA matmuls run under the current precision settings (TF32 off by default)."""
@@ -85,9 +87,13 @@ def measure_peak(device: torch.device | str = "cpu", threads: int | None = None,
     if device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False):
         dtypes.append(torch.bfloat16)
     on_host = device.type == "cpu"
-    # (m, k, n): a square projection and a small model's MLP up-projection over a token batch
-    shapes = ((2048, 2048, 2048), (4096, 576, 1536)) if on_host else ((8192, 8192, 8192), (16384, 4096, 14336))
-    budget = seconds / (len(dtypes) * len(shapes) + 1)
+    # (m, k, n): a square projection, a small model's MLP up- and down-projection over a token batch
+    shapes = (
+        ((2048, 2048, 2048), (4096, 576, 1536), (4096, 1536, 576))
+        if on_host
+        else ((8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096))
+    )
+    budget = seconds / (2 * len(dtypes) * len(shapes) + 1)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -97,10 +103,12 @@ def measure_peak(device: torch.device | str = "cpu", threads: int | None = None,
             for m, k, n in shapes:
                 a = torch.randn(m, k, dtype=dtype, device=device)
                 b = torch.randn(k, n, dtype=dtype, device=device)
+                weight = b.t().contiguous()  # [out, in], as F.linear takes it
                 out = torch.empty(m, n, dtype=dtype, device=device)
-                rate = 2 * m * k * n / _best_seconds(partial(torch.matmul, a, b, out=out), device, budget)
-                name = str(dtype).removeprefix("torch.")
-                flops[name] = max(flops.get(name, 0.0), rate)
+                for run in (partial(torch.matmul, a, b, out=out), partial(torch.nn.functional.linear, a, weight)):
+                    rate = 2 * m * k * n / _best_seconds(run, device, budget)
+                    name = str(dtype).removeprefix("torch.")
+                    flops[name] = max(flops.get(name, 0.0), rate)
         x = torch.ones((256 if on_host else 4096) * 2**20 // 4, device=device)
         read = x.nbytes / _best_seconds(x.sum, device, budget)
         return Peak(str(device), torch.get_num_threads(), flops, read)
@@ -126,6 +134,9 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, budget_s: floa
     return best
 
 
+PEAK_METHOD = "matmul+linear, 3 shapes"  # part of the cache key: a change of measure_peak measures again
+
+
 def cached_peak(device: torch.device | str = "cpu", threads: int | None = None, cache_dir: str | Path | None = None) -> Peak:
     """:func:`measure_peak` once per device model, thread count and torch version, kept in ``cache_dir`` (default
     ``$FUSEDRL_CACHE_DIR`` or ``~/.cache/fusedrl``) as ``peak.json``, so that a job's startup does not measure again.
@@ -134,7 +145,7 @@ def cached_peak(device: torch.device | str = "cpu", threads: int | None = None, 
     device = torch.device(device)
     threads = threads or torch.get_num_threads()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    key = f"{device.type}|{name}|{threads} threads|torch {torch.__version__}"
+    key = f"{device.type}|{name}|{threads} threads|torch {torch.__version__}|{PEAK_METHOD}"
     folder = Path(cache_dir or os.environ.get("FUSEDRL_CACHE_DIR") or Path.home() / ".cache" / "fusedrl")
     path = folder / "peak.json"
     try:

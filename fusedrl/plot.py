@@ -75,7 +75,12 @@ def figure(records: Sequence[dict], title: str, smooth: int = 5) -> Figure:
         raise ImportError("plotting needs matplotlib: pip install 'fusedrl[viz]'") from err
     # [eval]'s grades (accuracy, score, pass@n) join the scores
     grades = sorted(
-        {k for r in records for k in r if k.startswith("eval/") and k not in ("eval/response_len_mean", "eval/finished")}
+        {
+            k
+            for r in records
+            for k in r
+            if k.startswith("eval/") and k not in ("eval/response_len_mean", "eval/finished", "eval/turns_mean")
+        }
     )
     panels = dict(PANELS, score=PANELS["score"] + tuple(grades))
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))

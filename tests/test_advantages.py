@@ -168,3 +168,17 @@ def test_experience_split_concat():
     assert torch.equal(padded.tokens[:, :5], a.tokens) and torch.equal(padded.scores, a.scores) and padded.values is None
     with pytest.raises(ValueError, match="cannot pad"):
         a.pad_to(4)
+
+
+def test_gae_skips_the_observations_inside_a_response():
+    # a multi-turn sample's response mask has a gap (the environment's observation): GAE runs over the sampled tokens
+    # as if the gap were not there, so the first turn's tokens see the final reward
+    torch.manual_seed(0)
+    rewards, values = torch.randn(1, 9), torch.randn(1, 9)
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)  # prompt, turn, observation, turn, padding
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = mask[0].bool()
+    compact_adv, compact_ret = gae(rewards[:, keep], values[:, keep], torch.ones(1, int(keep.sum())), gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv[:, keep], compact_adv)
+    torch.testing.assert_close(ret[:, keep], compact_ret)
+    assert (adv[:, ~keep] == 0).all() and (ret[:, ~keep] == 0).all()

@@ -27,6 +27,7 @@ OWNERS = {
     "engine_compile": "generation",
     "recompute": "rlhf",
     "partial_rollouts": "rlhf",
+    "env": "rlhf",
     "data": "components",
     "models": "models",
     "lora": "models",
@@ -144,7 +145,7 @@ RULES = [
         "parallelism",
         "ppo.batch_size = 6: must be a multiple of the number of generation instances 4",
     ),
-    (["--model.reward=none", "--model.reward_path="], "reward", 'model.reward = "none" and model.reward_fn is unset'),
+    (["--model.reward=none", "--model.reward_path="], "reward", 'model.reward = "none", model.reward_fn and env.env are unset'),
     (["--generation.temperature=0"], "sampling", "generation.temperature = 0.0 (command line): PPO samples"),
     (["--generation.top_k=5"], "sampling", "generation.top_k = 5 (command line): the PPO ratio and KL"),
     (

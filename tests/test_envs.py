@@ -20,6 +20,7 @@ from fusedrl.tasks.word_problems_tools import (
     EXAMPLE_PROBLEM,
     EXAMPLE_RESULT,
     WordProblemToolEnv,
+    problem_answer,
     tool_prompt_messages,
     word_problems_calc,
     word_problems_python,
@@ -355,21 +356,25 @@ def test_word_problem_python_tool():
 
 @pytest.mark.parametrize("tools", [("calc",), ("python",), ("calc", "python")])
 def test_tool_prompt_has_one_worked_example_then_the_problem(tools):
-    messages = tool_prompt_messages("PROBLEM", tools)
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    question, answer = "Mia has 15 pencils. She finds 2 more pencils. How many pencils does Mia have now?", 17
+    messages = tool_prompt_messages(f"{question}\n{word_problems.INSTRUCTION}", tools)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
     assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in messages)
-    assert messages[-1]["content"] == "PROBLEM" and messages[1]["content"] == EXAMPLE_PROBLEM
+    instruction = messages[-1]["content"].removeprefix(question + " ")
+    assert messages[0]["content"].endswith(" " + instruction) and word_problems.INSTRUCTION not in messages[-1]["content"]
     for name in tools:
-        assert f"<{name}>" in messages[0]["content"]
-    calls = [name for m in messages[1:] for name in ("calc", "python") if f"</{name}>" in m["content"]]
+        assert f"<{name}>" in instruction
+    calls = [name for m in messages if m["role"] == "assistant" for name in ("calc", "python") if f"</{name}>" in m["content"]]
     assert calls == [tools[0]]  # one worked example, calling the first tool
-    assert messages[4]["content"] == f"Answer: {EXAMPLE_ANSWER}"
-    assert len(messages[0]["content"]) + sum(len(m["content"]) for m in messages[1:5]) < 800  # short for a 135M model
-    # the example is true: a problem of the task, and each tool's result as the tool gives it
+    assert messages[3]["content"] == f"Answer: {EXAMPLE_ANSWER}"
+    assert sum(len(m["content"]) for m in messages[:4]) < 400  # short for a 135M model
+    # the example is true: a problem of the task, and each tool's result as the tool gives it; the answer is the last
+    # problem's, however the prompt is read
     assert word_problems.answer_of(EXAMPLE_PROBLEM) == EXAMPLE_ANSWER
-    source = extract_call(messages[2]["content"], tools[0])
+    source = extract_call(messages[1]["content"], tools[0])
     result = calculate(source) if tools[0] == "calc" else run_python(source).observation
-    assert result == EXAMPLE_RESULT[tools[0]] == messages[3]["content"]
+    assert result == EXAMPLE_RESULT[tools[0]] == messages[2]["content"]
+    assert problem_answer(messages[-1]["content"]) == answer == WordProblemToolEnv({"messages": messages}).answer
 
 
 def test_tool_prompt_refuses_unknown_tools():

@@ -61,6 +61,15 @@ def _two_turns(engine: GenerationEngine, migrate=None) -> tuple[list[int], list[
     return result.tokens, result.logprobs
 
 
+def _continued(model) -> GenerationEngine:
+    """An engine whose request 3 has ended its first turn and been given ``OBSERVATION`` (queued for its second)."""
+    engine = GenerationEngine(model, max_slots=2, max_len=64)
+    engine.add_request(Request(3, PROMPT, SAMPLED_TURN, seed=11, multi_turn=True))
+    _turn(engine)
+    engine.continue_request(3, OBSERVATION)
+    return engine
+
+
 def _same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> None:
     assert a[0] == b[0]
     torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), atol=1e-5, rtol=0)
@@ -89,10 +98,7 @@ def test_a_sampled_continuation_is_the_same_from_kept_kv_as_from_a_reprefill_or_
 
 def test_a_continued_request_migrates_mid_turn_with_its_partial_kv(model):
     expected = _two_turns(GenerationEngine(model, max_slots=2, max_len=64))
-    engine = GenerationEngine(model, max_slots=2, max_len=64)
-    engine.add_request(Request(3, PROMPT, SAMPLED_TURN, seed=11, multi_turn=True))
-    _turn(engine)
-    engine.continue_request(3, OBSERVATION)
+    engine = _continued(model)
     (state,) = unpack_states(pack_states([engine.export_request(3)])[1:])  # queued: KV of turn 1 only
     assert state.k is not None and state.k.shape[1] < state.cache_len and state.observations == [(6, 10)]
     other = GenerationEngine(model, max_slots=2, max_len=64)
@@ -145,3 +151,17 @@ def test_bad_continuations_are_one_line_errors(model):
         engine.continue_request(1, [1, 2, 3, 4])
     engine.continue_request(1, [1, 2, 3])  # exactly room for one more token
     assert engine.num_awaiting == 0
+
+
+def test_a_request_decoding_its_second_turn_migrates_with_its_turn_state(model):
+    expected = _two_turns(GenerationEngine(model, max_slots=2, max_len=64))
+    engine = _continued(model)
+    engine.step()  # the observation computed, one token of the second turn sampled: decoding
+    (state,) = unpack_states(pack_states([engine.export_request(3)])[1:])
+    assert state.observations == [(6, 10)] and state.turn_start == 10 and len(state.generated) == 11
+    other = GenerationEngine(model, max_slots=2, max_len=64)
+    other.import_request(state)
+    (turn,) = _turn(other)
+    assert turn.awaiting and len(turn.tokens) == 16  # the turn's budget counts from its start, not from the import
+    result = other.end_request(3)
+    _same((result.tokens, result.logprobs), expected)

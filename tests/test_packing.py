@@ -171,3 +171,17 @@ def test_packed_update_equals_padded_on_one_rank(rank_pools):
 def test_packed_update_equals_padded_on_two_ranks(two_ranks, pp, dp_shard, tp):
     """pp = 2: the fused Actor + Critic schedule of the debug config, the document ids passed to every stage."""
     assert two_ranks.run(_packed_equals_padded, pp, dp_shard, tp) == [True, True]
+
+
+def test_auto_packing_follows_the_sequence_budget():
+    from fusedrl.config import load_config
+
+    config = Path(__file__).resolve().parents[1] / "train_configs" / "smollm2_135m_grpo.toml"
+
+    def cfg(*extra: str):
+        return load_config(["--job.config_file", str(config), *extra])
+
+    assert cfg().packing_tokens == (cfg().ppo.microbatch_size + 1) * cfg().sequence_budget  # the recipe's "auto"
+    longer = cfg("--generation.max_new_tokens=48")
+    assert longer.packing_tokens == (longer.ppo.microbatch_size + 1) * (longer.data.max_prompt_len + 48)
+    assert cfg("--ppo.microbatch_tokens=0").packing_tokens == 0 and cfg("--ppo.microbatch_tokens=900").packing_tokens == 900

@@ -251,7 +251,7 @@ BAD_CONFIGS = [
     (["--model.reward_fn=no_such_package.rewards:score"], "model.reward_fn = 'no_such_package.rewards:score': cannot import"),
     (["--model.reward_fn=fusedrl.tasks.debug:ALPHABET"], "is a str, not a callable"),
     (["--model.reward_fn=fusedrl.tasks.debug.reward_fn"], 'must be an import path "package.module:function"'),
-    (["--model.reward=none", "--model.reward_path="], 'model.reward = "none" and model.reward_fn is unset'),
+    (["--model.reward=none", "--model.reward_path="], 'model.reward = "none", model.reward_fn and env.env are unset'),
     (["--model.reward=none", f"--model.reward_fn={DEBUG_FN}"], 'is set but model.reward = "none" builds no Reward model'),
     (["--model.reward_fn_weight=0.5"], "model.reward_fn_weight = 0.5 weighs no function"),
 ]

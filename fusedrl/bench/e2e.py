@@ -127,19 +127,26 @@ LENGTH_FIGURES = ("p50", "p90", "p99", "max")
 
 
 def runs_apart(
-    argv: list[str], out: str, warmup: int, steps: int, cores: list[list[int]], rounds: int, warm_cache: bool = False
+    argv: list[str],
+    out: str,
+    warmup: int,
+    steps: int,
+    cores: list[list[int]],
+    rounds: int,
+    warm_cache: bool = False,
+    modes: dict[str, tuple[str, ...]] = MODES,
 ) -> dict[str, list[dict]]:
     """Each mode of :data:`MODES` alone (one trainer per rank, fresh processes per run), ``rounds`` runs each in the
     order off, on, on, off, ...; each mode's metrics of the measured iterations of all its runs. ``warm_cache``: one
     unmeasured run of one iteration first (torch.compile's cache then holds the graphs every measured run needs)."""
-    histories: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    histories: dict[str, list[dict]] = {mode: [] for mode in modes}
     if warm_cache:
-        run_multirank(alternating_runs, len(cores), argv, out, 0, 1, cores, {"on": MODES["on"]}, timeout_s=3600.0)
+        run_multirank(alternating_runs, len(cores), argv, out, 0, 1, cores, {"on": modes["on"]}, timeout_s=3600.0)
         print("warm-up run (unmeasured) done", flush=True)
     for r in range(rounds):
-        for mode in list(MODES) if r % 2 == 0 else list(MODES)[::-1]:
+        for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
             run = run_multirank(
-                alternating_runs, len(cores), argv, out, warmup, steps, cores, {mode: MODES[mode]}, timeout_s=3600.0
+                alternating_runs, len(cores), argv, out, warmup, steps, cores, {mode: modes[mode]}, timeout_s=3600.0
             )[0]
             histories[mode] += run[mode]
             print(f"run {r + 1}/{rounds}, fusions {mode}: {samples_per_s_of(run[mode]):.3f} samples/s", flush=True)
@@ -211,6 +218,7 @@ def _fusions(
     layouts: dict[str, int] = LAYOUTS,
     apart_rounds: int = 0,
     warm_cache: bool = False,
+    modes: dict[str, tuple[str, ...]] = MODES,
 ) -> None:
     turns = "the modes taking turns (off, on, on, off, ...)"
     if apart_rounds:
@@ -226,9 +234,11 @@ def _fusions(
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
             if apart_rounds:
-                histories = runs_apart(argv, out, warmup, steps, per_rank, apart_rounds, warm_cache)
+                histories = runs_apart(argv, out, warmup, steps, per_rank, apart_rounds, warm_cache, modes)
             else:
-                ranks = run_multirank(alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, timeout_s=3600.0)
+                ranks = run_multirank(
+                    alternating_runs, len(per_rank), argv, out, warmup, steps, per_rank, modes, timeout_s=3600.0
+                )
                 histories = ranks[0]
         layout = summarize(histories)
         layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank, runs_per_mode=apart_rounds or 1)
@@ -381,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         help="without --baseline: run each fusion mode alone (one trainer per rank), alternating over --rounds",
     )
     parser.add_argument(
+        "--off",
+        default=" ".join(MODES["off"]),
+        help='the "off" mode\'s overrides (default: both fusions off); e.g. --off="--generation.speculative=off" with '
+        "--generation.speculative=history compares speculative decoding instead",
+    )
+    parser.add_argument(
         "--warm-cache",
         action="store_true",
         help="with --apart: one unmeasured run of one iteration first, so that no measured run compiles cold",
@@ -426,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             layouts,
             rounds,
             args.warm_cache,
+            {"off": tuple(args.off.split()), "on": ()},
         )
         return 0
     if not (args.baseline / "fusedrl" / "train.py").is_file():

@@ -29,6 +29,15 @@ bytes per token) / --hbm-bytes-per-s)`` (default on a GPU 4.8e12 B/s, an H200's 
 read bandwidth at ``--threads``, measured once by ``fusedrl.hardware.cached_peak``).
 
 ``--compile-scope`` (``layer`` by default) is the compiled engine's ``compile_scope``.
+
+Speculative decoding (``--speculative``, with ``--model``): the engine with ``speculative = "history"`` against
+without, eager, on the reasoning task's word problems (``fusedrl.tasks.word_problems``, chat-rendered) sampled at
+temperature 1 in groups of 4 samples per problem as a GRPO rollout decodes them (a batch of 1: one sample), up to
+``--new-tokens`` tokens, interleaved, best of ``--repeats`` (each round with another seed, as iterations sample
+anew; the drafter keeps the earlier rounds' responses as history): tokens/s both ways, the ratio, the verify steps'
+accepted share and tokens per step, and how many samples came out identical (the samples must be; in bf16 a near
+tie can flip between a multi-position and a one-position forward). The engine speculates at its default
+``speculative_rows``.
 """
 
 from __future__ import annotations
@@ -153,6 +162,54 @@ def prefill_sharing(
     return out
 
 
+def speculative_figures(model: TransformerDecoder, folder: str, batch_sizes: list[int], new_tokens: int, repeats: int) -> dict:
+    """Tokens/s of the eager engine with and without ``speculative = "history"`` (module docstring), per batch size."""
+    from fusedrl.components import HFTokenizer, load_tokenizer
+    from fusedrl.tasks.word_problems import sample_problems
+
+    tok = load_tokenizer(folder)
+    if not isinstance(tok, HFTokenizer):
+        raise ValueError(f"--speculative renders chat prompts: {folder} needs a tokenizer.json with a chat template")
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(tok.stop_token_ids))
+    problems = [q for _, q, _ in sample_problems(max(batch_sizes), seed=0, difficulties=(1, 2))]
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": q}]), add_bos=False) for q in problems]
+    max_len = max(len(p) for p in prompts) + new_tokens + 1
+    out: dict = {}
+    print(
+        f"speculative decoding (history drafts), {folder}: word problems, groups of 4, temperature 1, up to {new_tokens} tokens"
+    )
+    print(f"{'batch':>5} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'accepted':>9} {'tokens/verify':>14}  same samples")
+    for b in batch_sizes:
+        group = min(4, b)
+        requests = [Request(i, prompts[i // group], params, seed=1) for i in range(b)]
+        engines = {
+            "off": GenerationEngine(model, max_slots=b, max_len=max_len),
+            "on": GenerationEngine(model, max_slots=b, max_len=max_len, speculative="history"),  # its default rows
+        }
+        results: dict[str, list] = {}
+        rates = dict.fromkeys(engines, 0.0)
+        with torch.no_grad():
+            for round_ in range(repeats + 1):  # the first warms up; each samples anew (an iteration of a rollout)
+                for name, engine in engines.items():
+                    reqs = [Request(r.id, r.prompt, r.sampling, seed=round_) for r in requests]
+                    start = time.perf_counter()
+                    res = engine.generate(reqs, progress=False)
+                    seconds = time.perf_counter() - start
+                    if round_:
+                        rates[name] = max(rates[name], sum(len(r.tokens) for r in res) / seconds)
+                    results[name] = res
+        spec = engines["on"].take_spec_figures()
+        same = sum(a.tokens == b_.tokens for a, b_ in zip(results["off"], results["on"]))
+        accepted = spec.get("accepted", 0) / max(spec.get("drafted", 0), 1)
+        per_verify = spec["produced"] / max(spec["verify_steps"], 1)
+        out[str(b)] = {"tokens_per_s": rates, "ratio": rates["on"] / rates["off"], "accepted": accepted, "same": same}
+        print(
+            f"{b:>5} {rates['off']:>10.1f} {rates['on']:>10.1f} {rates['on'] / rates['off']:>6.2f}x {accepted:>9.0%} "
+            f"{per_verify:>14.2f}  {same}/{b}"
+        )
+    return out
+
+
 def _seconds(run) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -204,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="4,8,16",
         help="samples per prompt of the prefill-sharing figures (16 requests; empty: skip them)",
     )
+    p.add_argument("--speculative", action="store_true", help="with --model: speculative decoding on vs off, and nothing else")
     p.add_argument("--graphs-slots", type=int, default=16, help="slots of the bucketed compile run (0: skip it)")
     p.add_argument("--graphs-max-len", type=int, default=160, help="cache length of the bucketed compile run")
     p.add_argument(
@@ -238,6 +296,13 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = flavor.vocab_size
     max_len = args.prompt_len + args.new_tokens
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.speculative:
+        if not args.model:
+            p.error("--speculative decodes a real model's text: give --model FOLDER")
+        figures = {"speculative": speculative_figures(model, args.model, batch_sizes, args.new_tokens, args.repeats)}
+        if args.json:
+            print(json.dumps(figures))
+        return figures
     greedy = hf_model is not None
 
     modes: dict[str, dict[str, float]] = {baseline: {}, "eager": {}}

@@ -4,6 +4,7 @@ metrics, progress and checkpoints."""
 from fusedrl.components.checkpoint import CheckpointManager, check_resume, export_hf, resume_step
 from fusedrl.components.data import (
     DataReport,
+    Prompt,
     PromptBatch,
     PromptDataset,
     PromptLoader,
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointManager",
     "DataReport",
     "MetricsLogger",
+    "Prompt",
     "PromptBatch",
     "PromptDataset",
     "PromptLoader",

@@ -77,19 +77,26 @@ class DataReport:
 @dataclass
 class PromptDataset:
     """Tokenised prompts; ``prompts[i]`` is the text that was tokenised (a chat as its template rendered it),
-    ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row)."""
+    ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row), ``rows[i]`` that row's fields (what an
+    environment of multi-turn rollouts is built from; ``{prompt_key: value}`` for synthetic prompts)."""
 
     prompts: list[str]
     token_ids: list[list[int]]
     source_rows: list[int]
     report: DataReport
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
 
-def _jsonl_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield ``(line number, prompt value, problem)`` per non-blank line."""
+Prompt = str | list[dict[str, str]]
+"""A prompt: text, or chat messages (``{"role", "content"}``) that the tokenizer's chat template renders."""
+_Row = tuple[int, Any, str | None, dict[str, Any]]  # (line / row number, prompt value, problem, the row's fields)
+
+
+def _jsonl_rows(path: Path, prompt_key: str) -> Iterator[_Row]:
+    """Yield ``(line number, prompt value, problem, fields)`` per non-blank line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -97,38 +104,42 @@ def _jsonl_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str | N
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield lineno, None, f"invalid UTF-8 at byte {e.start}"
+                yield lineno, None, f"invalid UTF-8 at byte {e.start}", {}
                 continue
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                yield lineno, None, f"malformed JSON ({e.msg} at column {e.colno})"
+                yield lineno, None, f"malformed JSON ({e.msg} at column {e.colno})", {}
                 continue
             if not isinstance(row, dict):
-                yield lineno, None, f"row is a JSON {type(row).__name__}, not an object"
+                yield lineno, None, f"row is a JSON {type(row).__name__}, not an object", {}
                 continue
             if prompt_key not in row:
-                yield lineno, None, f"missing prompt field {prompt_key!r} (keys: {sorted(row)[:5]})"
+                yield lineno, None, f"missing prompt field {prompt_key!r} (keys: {sorted(row)[:5]})", {}
                 continue
-            yield lineno, row[prompt_key], None
+            yield lineno, row[prompt_key], None, row
 
 
-def _column_rows(values: Iterable[Any]) -> Iterator[tuple[int, Any, str | None]]:
+def _column_rows(values: Iterable[Any], prompt_key: str) -> Iterator[_Row]:
     for i, v in enumerate(values, start=1):
-        yield i, v, None
+        yield i, v, None, {prompt_key: v}
 
 
-def _parquet_rows(path: Path, prompt_key: str) -> Iterator[tuple[int, Any, str | None]]:
+def _table_rows(rows: Iterable[dict[str, Any]], prompt_key: str) -> Iterator[_Row]:
+    for i, row in enumerate(rows, start=1):
+        yield i, row[prompt_key], None, row
+
+
+def _parquet_rows(path: Path, prompt_key: str) -> Iterator[_Row]:
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
     if prompt_key not in schema.names:
         raise InputError(f"Parquet file {path} has no column {prompt_key!r} (columns: {schema.names}); set data.prompt_key")
-    column = pq.read_table(path, columns=[prompt_key]).column(prompt_key)
-    return _column_rows(column.to_pylist())
+    return _table_rows(pq.read_table(path).to_pylist(), prompt_key)
 
 
-def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[tuple[int, Any, str | None]]:
+def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[_Row]:
     import datasets
 
     ds = datasets.load_from_disk(str(path))
@@ -138,7 +149,7 @@ def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[tuple[int
         ds = ds[split]
     if prompt_key not in ds.column_names:
         raise InputError(f"HF dataset {path} has no column {prompt_key!r} (columns: {ds.column_names}); set data.prompt_key")
-    return _column_rows(ds[prompt_key])
+    return _table_rows(iter(ds), prompt_key)
 
 
 def load_prompts(
@@ -152,7 +163,7 @@ def load_prompts(
     chat_template: bool = False,
     vocab_size: int | None = None,
     split: str = "train",
-    texts: Sequence[str] | None = None,
+    texts: Sequence[Prompt] | None = None,
 ) -> PromptDataset:
     """Read, validate and tokenise prompts.
 
@@ -181,7 +192,7 @@ def load_prompts(
                 "(e.g. fusedrl.tasks.debug.sample_prompts(n, seed))"
             )
         source = f"synthetic prompts ({len(texts)})"
-        rows = _column_rows(texts)
+        rows = _column_rows(texts, prompt_key)
     else:
         if path is None:
             raise ValueError(f"data.path is required for format {format!r}")
@@ -198,8 +209,8 @@ def load_prompts(
 
     unit = "line" if format == "jsonl" else "row"
     report = DataReport(source)
-    prompts, token_ids, source_rows = [], [], []
-    for row, value, problem in rows:
+    prompts, token_ids, source_rows, fields = [], [], [], []
+    for row, value, problem, values in rows:
         report.rows += 1
         is_chat = isinstance(value, list)
         if problem is None:
@@ -227,6 +238,7 @@ def load_prompts(
         prompts.append(text)
         token_ids.append(ids)
         source_rows.append(row)
+        fields.append(values)
     report.kept = len(token_ids)
     if not token_ids:
         raise InputError(f"no usable prompts left: {report.summary()}; fix the dataset, data.prompt_key or data.max_prompt_len")
@@ -234,11 +246,11 @@ def load_prompts(
         log.warning("prompt dataset %s", report.summary())
     else:
         log.info("prompt dataset %s", report.summary())
-    return PromptDataset(prompts, token_ids, source_rows, report)
+    return PromptDataset(prompts, token_ids, source_rows, report, fields)
 
 
 def load_prompts_from_config(
-    section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int, texts: Sequence[str] | None = None
+    section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int, texts: Sequence[Prompt] | None = None
 ) -> PromptDataset:
     """The ``[data]`` section's prompts; ``chat_template = true`` renders plain prompts through the tokenizer's
     chat template, and format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""

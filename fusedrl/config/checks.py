@@ -33,6 +33,7 @@ ORDER = (
     "engine_compile",  # generation: the engine's compile scope and mode
     "recompute",  # rlhf: what needs the old log-probs recomputed
     "partial_rollouts",  # rlhf: carried (stale) tokens of over-provisioned rollouts have their importance correction
+    "env",  # rlhf: [env]'s environment imports; episodes stay on single-rank instances
     "data",  # components: the dataset
     "models",  # models: checkpoint folders, flavors, vocabulary, sequence length
     "lora",  # models: [lora] on built, trained models without float8

@@ -32,6 +32,10 @@ def positive(v: float) -> str | None:
     return None if v > 0 else "must be > 0"
 
 
+def finite(v: float) -> str | None:
+    return None if math.isfinite(v) else "must be a finite number"
+
+
 def unit_interval(v: float) -> str | None:
     return None if 0.0 <= v <= 1.0 else "must be in [0, 1]"
 
@@ -241,6 +245,19 @@ class GenerationSection:
     quantize: Literal["none", "int8_weight_only"] = _key(
         "none", "Decode with a quantized copy of the Actor: none or int8_weight_only (torchao)."
     )
+    speculative: Literal["off", "history"] = _key(
+        "off",
+        "Speculative decoding without a draft model: history drafts a request's next tokens from its group siblings' "
+        "tokens, earlier responses to its prompt and its own prompt and response, and the engine verifies them with its "
+        "own seeded sampler (the samples are those of decoding without it); off: one token per step.",
+    )
+    max_draft: int = _key(8, "Most drafted tokens per request and verify step (each request adapts its own).", at_least(1))
+    speculative_rows: int = _key(
+        4,
+        "Speculate only while at most this many requests decode: a verify step's cost grows with rows x drafted "
+        "positions (on the CPU decode is compute-bound past a few rows; on a GPU it stays memory-bound much longer).",
+        at_least(1),
+    )
 
 
 @dataclass
@@ -360,14 +377,15 @@ class PPOSection:
         "Samples per pipeline micro-batch on each data-parallel shard; minibatch_size / dp_shard must be a multiple of it.",
         at_least(1),
     )
-    microbatch_tokens: int = _key(
+    microbatch_tokens: int | Literal["auto"] = _key(
         0,
         "Packed training micro-batches: > 0 puts the sequences of each data-parallel shard's minibatch back to back in "
         "rows of at most this many tokens (one row per micro-batch, attention within each sequence), so no padding "
-        "between sequences is computed: at pp = 1 the fewest rows, at least data.max_prompt_len + "
-        "generation.max_new_tokens; at pp >= 2 the program's micro-batch count, at least (microbatch_size + 1) x that. "
-        "0: micro-batches of microbatch_size right-padded rows.",
-        at_least(0),
+        "between sequences is computed: at pp = 1 the fewest rows, at least the longest sequence (data.max_prompt_len + "
+        "generation.max_new_tokens, or + env.max_tokens); at pp >= 2 the program's micro-batch count, at least "
+        '(microbatch_size + 1) x that. "auto": (microbatch_size + 1) x the longest sequence, recomputed whenever those '
+        "keys change. 0: micro-batches of microbatch_size right-padded rows.",
+        lambda v: None if v == "auto" else at_least(0)(v),
     )
     epochs: int = _key(1, "Passes over each iteration's experience.", at_least(1))
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = _key(
@@ -622,6 +640,40 @@ class EvalSection:
     )
 
 
+@dataclass
+class EnvSection:
+    """[env]: multi-turn rollouts: an environment answers each model turn (docs/agents.md)."""
+
+    env: str = _key(
+        "",
+        'The environment: "package.module:attribute", an fusedrl.envs.Environment class or a factory called with each '
+        "sample's prompt row (e.g. fusedrl.tasks.word_problems_tools:word_problems_calc); empty: one turn, no "
+        "environment.",
+        lambda v: _import_path(v or None),
+    )
+    max_turns: int = _key(4, "Model turns per episode; the last one ends it (after its step ran).", at_least(1))
+    max_tokens: int = _key(
+        512,
+        "Tokens of an episode after its prompt (every turn and observation; generation.max_new_tokens is per turn): the "
+        "KV cache and training buckets hold data.max_prompt_len + this; an observation that would pass it ends the "
+        "episode (counted in env_limit_tokens).",
+        at_least(2),
+    )
+    step_timeout_s: float = _key(
+        10.0, "Seconds an environment step may take; a slower one ends its episode with error_reward.", positive
+    )
+    workers: int = _key(4, "Threads that run environment steps beside the decode loop, per generation instance.", at_least(1))
+    error_reward: float = _key(
+        0.0, "Reward of an episode a step ended by raising, timing out or returning something invalid.", finite
+    )
+    observation_role: str = _key(
+        "user",
+        "Chat role of text observations: each is appended as the tokenizer's chat template renders a message of this "
+        "role after the model's turn (e.g. user, tool).",
+        non_empty,
+    )
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -705,14 +757,38 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     eval: EvalSection = field(default_factory=EvalSection)
     lora: LoRASection = field(default_factory=LoRASection)
+    env: EnvSection = field(default_factory=EnvSection)
     # "section.key" -> where its value came from (a file path or "command line"); absent: default.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def sequence_budget(self) -> int:
-        """The longest sample: ``data.max_prompt_len + generation.max_new_tokens`` (the engine's KV cache length and
-        the base of the training buckets)."""
-        return self.data.max_prompt_len + self.generation.max_new_tokens
+        """The longest sample: ``data.max_prompt_len + generation.max_new_tokens``, or with an environment
+        ``data.max_prompt_len + env.max_tokens`` (the engine's KV cache length and the base of the training buckets)."""
+        return self.data.max_prompt_len + (self.env.max_tokens if self.env.env else self.generation.max_new_tokens)
+
+    @property
+    def packing_tokens(self) -> int:
+        """``ppo.microbatch_tokens`` with ``"auto"`` resolved: ``(ppo.microbatch_size + 1) x`` :attr:`sequence_budget`,
+        the least a pipeline's packed rows need (0: no packing)."""
+        tokens = self.ppo.microbatch_tokens
+        return (self.ppo.microbatch_size + 1) * self.sequence_budget if tokens == "auto" else tokens
+
+    @property
+    def response_budget(self) -> int:
+        """The most tokens after a prompt: ``generation.max_new_tokens``, or ``env.max_tokens`` (every turn and
+        observation of an episode) with an environment."""
+        return self.sequence_budget - self.data.max_prompt_len
+
+    @property
+    def sequence_budget_terms(self) -> str:
+        """:attr:`sequence_budget` as its keys and values, for messages: ``"data.max_prompt_len + ... = 64 + 32"``."""
+        key, value = (
+            ("env.max_tokens", self.env.max_tokens)
+            if self.env.env
+            else ("generation.max_new_tokens", self.generation.max_new_tokens)
+        )
+        return f"data.max_prompt_len + {key} = {self.data.max_prompt_len} + {value}"
 
     @property
     def microbatches(self) -> int:

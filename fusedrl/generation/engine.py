@@ -25,12 +25,16 @@ from fusedrl.config import ConfigError, GenerationSection, Startup
 from fusedrl.config.loader import source_of
 from fusedrl.distributed import compat
 from fusedrl.generation import cpu_kernels, freshness
+from fusedrl.generation.drafts import Draft, HistoryDrafter
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.slot_forward import SlotForward, SlotState, layer_region, sample_rows
 from fusedrl.generation.state import RequestState
 
 _T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
+Speculative = Literal["off", "history"]
+SPECULATIVE_MODES: tuple[str, ...] = get_args(Speculative)
 CompileScope = Literal["step", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = get_args(CompileScope)
 QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
@@ -111,6 +115,17 @@ class CompileStats:
 
 
 @dataclass
+class SpecStats:
+    """Speculative decoding of an engine so far: verify steps, tokens drafted, accepted and produced by them (a verify
+    step produces its accepted drafts and one token sampled after them per request)."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    produced: int = 0
+
+
+@dataclass
 class PrefillStats:
     """The prefills an engine ran so far that compiled no graph: the tokens computed (a prompt shared by several
     requests once) and their wall time, sampling of the first tokens included."""
@@ -176,6 +191,13 @@ class GenerationEngine:
             ``backend="tensorrt"`` needs ``pip install fusedrl[tensorrt]``.
         quantize: ``"int8_weight_only"`` decodes with a torchao int8 weight-only copy of the model.
         kv_dtype: dtype of the KV cache (default: the model's weight dtype).
+        speculative: ``"history"`` drafts up to ``max_draft`` next tokens of a request from what the rollout has
+            (its group siblings' tokens, earlier responses to its prompt, its own prompt and response:
+            :class:`~fusedrl.generation.drafts.HistoryDrafter`) while at most ``speculative_rows`` requests decode, and
+            verifies them in one forward over the pending token and the drafts: each position is sampled as decoding
+            samples it (the request's seeded stream at that token count, its temperature and filters, the accepted
+            drafts as context), drafts are accepted while they equal the sampled tokens, and the first sampled token
+            that differs is kept. The tokens are those of decoding without it; log-probs are the verify forward's.
 
     The model may be tensor-parallel over a generation instance (``fusedrl.distributed.apply_tp``): every rank
     of the instance runs the same requests in lockstep, holds its share of the KV heads, and samples the same
@@ -197,6 +219,9 @@ class GenerationEngine:
         batch_buckets: Iterable[int] | None = None,
         len_buckets: Iterable[int] | None = None,
         kv_dtype: torch.dtype | None = None,
+        speculative: Speculative = "off",
+        max_draft: int = 8,
+        speculative_rows: int = 4,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -210,6 +235,10 @@ class GenerationEngine:
             )
         if backend not in BACKENDS:
             raise ValueError(f"unknown compile backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"unknown speculative mode {speculative!r}; valid: {', '.join(SPECULATIVE_MODES)}")
+        if max_draft < 1 or speculative_rows < 1:
+            raise ValueError(f"max_draft and speculative_rows must be >= 1, got {max_draft} and {speculative_rows}")
         if compile and backend == "tensorrt":
             try:
                 import torch_tensorrt  # noqa: F401
@@ -245,6 +274,10 @@ class GenerationEngine:
         self._ready: list[RequestResult] = []
         self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
         self._ids: set[RequestId] = set()
+        self.drafter = HistoryDrafter(max_draft=max_draft) if speculative == "history" else None
+        self._drafting: set[RequestId] = set()  # requests the drafter holds
+        self.speculative_rows = speculative_rows
+        self.spec_stats = SpecStats()
 
     @classmethod
     def from_config(
@@ -271,6 +304,9 @@ class GenerationEngine:
             mode=None if section.compile_mode == "default" else section.compile_mode,
             quantize=None if section.quantize == "none" else section.quantize,
             kv_dtype=kv_dtype,
+            speculative=section.speculative,
+            max_draft=section.max_draft,
+            speculative_rows=section.speculative_rows,
         )
 
     @property
@@ -420,20 +456,19 @@ class GenerationEngine:
             raise ValueError(f"export mode must be 'kv' or 'reprefill', got {mode!r}")
         for i, slot in enumerate(self._active):
             if slot.request.id == request_id:
-                n = slot.cache_len
-                state = RequestState(slot.request, list(slot.generated), list(slot.logprobs))
+                state = slot.state()
                 if mode == "kv":
-                    state.k, state.v = self._forward.read_slot(i, n)
+                    state.k, state.v = self._forward.read_slot(i, slot.cache_len)
                 self._remove_slot(i)
-                self._ids.discard(request_id)
+                self._ended(request_id, keep=False)
                 return state
         for state in self._waiting:
             if state.id == request_id:
                 self._waiting.remove(state)
-                self._ids.discard(request_id)
+                self._ended(request_id, keep=False)
                 return state if mode == "kv" else state.without_kv()
         if request_id in self._parked:
-            self._ids.discard(request_id)
+            self._ended(request_id, keep=False)
             state = self._parked.pop(request_id)
             return state if mode == "kv" else state.without_kv()
         raise KeyError(f"request {request_id!r} is not unfinished in this engine (finished, exported or never added)")
@@ -467,13 +502,16 @@ class GenerationEngine:
         state.logprobs += [0.0] * len(ids)
         state.observations.append((start, start + len(ids)))
         state.turn_start, state.awaiting, state.finish_reason = len(state.generated), False, None
+        if request_id in self._drafting:
+            assert self.drafter is not None  # it holds the requests in _drafting
+            self.drafter.extend(request_id, ids)
         self._waiting.appendleft(state)  # an episode under way goes before fresh requests
 
     def end_request(self, request_id: RequestId) -> RequestResult:
         """End a multi-turn request whose turn ended: its result (every turn and observation); its KV is freed."""
         state = self._awaiting(request_id)
         del self._parked[request_id]
-        self._ids.discard(request_id)
+        self._ended(request_id)
         assert state.finish_reason is not None  # set when its turn ended
         return RequestResult(state.request, state.generated, state.logprobs, state.finish_reason, observations=state.observations)
 
@@ -485,6 +523,16 @@ class GenerationEngine:
                 "awaiting=True, not yet continued or ended)"
             )
         return state
+
+    def take_spec_figures(self) -> dict[str, int]:
+        """Speculative decoding since the last call (zeros when it is off): ``verify_steps``, ``produced`` tokens, and the
+        drafter's counters (``drafted`` / ``accepted`` in all and per source: ``drafted_siblings``, ...)."""
+        stats, self.spec_stats = self.spec_stats, SpecStats()
+        out = {"verify_steps": stats.verify_steps, "produced": stats.produced}
+        if self.drafter is not None:
+            out |= {k: v for k, v in self.drafter.stats().items() if k.startswith(("drafted", "accepted"))}
+            self.drafter.reset_stats()
+        return out
 
     @property
     def num_awaiting(self) -> int:
@@ -592,6 +640,9 @@ class GenerationEngine:
             )
             i = len(self._active)
             self._active.append(slot)
+            if self.drafter is not None and state.id not in self._drafting:  # fresh, or imported: rebuilt from tokens
+                self.drafter.start(state.id, state.request.prompt, state.generated)
+                self._drafting.add(state.id)
             pending = slot.generated[-1] if slot.generated else 0  # a fresh slot's first token comes from its prefill
             self._state.write(i, pending, slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
             if state.k is not None:
@@ -663,6 +714,8 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         n = len(self._active)
+        if self.drafter is not None and n <= self.speculative_rows and self._verify_step():
+            return
         b = round_up(n, self.batch_buckets)
         # the host knows every cache length: the length bucket needs no device read
         length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
@@ -679,6 +732,67 @@ class GenerationEngine:
         tokens, logprobs, ints = self._call(self._decode, ints, floats, columns, *self._sampling_flags(self._active))
         self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
         self._record(list(self._active), tokens[:n], logprobs[:n])
+
+    def _draft(self, slot: _Slot) -> Draft:
+        """The drafter's proposal for ``slot``, within what it may still produce: its turn's token budget (a verify
+        step produces one token after its drafts) and the cache's room."""
+        p = slot.request.sampling
+        budget = p.new_token_budget - (len(slot.generated) - slot.turn_start)
+        room = self.max_len - 1 - slot.cache_len
+        assert self.drafter is not None  # called when speculating
+        return self.drafter.propose(slot.request.id, limit=max(0, min(budget - 1, room)))
+
+    @torch.no_grad()
+    def _verify_step(self) -> bool:
+        """Speculative decoding (``speculative = "history"``): one forward over each request's pending token and its
+        drafted tokens, each position sampled as decoding would sample it (the request's stream at that token count);
+        drafts are accepted while they equal what was sampled, then the first token that differs is kept. False (and
+        nothing done) when no request has a draft."""
+        slots = list(self._active)
+        drafts = [self._draft(s) for s in slots]
+        if not any(d.tokens for d in drafts):
+            return False
+        assert self.drafter is not None  # speculating
+        lengths = [1 + len(d.tokens) for d in drafts]
+        tokens = torch.zeros(len(slots), max(lengths), dtype=torch.int64)
+        for r, (slot, d) in enumerate(zip(slots, drafts)):
+            tokens[r, : lengths[r]] = torch.tensor([slot.generated[-1], *d.tokens])
+        rows = torch.arange(len(slots), device=self.device)
+        starts = torch.tensor([s.cache_len for s in slots], device=self.device)
+        hidden = self._forward.extend(tokens.to(self.device), rows, starts, torch.tensor(lengths, device=self.device))
+        # every real position of every row, sampled with its row's state at that token count
+        which = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], device=self.device)
+        offset = torch.tensor([j for n in lengths for j in range(n)], device=self.device)
+        logits = self._forward.logits(hidden[which, offset])
+        ints, floats = self._state.ints[which], self._state.floats[which]
+        sampled, logprobs = sample_tokens(
+            logits,
+            floats[:, SlotState.TEMPERATURE],
+            ints[:, SlotState.TOP_K],
+            floats[:, SlotState.TOP_P],
+            ints[:, SlotState.SEED],
+            ints[:, SlotState.COUNT] + offset,
+            any_sampled=self._sampling_flags(slots)[0],
+            any_filtered=self._sampling_flags(slots)[1],
+        )
+        host = torch.stack([sampled.double(), logprobs.double()]).tolist()
+        produced_tokens, produced_logprobs, at = [], [], 0
+        for slot, d, n in zip(slots, drafts, lengths):
+            toks, lps = [int(t) for t in host[0][at : at + n]], host[1][at : at + n]
+            at += n
+            accepted = next((j for j, (t, drafted) in enumerate(zip(toks, d.tokens)) if t != drafted), len(d.tokens))
+            produced_tokens.append(toks[: accepted + 1])
+            produced_logprobs.append(lps[: accepted + 1])
+            if d.tokens:
+                self.drafter.record(slot.request.id, d, accepted)
+            self.spec_stats.drafted += len(d.tokens)
+            self.spec_stats.accepted += accepted
+        self.spec_stats.verify_steps += 1
+        self.spec_stats.produced += sum(len(t) for t in produced_tokens)
+        for slot in self._append(slots, produced_tokens, produced_logprobs):  # those still decoding: their new state
+            i = self._active.index(slot)
+            self._state.write(i, slot.generated[-1], slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
+        return True
 
     def _call(self, fn: Callable[..., _T], *args) -> _T:
         """``fn(*args)``, counting the graphs it compiled into ``compile_stats``."""
@@ -699,16 +813,26 @@ class GenerationEngine:
         return any(p.temperature > 0 for p in params), any(p.top_k > 0 or p.top_p < 1.0 for p in params)
 
     def _record(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots: a
-        multi-turn request whose turn ended leaves its slot with its KV and waits (``continue_request``)."""
+        """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots."""
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
-        finished = []
-        for slot, tok, lp in zip(slots, map(int, host[0]), host[1]):
-            slot.generated.append(tok)
-            slot.logprobs.append(lp)
-            reason = self._finish_reason(slot, tok)
-            if reason is not None:
-                finished.append((self._active.index(slot), reason))
+        self._append(slots, [[int(t)] for t in host[0]], [[lp] for lp in host[1]])
+
+    def _append(self, slots: list[_Slot], tokens: list[list[int]], logprobs: list[list[float]]) -> list[_Slot]:
+        """Append each slot's sampled tokens in order, up to the one that ends it (a verify step produces several),
+        and retire the slots that ended: a multi-turn request whose turn ended leaves its slot with its KV and waits
+        (``continue_request``). Returns the slots that go on decoding."""
+        finished: list[tuple[int, FinishReason]] = []
+        for slot, toks, lps in zip(slots, tokens, logprobs):
+            for tok, lp in zip(toks, lps):
+                slot.generated.append(tok)
+                slot.logprobs.append(lp)
+                if self.drafter is not None:
+                    self.drafter.extend(slot.request.id, [tok])
+                reason = self._finish_reason(slot, tok)
+                if reason is not None:
+                    finished.append((self._active.index(slot), reason))
+                    break
+        gone = {id(self._active[i]) for i, _ in finished}
         for i, reason in sorted(finished, reverse=True):
             slot = self._active[i]
             result = RequestResult(slot.request, slot.generated, slot.logprobs, reason, observations=slot.observations)
@@ -718,9 +842,18 @@ class GenerationEngine:
                 state.awaiting = result.awaiting = True
                 self._parked[slot.request.id] = state
             else:
-                self._ids.discard(slot.request.id)
+                self._ended(slot.request.id)
             self._ready.append(result)
             self._remove_slot(i)
+        return [slot for slot in slots if id(slot) not in gone]
+
+    def _ended(self, request_id: RequestId, keep: bool = True) -> None:
+        """A request leaves this engine (``keep``: it ended here, its tokens join its prompt's draft history)."""
+        self._ids.discard(request_id)
+        if request_id in self._drafting:
+            self._drafting.discard(request_id)
+            assert self.drafter is not None  # it holds the requests in _drafting
+            self.drafter.finish(request_id, keep=keep)
 
     def _finish_reason(self, slot: _Slot, token: int) -> FinishReason | None:
         """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""

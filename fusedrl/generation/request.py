@@ -86,6 +86,7 @@ class RequestResult:
     error: str | None = None
     observations: list[tuple[int, int]] = field(default_factory=list)
     awaiting: bool = False  # a multi-turn request's turn ended; it waits for continue_request / end_request
+    reward: float | None = None  # what the sample earned outside the scorer (its episode's environment reward)
 
     @property
     def sampled_mask(self) -> list[bool]:

@@ -228,6 +228,10 @@ class SlotForward(nn.Module):
             h = self._block(layer, h, out)
         return self.model.norm(h)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits of final hidden states (:meth:`extend`'s)."""
+        return self._linear(self.model.output, hidden).float()
+
     def sample_step(
         self, ints: torch.Tensor, floats: torch.Tensor, columns: torch.Tensor, any_sampled: bool, any_filtered: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

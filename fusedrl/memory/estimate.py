@@ -166,11 +166,7 @@ def estimate_rank(
     )
     accum = 4 if t.mixed_precision_reduce != t.mixed_precision_param else c
     # packed micro-batches (ppo.microbatch_tokens): one row of at most that many tokens each
-    rows, seq = (
-        (1, cfg.ppo.microbatch_tokens)
-        if cfg.ppo.microbatch_tokens
-        else (cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg))
-    )
+    rows, seq = (1, cfg.packing_tokens) if cfg.packing_tokens else (cfg.ppo.microbatch_size, seq_len or training_seq_len(cfg))
     flavors = {m: model_flavor(cfg, m) for m in build.stages}  # ACTOR / CRITIC name their [model] keys
     actor = flavors[ACTOR]
     n_mb = program.microbatches[ACTOR]
@@ -215,7 +211,7 @@ def estimate_rank(
     chunked = actor_stage.last and actor_stage.head_in_loss
     logits_mb = actor_logits_bytes(actor, rows, seq) if actor_stage.last and not chunked else 0
     # the loss's head runs on response tokens only: at most max_new_tokens of each row
-    scored = min(seq - 1, cfg.generation.max_new_tokens)
+    scored = min(seq - 1, cfg.response_budget)
     chunk = rows * min(logits_chunk_positions(rows, actor.vocab_size), scored) * actor.vocab_size * 4
     stage_params = {m: c * sum(x.unsharded_numel() for x in st.tensors) for m, st in build.stages.items()}
     stage_grads = {m: accum * sum(grad_numel(x) for x in st.tensors if x.trainable) for m, st in build.stages.items()}

@@ -295,7 +295,7 @@ def compare(cfg: JobConfig, measured: list[dict[str, Any]], est: Estimate) -> li
         decode = decode_step_bytes(actor, rows, r, g)
         out.append(Comparison(e.rank, f"decode step, {rows} rows (transient)", roll["decode"], decode, True))
         rows, width = roll["scoring_shape"]
-        body, head = micro_batch_scoring_bytes(*scoring_flavors(cfg), rows, width, scored, g, cfg.generation.max_new_tokens)
+        body, head = micro_batch_scoring_bytes(*scoring_flavors(cfg), rows, width, scored, g, cfg.response_budget)
         out.append(Comparison(e.rank, f"scoring micro-batch {rows}x{width} (transient)", roll["scoring"], max(body, head), True))
         whole = sync["transient"]
         out.append(Comparison(e.rank, "weight sync (transient tensors)", whole, e.transients["weight_sync_buffers"], False))

@@ -213,7 +213,6 @@ def check_models(startup: Startup) -> None:
     key, shortest = min(flavors.items(), key=lambda kv: kv[1].max_seq_len)
     if longest > shortest.max_seq_len:
         raise ConfigError(
-            f"data.max_prompt_len + generation.max_new_tokens = {cfg.data.max_prompt_len} + {cfg.generation.max_new_tokens} "
-            f"= {longest}: exceeds the max_seq_len {shortest.max_seq_len} of model.{key} (its max_position_embeddings, "
+            f"{cfg.sequence_budget_terms} = {longest}: exceeds the max_seq_len {shortest.max_seq_len} of model.{key} (its max_position_embeddings, "
             "or a sliding window, within which attention is exact); lower one of them"
         )

@@ -16,6 +16,7 @@ from fusedrl.rlhf.advantages import (
     whiten,
     zero_variance_groups,
 )
+from fusedrl.rlhf.episodes import Episodes, episode_metrics, observation_ids
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.losses import (
     DEFAULT_LOGITS_BUDGET_BYTES,
@@ -47,7 +48,15 @@ from fusedrl.rlhf.program import (
     schedule_memory_limit,
 )
 from fusedrl.rlhf.reward_fn import RewardFn, RewardFunctionError, RuleReward, load_reward_fn, reward_fn_metrics
-from fusedrl.rlhf.rollout import build_controller, build_requests, build_scorer, generate_and_score, migration_metrics
+from fusedrl.rlhf.rollout import (
+    build_controller,
+    build_episodes,
+    build_requests,
+    build_scorer,
+    generate_and_score,
+    migration_metrics,
+    speculation_metrics,
+)
 from fusedrl.rlhf.scoring import Scorer, ScoringModels, decoder_hidden_states, scoring_micro_batches
 from fusedrl.rlhf.update import (
     FIRST_MINIBATCH_STATS,
@@ -79,6 +88,7 @@ __all__ = [
     "discounted_returns",
     "KLLoss",
     "DEFAULT_LOGITS_BUDGET_BYTES",
+    "Episodes",
     "Experience",
     "FIRST_MINIBATCH_STATS",
     "MinibatchResult",
@@ -97,6 +107,9 @@ __all__ = [
     "VALUE_STATS",
     "ValueLoss",
     "build_controller",
+    "build_episodes",
+    "episode_metrics",
+    "observation_ids",
     "build_executor",
     "build_optimizers",
     "build_requests",
@@ -120,6 +133,7 @@ __all__ = [
     "check_logprob_gap",
     "masked_mean_var",
     "migration_metrics",
+    "speculation_metrics",
     "pad_to_bucket",
     "pipeline_costs",
     "plan_program",

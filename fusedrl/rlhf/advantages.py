@@ -50,8 +50,9 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation by a backward scan; returns ``(advantages, returns)``.
 
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``, where the
-    ``t+1`` terms are 0 when token ``t+1`` is not a response token (the episode ended at ``t``).
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}`` over each row's response
+    tokens, ``t+1`` being the next response token: tokens outside ``mask`` inside a response (a multi-turn sample's
+    observations) are skipped, and after the last response token the ``t+1`` terms are 0 (the episode ended).
     ``returns = advantages + values`` on response tokens.
     """
     mask = mask.to(values.dtype)
@@ -63,8 +64,9 @@ def gae(
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         a = (delta + gamma * lam * next_adv) * m
         adv[:, t] = a
-        next_value = values[:, t] * m
-        next_adv = a
+        on = m > 0
+        next_value = torch.where(on, values[:, t], next_value)
+        next_adv = torch.where(on, a, next_adv)
     return adv, (adv + values) * mask
 
 

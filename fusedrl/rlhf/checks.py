@@ -1,11 +1,12 @@
 """Startup checks of the PPO settings that depend on other sections: when the old log-probs must be recomputed
 with the training layout, the fused schedule's activation-memory cap, packed micro-batches, and over-provisioned
-rollouts."""
+rollouts, and multi-turn environments."""
 
 from __future__ import annotations
 
 from fusedrl.config import ConfigError, Startup
 from fusedrl.config.loader import source_of
+from fusedrl.envs import EnvError, load_env_factory
 from fusedrl.rlhf.program import recompute_enabled, schedule_memory_limit
 
 
@@ -36,7 +37,7 @@ def check_packing(startup: Startup) -> None:
     """``ppo.microbatch_tokens`` (packed rows) holds the longest sequence, and at pp >= 2 (where a packed minibatch
     keeps the program's micro-batch count) any minibatch's rows; raises ConfigError."""
     cfg = startup.cfg
-    tokens = cfg.ppo.microbatch_tokens
+    tokens = cfg.packing_tokens
     if tokens == 0:
         return
     where = source_of(cfg, "ppo.microbatch_tokens")
@@ -65,4 +66,33 @@ def check_partial_rollouts(startup: Startup) -> None:
             "rollout.unfinished = carry trains tokens that earlier policies sampled, which needs their importance "
             "correction: set --ppo.tis_cap (e.g. 2.0, with ppo.recompute_logprobs on), or --rollout.unfinished=defer "
             "(tail batching: on-policy), or --rollout.over_provision=0"
+        )
+
+
+def check_env(startup: Startup) -> None:
+    """``[env]``'s environment imports and fits the job: episodes stay on their generation instance (no over-provisioned
+    rollouts that carry or defer them, one rank per instance), and a turn fits an episode; raises ConfigError."""
+    cfg = startup.cfg
+    e = cfg.env
+    if not e.env:
+        return
+    where = f"env.env = {e.env!r} ({source_of(cfg, 'env.env')})"
+    try:
+        load_env_factory(e.env)
+    except (ValueError, EnvError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if cfg.rollout.over_provision > 0:
+        raise ConfigError(
+            f"{where} with rollout.over_provision = {cfg.rollout.over_provision}: episodes are not carried or deferred "
+            "between iterations (their environments live in one rollout); set --rollout.over_provision=0"
+        )
+    if cfg.parallelism.gen_tp > 1:
+        raise ConfigError(
+            f"{where} with parallelism.gen_tp = {cfg.parallelism.gen_tp}: environments run on single-rank generation "
+            "instances; set --parallelism.gen_tp=1"
+        )
+    if cfg.generation.max_new_tokens > e.max_tokens:
+        raise ConfigError(
+            f"{where}: a turn may take generation.max_new_tokens = {cfg.generation.max_new_tokens} tokens, more than an "
+            f"episode's env.max_tokens = {e.max_tokens}; raise env.max_tokens or lower generation.max_new_tokens"
         )

@@ -39,7 +39,7 @@ def pack_rows(lengths_by_shard: Sequence[Sequence[int]], capacity: int, count: i
     if longest > capacity:
         raise ValueError(
             f"a sequence of {longest} tokens does not fit ppo.microbatch_tokens = {capacity}; raise it to at least the "
-            "longest sequence (data.max_prompt_len + generation.max_new_tokens)"
+            "longest sequence (data.max_prompt_len + generation.max_new_tokens, or + env.max_tokens with an environment)"
         )
     if count is not None:
         rows = [_fill(lengths, count, capacity) for lengths in lengths_by_shard]

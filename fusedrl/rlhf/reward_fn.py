@@ -59,7 +59,8 @@ def load_reward_fn(path: str) -> RewardFn:
 
 def check_reward(startup: Startup) -> None:
     """Startup check of the rule-based reward (raises ConfigError): ``model.reward_fn`` imports and is callable;
-    ``model.reward = "none"`` needs it and no ``model.reward_path``; ``model.reward_fn_weight`` needs it."""
+    ``model.reward = "none"`` needs it (or an environment, whose episodes earn rewards) and no ``model.reward_path``;
+    ``model.reward_fn_weight`` needs it."""
     m = startup.cfg.model
     if m.reward_fn == "task":
         pass  # the task's own function: the "task" check found it
@@ -68,10 +69,11 @@ def check_reward(startup: Startup) -> None:
             load_reward_fn(m.reward_fn)
         except ValueError as e:
             raise ConfigError(f"model.reward_fn = {m.reward_fn!r}: {e}") from None
-    elif not m.uses_reward_model:
+    elif not m.uses_reward_model and not startup.cfg.env.env:
         raise ConfigError(
-            'model.reward = "none" and model.reward_fn is unset: nothing would score the samples; set '
-            "--model.reward_fn=package.module:function or give a Reward model (model.reward_path)"
+            'model.reward = "none", model.reward_fn and env.env are unset: nothing would score the samples; set '
+            "--model.reward_fn=package.module:function, give a Reward model (model.reward_path) or an environment "
+            "(env.env)"
         )
     elif m.reward_fn_weight != 1.0:
         raise ConfigError(

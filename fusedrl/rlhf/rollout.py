@@ -3,12 +3,15 @@ rank's generation instance, generation + scoring of the batch, and its inter-sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fusedrl.components import Progress, PromptBatch, Tokenizer
 from fusedrl.config import JobConfig
+from fusedrl.envs import EnvRunner, load_env_factory
 from fusedrl.generation import GenerationEngine, Request, RequestState, SamplingParams
 from fusedrl.layouts import RolloutLayout
+from fusedrl.rlhf.episodes import Episodes
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.reward_fn import RewardFn, RuleReward, load_reward_fn
 from fusedrl.rlhf.scoring import Scorer, ScoringModels
@@ -65,16 +68,33 @@ def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer, t
         temperature=cfg.generation.temperature,
         max_tokens=cfg.generation.scoring_max_tokens,
         reward_fn=rule,
+        env_rewards=bool(cfg.env.env),
     )
 
 
+def build_episodes(cfg: JobConfig, engine: GenerationEngine, tokenizer: Tokenizer) -> Episodes | None:
+    """The multi-turn episodes of ``engine`` with ``[env]``'s environment (None without one)."""
+    e = cfg.env
+    if not e.env:
+        return None
+    runner = EnvRunner(
+        load_env_factory(e.env),
+        workers=e.workers,
+        step_timeout_s=e.step_timeout_s,
+        max_turns=e.max_turns,
+        error_reward=e.error_reward,
+    )
+    return Episodes(engine, runner, tokenizer, max_tokens=e.max_tokens, role=e.observation_role)
+
+
 def build_controller(
-    cfg: JobConfig, engine: GenerationEngine, scorer: Scorer, rollout: RolloutLayout
+    cfg: JobConfig, engine: GenerationEngine, scorer: Scorer, rollout: RolloutLayout, episodes: Episodes | None = None
 ) -> MigrationController[Experience]:
     """Generation + scoring of this instance's requests; ``fusion.inter_stage`` switches tail migration on/off.
 
     Scoring micro-batches hold at most ``generation.max_slots`` samples. Request states travel over the rollout
-    layout's default-backend group, statistics and finished samples over its gloo groups."""
+    layout's default-backend group, statistics and finished samples over its gloo groups. ``episodes``
+    (:func:`build_episodes`): multi-turn requests whose environments answer between turns."""
     return MigrationController.from_config(
         engine,
         scorer.score,
@@ -83,6 +103,7 @@ def build_controller(
         group=rollout.group,
         control_group=rollout.control_group,
         instance_group=rollout.instance_group,
+        episodes=episodes,
     )
 
 
@@ -94,9 +115,14 @@ def generate_and_score(
     *,
     resume: Sequence[RequestState] = (),
     target: GroupTarget | None = None,
+    rows: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[RolloutResult[Experience], Experience]:
     """Generate and score this rank's requests (collective); every rank receives the whole scored batch
-    in sample-id order. ``progress``, ``resume`` and ``target``: see :meth:`MigrationController.run`."""
+    in sample-id order. ``progress``, ``resume`` and ``target``: see :meth:`MigrationController.run`. With episodes
+    (a controller built with them) ``rows[i]`` is request ``i``'s prompt row, which its environment starts from."""
+    episodes = controller.episodes
+    if isinstance(episodes, Episodes):
+        requests = episodes.begin(requests, rows)
     result = controller.run(requests, resume=resume, target=target, gather=True, progress=progress)
     exp = Experience.concat(result.scored, pad_token_id=pad_id)
     assert exp.sample_ids is not None  # Scorer.score sets sample_ids on every scored batch
@@ -141,3 +167,15 @@ def _migration_figures(result: RolloutResult) -> dict[str, float]:
         "migration_at_s": m.time_s,
         "migration_s": m.duration_s,
     }
+
+
+def speculation_metrics(parts: Sequence[Mapping[str, int]]) -> dict[str, float]:
+    """One rollout's speculative decoding from every instance's ``GenerationEngine.take_spec_figures()``: verify steps,
+    drafted and accepted tokens (in all and per source), the accepted share, and the tokens a verify step produced on
+    average (its accepted drafts and one sampled token per request)."""
+    keys = sorted({k for p in parts for k in p})
+    total = {k: float(sum(p.get(k, 0) for p in parts)) for k in keys}
+    out = {f"spec_{k}": v for k, v in total.items() if k != "produced"}
+    out["spec_accept_rate"] = total.get("accepted", 0.0) / max(total.get("drafted", 0.0), 1.0)
+    out["spec_tokens_per_verify"] = total.get("produced", 0.0) / max(total.get("verify_steps", 0.0), 1.0)
+    return out

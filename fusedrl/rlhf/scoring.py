@@ -121,7 +121,8 @@ class Scorer:
     ``reward_fn``: a rule-based reward, called once per :meth:`score` call on its samples; a sample's score is
     the Reward model's plus ``reward_fn.weight`` times the function's value (the value alone, weighted, without
     a Reward model). A sample the function failed on (NaN value, ``on_failure="skip"``) keeps the Reward
-    model's score (0 without one).
+    model's score (0 without one). A sample's own ``reward`` (its episode's environment reward, multi-turn) is added
+    too; ``env_rewards=True`` lets it score alone. The response mask leaves a sample's observations out.
     """
 
     models: ScoringModels
@@ -131,10 +132,14 @@ class Scorer:
     max_tokens: int | None = None
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES
     reward_fn: RuleReward | None = None
+    env_rewards: bool = False
 
     def __post_init__(self) -> None:
-        if self.models.reward is None and self.reward_fn is None:
-            raise ValueError("Scorer needs a Reward model (models.reward) or a rule-based reward (reward_fn)")
+        if self.models.reward is None and self.reward_fn is None and not self.env_rewards:
+            raise ValueError(
+                "Scorer needs a Reward model (models.reward), a rule-based reward (reward_fn) or environments that "
+                "reward their episodes (env_rewards=True)"
+            )
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -168,6 +173,9 @@ class Scorer:
             exp.reward_fn_scores = values
             assert exp.scores is not None  # _score_micro_batch sets scores on every part
             exp.scores = exp.scores + self.reward_fn.weight * values.nan_to_num(nan=0.0)
+        if any(s.reward is not None for s in samples):  # an environment's reward of the sample's episode
+            assert exp.scores is not None
+            exp.scores = exp.scores + torch.tensor([s.reward or 0.0 for s in samples], dtype=exp.scores.dtype)
         return exp
 
     def _score_micro_batch(self, samples: list[RequestResult]) -> Experience:
@@ -179,7 +187,7 @@ class Scorer:
         for row, s in enumerate(samples):
             p, n = len(s.prompt), s.num_tokens
             tokens[row, :n] = torch.tensor([*s.prompt, *s.tokens])
-            mask[row, p:n] = 1.0
+            mask[row, p:n] = torch.tensor(s.sampled_mask, dtype=mask.dtype)  # observations: out of every loss
             if s.logprobs:
                 logprobs[row, p:n] = torch.tensor(list(s.logprobs))
         dev_tokens, dev_mask = tokens.to(device), mask.to(device)

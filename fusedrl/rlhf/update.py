@@ -122,13 +122,13 @@ def _forward_backward(
     shard = shards[layout.dp_rank]  # the TP ranks of a data-parallel shard share its rows
     local = isinstance(executor.schedule, LocalSchedule)  # pp = 1: a packed minibatch sets its own micro-batch count
     count = None if local else executor.microbatches
-    packings = packed_shards(shards, ppo.microbatch_tokens, count) if ppo.microbatch_tokens else None
+    packings = packed_shards(shards, cfg.packing_tokens, count) if cfg.packing_tokens else None
     packed = packings[layout.dp_rank] if packings is not None else None
     positions = sum(p.positions for p in packings) if packings is not None else mb.batch_size * mb.seq_len
     microbatches = len(packed.rows) if packed is not None else executor.microbatches
     # The executor divides gradients by the micro-batch count and FSDP2 averages over dp_shard.
     scale = microbatches * layout.dp
-    weights = loss_weights(mb.response_mask, ppo.loss_agg_mode, cfg.generation.max_new_tokens) * scale
+    weights = loss_weights(mb.response_mask, ppo.loss_agg_mode, cfg.response_budget) * scale
     denom = (mb.response_mask.sum() / scale).expand(microbatches if packed is not None else shard.batch_size).contiguous()
     actor_targets = {
         **shard.targets("tokens", "response_mask", "logprobs", "advantages"),

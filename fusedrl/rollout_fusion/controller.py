@@ -46,7 +46,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -82,9 +82,24 @@ MigrationMode = Literal["kv", "reprefill"]
 AUTO_FALLBACK_FRACTION = 0.1  # an "auto" threshold before costs are known, where no gain is required
 AUTO_MIN_GAIN = 0.05  # inter_stage = "auto": a migration must be predicted to shorten the rollout this much
 PROBE_MIN_STEPS = 64  # "auto" measures scoring mid-rollout only with at least this many decode steps left to gain in
+ENV_WAIT_S = 0.05  # an instance with nothing to decode waits this long for an environment's answer between checks
+TAIL_SHARE = 0.9  # a rollout's tail: its decoding after this share of an instance's requests ended
 T = TypeVar("T")
 ScoreFn = Callable[[list[RequestResult]], T]
 """Scores one micro-batch of finished samples (at most ``micro_batch_size``, sorted by length)."""
+
+
+class TurnHandler(Protocol):
+    """Multi-turn episodes of the engine (:class:`fusedrl.rlhf.Episodes`): the controller hands it every engine step's
+    results (turns that ended go to their environments; it returns the episodes that ended) and takes the
+    environments' answers from it."""
+
+    @property
+    def waiting(self) -> int: ...
+
+    def on_results(self, results: Sequence[RequestResult]) -> list[RequestResult]: ...
+
+    def pump(self, timeout_s: float | None = None) -> list[RequestResult]: ...
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,8 @@ class RolloutResult(Generic[T]):
     measurements: Measurements
     auto: AutoDecision | None = None  # the "auto" threshold's last simulated decision (None: none was simulated)
     carried: list[RequestState] = field(default_factory=list)  # this rank's unfinished requests at a GroupTarget's stop
+    env_idle_s: float = 0.0  # this rank's engine waited for environments with nothing to decode
+    tail_s: float = 0.0  # the slowest instance's decoding after 90% of its requests had ended
 
     @property
     def scoring_exposed_s(self) -> float:
@@ -193,6 +210,9 @@ class MigrationController(Generic[T]):
         control_group: the same ranks on a gloo backend (statistics, decisions, finished samples); default
             ``group``.
         instance_group: this instance's ranks (gloo) when an instance spans several ranks (gen_tp > 1).
+        episodes: the engine's multi-turn episodes: each engine step's results pass through it, an instance with
+            nothing to decode waits for its environments' answers, and nothing migrates (the episodes' environments
+            stay on their instance).
     """
 
     def __init__(
@@ -210,6 +230,7 @@ class MigrationController(Generic[T]):
         group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
         instance_group: dist.ProcessGroup | None = None,
+        episodes: TurnHandler | None = None,
     ) -> None:
         if threshold != "auto" and not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
             raise ValueError(f'migration threshold must be a fraction in (0, 1) or "auto", got {threshold!r}')
@@ -222,7 +243,7 @@ class MigrationController(Generic[T]):
         self.engine, self.score, self.micro_batch_size = engine, score, micro_batch_size
         self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
         self.costs, self.group = costs, group
-        self.min_gain = min_gain
+        self.min_gain, self.episodes = min_gain, episodes
         self.control_group = control_group if control_group is not None else group
         self.instance_group = instance_group if instance_group is not None and dist.get_world_size(instance_group) > 1 else None
         self.leader = self.instance_group is None or dist.get_rank(self.instance_group) == 0
@@ -242,6 +263,7 @@ class MigrationController(Generic[T]):
         group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
         instance_group: dist.ProcessGroup | None = None,
+        episodes: TurnHandler | None = None,
     ) -> MigrationController[T]:
         """A controller as the ``[fusion]`` section says (``inter_stage``: "auto" migrates where the simulator predicts
         at least :data:`AUTO_MIN_GAIN`; ``migration_*``)."""
@@ -257,6 +279,7 @@ class MigrationController(Generic[T]):
             group=group,
             control_group=control_group,
             instance_group=instance_group,
+            episodes=episodes,
         )
 
     # ------------------------------------------------------------------------------------------ rollout
@@ -308,9 +331,10 @@ class MigrationController(Generic[T]):
         scored = run.scored
         if gather:
             scored = [part for parts in self._all_gather(scored) for part in parts]
-        times = self._all_gather((end, run.decode_end, run.spans))
+        tail = run.decode_end - run.tail_start if run.tail_start is not None else 0.0
+        times = self._all_gather((end, run.decode_end, run.spans, tail))
         trace = ChromeTrace()
-        for i, (_, _, spans) in enumerate(times):
+        for i, (_, _, spans, _) in enumerate(times):
             trace.name_process(i, f"rank {i}")
             for kind, start, end, args in spans:
                 trace.complete(kind, start, end - start, pid=i, tid=0, **args)
@@ -318,14 +342,16 @@ class MigrationController(Generic[T]):
         self._history.score += run.measurements.score
         return RolloutResult(
             scored=scored,
-            rollout_s=max(t for t, _, _ in times),
-            decode_end_s=max(d for _, d, _ in times),
+            rollout_s=max(t for t, _, _, _ in times),
+            decode_end_s=max(d for _, d, _, _ in times),
+            tail_s=max(t for _, _, _, t in times),
             scoring_s=run.scoring_s,
             migration=run.migration,
             trace=trace,
             measurements=run.measurements,
             auto=run.auto_decision,
             carried=run.carried,
+            env_idle_s=run.env_idle_s,
         )
 
     def _reconcile(self, scored_ids: list[int], all_ids: list[int]) -> None:
@@ -410,6 +436,11 @@ class _Rollout:
         self.auto_evaluated_at: int | None = None
         self.auto_fallback_logged = False
         self.idle_scoring: tuple[threading.Thread, list[BaseException]] | None = None
+        self.episodes = ctl.episodes
+        self.env_idle_s = 0.0  # waiting for environments with nothing to decode
+        self.requests = self.engine.num_unfinished  # this instance's, as the rollout starts
+        self.ended = 0  # requests that ended here
+        self.tail_start: float | None = None  # when TAIL_SHARE of them had ended
         dist.barrier(group=ctl.control_group)
         self.t0 = time.perf_counter()
 
@@ -435,34 +466,53 @@ class _Rollout:
             self._score_finished()
             self._score_tail_streams(plan)
 
+    def _has_work(self) -> bool:
+        """Whether this instance still decodes or waits for an environment's answer."""
+        return self.engine.has_work() or (self.episodes is not None and self.episodes.waiting > 0)
+
     def _step(self) -> None:
+        """One engine step; with episodes, the turns that ended go to their environments and their answers come in
+        (where the engine has nothing to decode, waiting up to :data:`ENV_WAIT_S` for one: the engine idles)."""
         stats, prefilled = self.engine.stats(), dataclasses.replace(self.engine.prefill_stats)
         start, before, graphs = self.clock(), len(self.finished), self.engine.compile_stats.graphs
-        for res in self.engine.step():
+        results = self.engine.step() if self.engine.has_work() else []
+        idle = 0.0
+        if self.episodes is not None:
+            results = self.episodes.on_results(results)
+            waiting = not self.engine.has_work()
+            waited = self.clock()
+            results += self.episodes.pump(ENV_WAIT_S if waiting else None)
+            if waiting:
+                idle = self.clock() - waited
+                self.env_idle_s += idle
+        for res in results:
             if not res.ok:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
             self.unreported.append(int(res.id))
         end = self.clock()
+        self.ended += len(results)
+        if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
+            self.tail_start = end
         if self.progress is not None:
             self.decoded += stats.active
             self.progress.update(len(self.finished) - before, tok_s=self.decoded / max(end, 1e-9))
         now = self.engine.prefill_stats
         if now.tokens > prefilled.tokens:  # the engine times its prefills apart (those that compiled nothing)
             self.measurements.prefill.append((now.tokens - prefilled.tokens, now.seconds - prefilled.seconds))
-        if stats.waiting == 0 and stats.active and self.engine.compile_stats.graphs == graphs:  # a pure decode step
+        if stats.waiting == 0 and stats.active and self.engine.compile_stats.graphs == graphs and not idle:
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
         self._span("decode", start, end)
         self.decode_end = end
 
     def _decode_until_done(self) -> None:
         if self.target is None:
-            while self.engine.has_work():
+            while self._has_work():
                 self._step()
             return
         while True:  # lockstep checks of the target, until it is reached or every rank is done
             for _ in range(self.ctl.check_interval):
-                if self.engine.has_work():
+                if self._has_work():
                     self._step()
             reached, busy = self._check_target()
             if reached or not busy:
@@ -494,12 +544,12 @@ class _Rollout:
         threshold = min_kept = unfinished = 0
         while True:
             for _ in range(k):
-                if self.engine.has_work():
+                if self._has_work():
                     before = len(self.finished)
                     self._step()
                     self.new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
-            if not self.engine.has_work() and self.finished and self.target is None:
+            if not self._has_work() and self.finished and self.target is None:
                 self._score_while_idle()
             elif self._probe_due():
                 first = min(self.finished, key=lambda s: s.num_tokens)  # a first measurement of scoring's cost
@@ -552,7 +602,7 @@ class _Rollout:
         s = self.engine.stats()
         return InstanceStats(
             rank=self.rank,
-            unfinished=s.active + s.waiting,
+            unfinished=s.active + s.waiting + self.engine.num_awaiting,
             remaining_tokens=s.remaining_tokens,
             max_slots=self.engine.max_slots,
             kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
@@ -565,6 +615,8 @@ class _Rollout:
     def _threshold(self, unfinished: int) -> tuple[int, int]:
         """(unfinished-count threshold, fewest instances to keep)."""
         ctl = self.ctl
+        if self.episodes is not None:  # episodes stay with their environments
+            return 0, 1
         if ctl.threshold != "auto":
             return max(1, round(ctl.threshold * self.batch)), 1
         # No candidate threshold can trigger yet: do not simulate (it costs every rank a wait at this check).

@@ -12,12 +12,12 @@ task (``fusedrl.tasks.word_problems:TASK``: its exact checker).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusedrl.components import Tokenizer
+from fusedrl.components import Prompt, Tokenizer
 from fusedrl.config import ConfigError, JobConfig, Startup, import_object
 from fusedrl.config.loader import source_of
 from fusedrl.rlhf import Experience, RewardFn
@@ -49,7 +49,7 @@ class HeldOut:
     prompt, the response without its stop token, whether it ended with one): 1.0 for a right answer, less otherwise.
     """
 
-    prompts: Callable[[int, int], list[str]]
+    prompts: Callable[[int, int], Sequence[Prompt]]
     grade: Callable[[str, str, bool], float]
     chat: bool = False
 
@@ -65,7 +65,7 @@ class Task:
     """
 
     name: str
-    prompts: Callable[[int, int], list[str]] | None = None
+    prompts: Callable[[int, int], Sequence[Prompt]] | None = None
     reward_fn: RewardFn | None = None
     evaluate: EvalHook | None = None
     held_out: HeldOut | None = None
@@ -134,7 +134,7 @@ def _check_eval(cfg: JobConfig, task: Task | None) -> None:
         )
 
 
-def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> list[str] | None:
+def synthetic_prompts(cfg: JobConfig, task: Task | None, count: int = 1024) -> Sequence[Prompt] | None:
     """``count`` prompts of the task for ``data.format = "synthetic"`` (seeded by ``job.seed``); None for other formats.
     Raises ConfigError when the task gives no prompts."""
     if cfg.data.format != "synthetic":

@@ -7,6 +7,10 @@ sums. The prompts and random streams are the same at every evaluation of a run, 
 by the weights. Figures: ``eval/accuracy`` (samples graded 1, i.e. right), ``eval/score`` (the mean grade: the same
 for a right/wrong checker, partial credit otherwise), ``eval/pass@<n>`` with ``n > 1`` samples per prompt (prompts
 with a right sample), ``eval/finished`` (samples that ended with a stop token) and ``eval/response_len_mean`` (tokens).
+
+With an ``[env]`` environment every sample is an episode (its own runner and :class:`~fusedrl.rlhf.Episodes` over the
+engine, the turns decoded as in the rollout), graded by its environment's reward (1.0: right); ``eval/turns_mean``
+adds the model turns per episode.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from fusedrl.components import Progress, PromptDataset, Tokenizer, load_prompts_
 from fusedrl.config import InputError, JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.layouts import RolloutLayout
+from fusedrl.rlhf import Episodes, build_episodes
 from fusedrl.tasks import HeldOut, Task
 
 log = logging.getLogger("fusedrl.eval")
@@ -39,8 +44,10 @@ class Evaluator:
         rollout: RolloutLayout,
         *,
         vocab_size: int,
+        episodes: Episodes | None = None,
     ) -> None:
         self.cfg, self.held_out, self.engine, self.tokenizer, self.rollout = cfg, held_out, engine, tokenizer, rollout
+        self.episodes = episodes
         e = cfg.eval
         if e.path:  # a prompt file in [data]'s format, in file order
             section = dataclasses.replace(cfg.data, path=e.path, shuffle=False)
@@ -92,7 +99,8 @@ class Evaluator:
         if cfg.eval.interval == 0:
             return None
         assert task is not None and task.held_out is not None  # the task check
-        return cls(cfg, task.held_out, engine, tokenizer, rollout, vocab_size=vocab_size)
+        episodes = build_episodes(cfg, engine, tokenizer)
+        return cls(cfg, task.held_out, engine, tokenizer, rollout, vocab_size=vocab_size, episodes=episodes)
 
     def due(self, step: int) -> bool:
         """Whether iteration ``step`` ends with an evaluation: every ``eval.interval``-th one and the last."""
@@ -106,11 +114,17 @@ class Evaluator:
             for i in self.prompts
             for k in range(n)
         ]
+        if self.episodes is not None:
+            requests = self.episodes.begin(requests, [self.dataset.rows[int(r.id) // n] for r in requests])
         for r in requests:
             self.engine.add_request(r)
         results = {}
-        while self.engine.has_work():
-            for res in self.engine.step():
+        while self.engine.has_work() or (self.episodes is not None and self.episodes.waiting):
+            done = self.engine.step() if self.engine.has_work() else []
+            if self.episodes is not None:
+                done = self.episodes.on_results(done)
+                done += self.episodes.pump(0.05 if not self.engine.has_work() else None)
+            for res in done:
                 results[res.id] = res
                 if progress is not None:
                     progress.update(1)
@@ -120,10 +134,14 @@ class Evaluator:
             for i in self.prompts:
                 right = False
                 for k in range(n):
-                    tokens = results[i * n + k].tokens
+                    result = results[i * n + k]
+                    tokens = result.tokens
                     finished = bool(tokens) and tokens[-1] in self.stops
-                    text = self.tokenizer.decode(tokens[:-1] if finished else tokens)
-                    grade = float(self.held_out.grade(self.dataset.prompts[i], text, finished))
+                    if self.episodes is not None:  # the environment checked the episode's answer
+                        grade = float(result.reward or 0.0)
+                    else:
+                        text = self.tokenizer.decode(tokens[:-1] if finished else tokens)
+                        grade = float(self.held_out.grade(self.dataset.prompts[i], text, finished))
                     right |= grade >= RIGHT
                     sums += torch.tensor([grade >= RIGHT, grade, 0.0, len(tokens), finished], dtype=torch.float64)
                 sums[2] += right
@@ -139,6 +157,11 @@ class Evaluator:
         }
         if n > 1:
             out[f"eval/pass@{n}"] = passed / self.count
+        if self.episodes is not None:
+            figures = self.episodes.take_figures()
+            turns = torch.tensor([float(sum(figures["turns"])), float(len(figures["turns"]))], device=self.engine.device)
+            dist.all_reduce(turns)
+            out["eval/turns_mean"] = (turns[0] / turns[1].clamp_min(1)).item()
         return out
 
     @property

@@ -66,12 +66,14 @@ from fusedrl.rlhf import (
     UpdateResult,
     base_reference_logprobs,
     build_controller,
+    build_episodes,
     build_executor,
     build_optimizers,
     build_requests,
     build_scorer,
     check_logprob_gap,
     compute_advantages,
+    episode_metrics,
     generate_and_score,
     logprob_gap,
     logprob_gap_limit,
@@ -84,6 +86,7 @@ from fusedrl.rlhf import (
     reward_fn_metrics,
     sample_groups,
     sequence_lengths,
+    speculation_metrics,
     zero_variance_groups,
 )
 from fusedrl.rollout_fusion import RolloutResult
@@ -264,9 +267,9 @@ class Trainer:
         self.syncs = [WeightSync(self.layout.actor_stage, self.engine)]
         if self.layout.critic_stage is not None and self.rollout.critic is not None:
             self.syncs.append(WeightSync(self.layout.critic_stage, self.rollout.critic))
-        self.controller = build_controller(
-            cfg, self.engine, build_scorer(cfg, self.rollout, self.tokenizer, task_reward_fn(cfg, self.task)), self.rollout
-        )
+        self.episodes = build_episodes(cfg, self.engine, self.tokenizer)  # multi-turn, with an [env] environment
+        scorer = build_scorer(cfg, self.rollout, self.tokenizer, task_reward_fn(cfg, self.task))
+        self.controller = build_controller(cfg, self.engine, scorer, self.rollout, self.episodes)
         self.evaluator = Evaluator.from_config(cfg, self.task, self.engine, self.tokenizer, self.rollout, vocab_size=vocab)
         self.updates_per_step = cfg.ppo.epochs * (cfg.ppo.batch_size // cfg.ppo.minibatch_size)
         self.opt = build_optimizers(cfg, self.layout, self.updates_per_step)
@@ -338,6 +341,16 @@ class Trainer:
             self.step + 1,
             cfg.training.steps,
         )
+        g = cfg.generation
+        if g.speculative != "off":
+            log.info(
+                "speculative decoding: drafts of up to %d tokens from %s, verified while at most %d requests decode "
+                "(generation.speculative_rows: a verify step costs rows x drafted positions of compute; the samples are "
+                "those of decoding without it); draft history kept in memory, rebuilt after a resume",
+                g.max_draft,
+                "group siblings, earlier responses to the prompt and the prompt",
+                g.speculative_rows,
+            )
         t = cfg.training
         if self.recompute:
             old_logprobs = "recomputed by the training forward (the engine's arithmetic differs from it)"
@@ -406,14 +419,23 @@ class Trainer:
         With ``[rollout] over_provision`` the rollout follows :class:`PartialRollouts`' plan (carried requests resumed,
         a stop at the batch's worth of whole groups, or a long round of deferred prompts) and returns the batch it
         selects."""
+        rows: list[dict] = []
         if self.partial is None:
-            plan = RolloutPlan(build_requests(self.cfg, self.loader.next_batch(), step, self.stop_ids), [], None)
+            batch = self.loader.next_batch()
+            plan = RolloutPlan(build_requests(self.cfg, batch, step, self.stop_ids), [], None)
+            rows = [self.dataset.rows[i] for i in batch.dataset_indices for _ in range(self.cfg.generation.n)]
         else:
             plan = self.partial.plan(step)
         count = len(plan.requests) + len(plan.resume)
         with self.progress(f"step {step} rollout (rank 0's engine)", count, "req") as progress:
             result, scored = generate_and_score(
-                self.controller, plan.requests, self.tokenizer.pad_id, progress, resume=plan.resume, target=plan.target
+                self.controller,
+                plan.requests,
+                self.tokenizer.pad_id,
+                progress,
+                resume=plan.resume,
+                target=plan.target,
+                rows=rows,
             )
         if self.partial is not None:
             scored = self.partial.collect(step, result, scored)
@@ -553,6 +575,15 @@ class Trainer:
         record.update(sampling_stats)
         record.update(update.figures)
         record.update(migration_metrics(result))
+        record["rollout_tail_s"] = result.tail_s
+        if self.engine.drafter is not None:  # every instance's speculative decoding
+            spec: list[Any] = [None] * self.world
+            dist.all_gather_object(spec, self.engine.take_spec_figures())
+            record.update(speculation_metrics(spec[:: self.rollout.gen_tp]))  # an instance's ranks decode alike
+        if self.episodes is not None:  # every instance's episodes (one rank each: no tensor-parallel instances)
+            parts: list[Any] = [None] * self.world
+            dist.all_gather_object(parts, (self.episodes.take_figures(), result.env_idle_s))
+            record.update(episode_metrics([p for p, _ in parts], sum(idle for _, idle in parts)))
         if self.partial is not None:
             record.update(self.partial.figures())
         check = cfg.training.logprob_gap_check

@@ -1,0 +1,83 @@
+"""Speculative decoding from history: the engine verifies drafted tokens with its own seeded sampler, so every sample
+is the one decoding without speculation gives (float32), whatever the drafts are."""
+
+import pytest
+import torch
+
+from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.generation.drafts import Draft
+from fusedrl.generation.state import pack_states, unpack_states
+from fusedrl.models import build_model
+
+PROMPTS = [[5, 17, 3, 99, 250, 7], [8, 1, 44, 2]]
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0, max_new_tokens=24),
+    "sampled": SamplingParams(temperature=0.3, max_new_tokens=24),
+    "filtered": SamplingParams(temperature=0.5, top_k=30, top_p=0.9, max_new_tokens=24),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model("debug").eval()
+
+
+def _requests(params: SamplingParams, seed: int) -> list[Request]:
+    """4 samples of each prompt: a group's later samples draft from the earlier ones' tokens."""
+    return [Request(p * 4 + k, prompt, params, seed=seed) for p, prompt in enumerate(PROMPTS) for k in range(4)]
+
+
+def _generate(model, requests, **engine_args) -> tuple[dict, GenerationEngine]:
+    engine = GenerationEngine(model, max_slots=2, max_len=64, **engine_args)
+    return {r.id: (r.tokens, r.logprobs) for r in engine.generate(requests)}, engine
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("seed", [0, 7])
+def test_speculation_gives_the_samples_of_plain_decoding(model, setting, seed):
+    requests = _requests(SETTINGS[setting], seed)
+    plain, _ = _generate(model, requests)
+    spec, engine = _generate(model, requests, speculative="history", max_draft=6, speculative_rows=2)
+    for rid, (tokens, logprobs) in plain.items():
+        assert spec[rid][0] == tokens, rid
+        torch.testing.assert_close(torch.tensor(spec[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    s = engine.spec_stats
+    assert s.verify_steps > 0 and s.drafted > 0
+    if setting == "greedy":  # a greedy sibling repeats the first one: its drafts are all right
+        assert s.accepted > s.drafted / 2 and s.produced > s.verify_steps
+
+
+def test_wrong_drafts_cost_no_sample(model, monkeypatch):
+    requests = _requests(SETTINGS["sampled"], 3)
+    plain, _ = _generate(model, requests)
+    engine = GenerationEngine(model, max_slots=2, max_len=64, speculative="history", max_draft=5, speculative_rows=2)
+    assert engine.drafter is not None
+    monkeypatch.setattr(engine.drafter, "propose", lambda rid, limit=None: Draft((1, 2, 3, 4, 5)[: limit or 5], "prompt"))
+    spec = {r.id: (r.tokens, r.logprobs) for r in engine.generate(requests)}
+    assert {rid: t for rid, (t, _) in spec.items()} == {rid: t for rid, (t, _) in plain.items()}
+    assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.accepted < engine.spec_stats.drafted
+
+
+def test_a_migrated_request_continues_identically_under_speculation(model):
+    params = SETTINGS["sampled"]
+    (expected,), _ = _generate(model, [Request(9, PROMPTS[0], params, seed=5)])[0].values(), None
+    source = GenerationEngine(model, max_slots=1, max_len=64, speculative="history", speculative_rows=1)
+    source.add_request(Request(9, PROMPTS[0], params, seed=5))
+    for _ in range(5):
+        source.step()
+    (state,) = unpack_states(pack_states([source.export_request(9)])[1:])
+    target = GenerationEngine(model, max_slots=1, max_len=64, speculative="history", speculative_rows=1)
+    target.import_request(state)
+    results = []
+    while target.has_work():
+        results += target.step()
+    (result,) = results
+    assert result.tokens == expected[0]
+
+
+def test_bad_speculation_settings_are_refused(model):
+    with pytest.raises(ValueError, match="unknown speculative mode 'model'"):
+        GenerationEngine(model, max_slots=1, max_len=16, speculative="model")
+    with pytest.raises(ValueError, match="max_draft and speculative_rows must be >= 1"):
+        GenerationEngine(model, max_slots=1, max_len=16, speculative="history", max_draft=0)
