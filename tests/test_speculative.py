@@ -42,7 +42,7 @@ def test_speculation_gives_the_samples_of_plain_decoding(model, setting, seed):
     for rid, (tokens, logprobs) in plain.items():
         assert spec[rid][0] == tokens, rid
         torch.testing.assert_close(torch.tensor(spec[rid][1]), torch.tensor(logprobs), atol=1e-4, rtol=0)
-    s = engine.spec_stats
+    s = engine.speculator.stats
     assert s.verify_steps > 0 and s.drafted > 0
     if setting == "greedy":  # a greedy sibling repeats the first one: its drafts are all right
         assert s.accepted > s.drafted / 2 and s.produced > s.verify_steps
@@ -52,11 +52,13 @@ def test_wrong_drafts_cost_no_sample(model, monkeypatch):
     requests = _requests(SETTINGS["sampled"], 3)
     plain, _ = _generate(model, requests)
     engine = GenerationEngine(model, max_slots=2, max_len=64, speculative="history", max_draft=5, speculative_rows=2)
-    assert engine.drafter is not None
-    monkeypatch.setattr(engine.drafter, "propose", lambda rid, limit=None: Draft((1, 2, 3, 4, 5)[: limit or 5], "prompt"))
+    assert engine.speculator is not None
+    monkeypatch.setattr(
+        engine.speculator.drafter, "propose", lambda rid, limit=None: Draft((1, 2, 3, 4, 5)[: limit or 5], "prompt")
+    )
     spec = {r.id: (r.tokens, r.logprobs) for r in engine.generate(requests)}
     assert {rid: t for rid, (t, _) in spec.items()} == {rid: t for rid, (t, _) in plain.items()}
-    assert engine.spec_stats.verify_steps > 0 and engine.spec_stats.accepted < engine.spec_stats.drafted
+    assert engine.speculator.stats.verify_steps > 0 and engine.speculator.stats.accepted < engine.speculator.stats.drafted
 
 
 def test_a_migrated_request_continues_identically_under_speculation(model):

@@ -198,7 +198,8 @@ def speculative_figures(model: TransformerDecoder, folder: str, batch_sizes: lis
                     if round_:
                         rates[name] = max(rates[name], sum(len(r.tokens) for r in res) / seconds)
                     results[name] = res
-        spec = engines["on"].take_spec_figures()
+        assert engines["on"].speculator is not None  # speculative="history"
+        spec = engines["on"].speculator.take_figures()
         same = sum(a.tokens == b_.tokens for a, b_ in zip(results["off"], results["on"]))
         accepted = spec.get("accepted", 0) / max(spec.get("drafted", 0), 1)
         per_verify = spec["produced"] / max(spec["verify_steps"], 1)

@@ -25,11 +25,11 @@ from fusedrl.config import ConfigError, GenerationSection, Startup
 from fusedrl.config.loader import source_of
 from fusedrl.distributed import compat
 from fusedrl.generation import cpu_kernels, freshness
-from fusedrl.generation.drafts import Draft, HistoryDrafter
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
-from fusedrl.generation.sampling import sample_tokens
 from fusedrl.generation.slot_forward import SlotForward, SlotState, layer_region, sample_rows
+from fusedrl.generation.speculation import Speculator, VerifyRow
 from fusedrl.generation.state import RequestState
+from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
 
 _T = TypeVar("_T")
 Quantize = Literal["int8_weight_only"]
@@ -103,62 +103,6 @@ class _Slot:
             turn_start=self.turn_start,
             finish_reason=reason,
         )
-
-
-@dataclass
-class CompileStats:
-    """What torch.compile cost an engine so far: graphs compiled and the wall time of the calls that compiled one
-    (compilation plus that call's own run)."""
-
-    graphs: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class SpecStats:
-    """Speculative decoding of an engine so far: verify steps, tokens drafted, accepted and produced by them (a verify
-    step produces its accepted drafts and one token sampled after them per request)."""
-
-    verify_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    produced: int = 0
-
-
-@dataclass
-class PrefillStats:
-    """The prefills an engine ran so far that compiled no graph: the tokens computed (a prompt shared by several
-    requests once) and their wall time, sampling of the first tokens included."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What a migration controller needs to know about an engine."""
-
-    active: int
-    waiting: int
-    free_slots: int
-    remaining_tokens: int  # upper bound: sum of each unfinished request's unused token budget
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class RequestProgress:
-    """Where one unfinished request stands (for remaining-work estimates)."""
-
-    id: RequestId
-    prompt_len: int
-    generated: int
-    budget: int  # SamplingParams.new_token_budget: target_len if forced, else max_new_tokens
-    forced: bool  # True when target_len fixes the length exactly
-    active: bool  # holds a slot (False: waiting)
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.generated
 
 
 class GenerationEngine:
@@ -237,8 +181,6 @@ class GenerationEngine:
             raise ValueError(f"unknown compile backend {backend!r}; valid: {', '.join(BACKENDS)}")
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"unknown speculative mode {speculative!r}; valid: {', '.join(SPECULATIVE_MODES)}")
-        if max_draft < 1 or speculative_rows < 1:
-            raise ValueError(f"max_draft and speculative_rows must be >= 1, got {max_draft} and {speculative_rows}")
         if compile and backend == "tensorrt":
             try:
                 import torch_tensorrt  # noqa: F401
@@ -274,10 +216,9 @@ class GenerationEngine:
         self._ready: list[RequestResult] = []
         self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
         self._ids: set[RequestId] = set()
-        self.drafter = HistoryDrafter(max_draft=max_draft) if speculative == "history" else None
-        self._drafting: set[RequestId] = set()  # requests the drafter holds
-        self.speculative_rows = speculative_rows
-        self.spec_stats = SpecStats()
+        self.speculator = (
+            Speculator(max_draft=max_draft, rows=speculative_rows) if speculative == "history" else None
+        )  # :mod:`.speculation`
 
     @classmethod
     def from_config(
@@ -502,9 +443,8 @@ class GenerationEngine:
         state.logprobs += [0.0] * len(ids)
         state.observations.append((start, start + len(ids)))
         state.turn_start, state.awaiting, state.finish_reason = len(state.generated), False, None
-        if request_id in self._drafting:
-            assert self.drafter is not None  # it holds the requests in _drafting
-            self.drafter.extend(request_id, ids)
+        if self.speculator is not None:
+            self.speculator.extend(request_id, ids)
         self._waiting.appendleft(state)  # an episode under way goes before fresh requests
 
     def end_request(self, request_id: RequestId) -> RequestResult:
@@ -523,16 +463,6 @@ class GenerationEngine:
                 "awaiting=True, not yet continued or ended)"
             )
         return state
-
-    def take_spec_figures(self) -> dict[str, int]:
-        """Speculative decoding since the last call (zeros when it is off): ``verify_steps``, ``produced`` tokens, and the
-        drafter's counters (``drafted`` / ``accepted`` in all and per source: ``drafted_siblings``, ...)."""
-        stats, self.spec_stats = self.spec_stats, SpecStats()
-        out = {"verify_steps": stats.verify_steps, "produced": stats.produced}
-        if self.drafter is not None:
-            out |= {k: v for k, v in self.drafter.stats().items() if k.startswith(("drafted", "accepted"))}
-            self.drafter.reset_stats()
-        return out
 
     @property
     def num_awaiting(self) -> int:
@@ -640,9 +570,8 @@ class GenerationEngine:
             )
             i = len(self._active)
             self._active.append(slot)
-            if self.drafter is not None and state.id not in self._drafting:  # fresh, or imported: rebuilt from tokens
-                self.drafter.start(state.id, state.request.prompt, state.generated)
-                self._drafting.add(state.id)
+            if self.speculator is not None:
+                self.speculator.start(state.id, state.request.prompt, state.generated)
             pending = slot.generated[-1] if slot.generated else 0  # a fresh slot's first token comes from its prefill
             self._state.write(i, pending, slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
             if state.k is not None:
@@ -714,7 +643,7 @@ class GenerationEngine:
 
     def _decode_step(self) -> None:
         n = len(self._active)
-        if self.drafter is not None and n <= self.speculative_rows and self._verify_step():
+        if self.speculator is not None and n <= self.speculator.rows and self._verify_step():
             return
         b = round_up(n, self.batch_buckets)
         # the host knows every cache length: the length bucket needs no device read
@@ -733,63 +662,21 @@ class GenerationEngine:
         self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
         self._record(list(self._active), tokens[:n], logprobs[:n])
 
-    def _draft(self, slot: _Slot) -> Draft:
-        """The drafter's proposal for ``slot``, within what it may still produce: its turn's token budget (a verify
-        step produces one token after its drafts) and the cache's room."""
-        p = slot.request.sampling
-        budget = p.new_token_budget - (len(slot.generated) - slot.turn_start)
-        room = self.max_len - 1 - slot.cache_len
-        assert self.drafter is not None  # called when speculating
-        return self.drafter.propose(slot.request.id, limit=max(0, min(budget - 1, room)))
-
-    @torch.no_grad()
     def _verify_step(self) -> bool:
-        """Speculative decoding (``speculative = "history"``): one forward over each request's pending token and its
-        drafted tokens, each position sampled as decoding would sample it (the request's stream at that token count);
-        drafts are accepted while they equal what was sampled, then the first token that differs is kept. False (and
-        nothing done) when no request has a draft."""
+        """A speculative step (:mod:`.speculation`) over every active slot; False (nothing done) when none had a draft."""
+        assert self.speculator is not None  # called when speculating
         slots = list(self._active)
-        drafts = [self._draft(s) for s in slots]
-        if not any(d.tokens for d in drafts):
+        rows = []
+        for i, slot in enumerate(slots):
+            budget = slot.request.sampling.new_token_budget - (len(slot.generated) - slot.turn_start)
+            room = self.max_len - 1 - slot.cache_len
+            # a verify step produces one token after its accepted drafts
+            rows.append(VerifyRow(slot.request.id, i, slot.generated[-1], slot.cache_len, min(budget - 1, room)))
+        produced = self.speculator.verify(self._forward, self._state, rows, *self._sampling_flags(slots))
+        if produced is None:
             return False
-        assert self.drafter is not None  # speculating
-        lengths = [1 + len(d.tokens) for d in drafts]
-        tokens = torch.zeros(len(slots), max(lengths), dtype=torch.int64)
-        for r, (slot, d) in enumerate(zip(slots, drafts)):
-            tokens[r, : lengths[r]] = torch.tensor([slot.generated[-1], *d.tokens])
-        rows = torch.arange(len(slots), device=self.device)
-        starts = torch.tensor([s.cache_len for s in slots], device=self.device)
-        hidden = self._forward.extend(tokens.to(self.device), rows, starts, torch.tensor(lengths, device=self.device))
-        # every real position of every row, sampled with its row's state at that token count
-        which = torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], device=self.device)
-        offset = torch.tensor([j for n in lengths for j in range(n)], device=self.device)
-        logits = self._forward.logits(hidden[which, offset])
-        ints, floats = self._state.ints[which], self._state.floats[which]
-        sampled, logprobs = sample_tokens(
-            logits,
-            floats[:, SlotState.TEMPERATURE],
-            ints[:, SlotState.TOP_K],
-            floats[:, SlotState.TOP_P],
-            ints[:, SlotState.SEED],
-            ints[:, SlotState.COUNT] + offset,
-            any_sampled=self._sampling_flags(slots)[0],
-            any_filtered=self._sampling_flags(slots)[1],
-        )
-        host = torch.stack([sampled.double(), logprobs.double()]).tolist()
-        produced_tokens, produced_logprobs, at = [], [], 0
-        for slot, d, n in zip(slots, drafts, lengths):
-            toks, lps = [int(t) for t in host[0][at : at + n]], host[1][at : at + n]
-            at += n
-            accepted = next((j for j, (t, drafted) in enumerate(zip(toks, d.tokens)) if t != drafted), len(d.tokens))
-            produced_tokens.append(toks[: accepted + 1])
-            produced_logprobs.append(lps[: accepted + 1])
-            if d.tokens:
-                self.drafter.record(slot.request.id, d, accepted)
-            self.spec_stats.drafted += len(d.tokens)
-            self.spec_stats.accepted += accepted
-        self.spec_stats.verify_steps += 1
-        self.spec_stats.produced += sum(len(t) for t in produced_tokens)
-        for slot in self._append(slots, produced_tokens, produced_logprobs):  # those still decoding: their new state
+        tokens, logprobs = [t for t, _ in produced], [lp for _, lp in produced]
+        for slot in self._append(slots, tokens, logprobs):  # those still decoding: their new state
             i = self._active.index(slot)
             self._state.write(i, slot.generated[-1], slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
         return True
@@ -826,8 +713,8 @@ class GenerationEngine:
             for tok, lp in zip(toks, lps):
                 slot.generated.append(tok)
                 slot.logprobs.append(lp)
-                if self.drafter is not None:
-                    self.drafter.extend(slot.request.id, [tok])
+                if self.speculator is not None:
+                    self.speculator.extend(slot.request.id, [tok])
                 reason = self._finish_reason(slot, tok)
                 if reason is not None:
                     finished.append((self._active.index(slot), reason))
@@ -850,10 +737,8 @@ class GenerationEngine:
     def _ended(self, request_id: RequestId, keep: bool = True) -> None:
         """A request leaves this engine (``keep``: it ended here, its tokens join its prompt's draft history)."""
         self._ids.discard(request_id)
-        if request_id in self._drafting:
-            self._drafting.discard(request_id)
-            assert self.drafter is not None  # it holds the requests in _drafting
-            self.drafter.finish(request_id, keep=keep)
+        if self.speculator is not None:
+            self.speculator.finish(request_id, keep=keep)
 
     def _finish_reason(self, slot: _Slot, token: int) -> FinishReason | None:
         """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""

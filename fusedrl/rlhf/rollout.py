@@ -170,7 +170,7 @@ def _migration_figures(result: RolloutResult) -> dict[str, float]:
 
 
 def speculation_metrics(parts: Sequence[Mapping[str, int]]) -> dict[str, float]:
-    """One rollout's speculative decoding from every instance's ``GenerationEngine.take_spec_figures()``: verify steps,
+    """One rollout's speculative decoding from every instance's ``Speculator.take_figures()``: verify steps,
     drafted and accepted tokens (in all and per source), the accepted share, and the tokens a verify step produced on
     average (its accepted drafts and one sampled token per request)."""
     keys = sorted({k for p in parts for k in p})

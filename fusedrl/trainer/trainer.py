@@ -576,9 +576,9 @@ class Trainer:
         record.update(update.figures)
         record.update(migration_metrics(result))
         record["rollout_tail_s"] = result.tail_s
-        if self.engine.drafter is not None:  # every instance's speculative decoding
+        if self.engine.speculator is not None:  # every instance's speculative decoding
             spec: list[Any] = [None] * self.world
-            dist.all_gather_object(spec, self.engine.take_spec_figures())
+            dist.all_gather_object(spec, self.engine.speculator.take_figures())
             record.update(speculation_metrics(spec[:: self.rollout.gen_tp]))  # an instance's ranks decode alike
         if self.episodes is not None:  # every instance's episodes (one rank each: no tensor-parallel instances)
             parts: list[Any] = [None] * self.world
