@@ -15,6 +15,7 @@ import torch
 from fusedrl.config import ConfigError, load_config, run_checks
 from fusedrl.distributed import CompiledLayer, apply_compile, split_decoder
 from fusedrl.distributed.compat import compile_seconds, compiled_graph_count
+from fusedrl.distributed.compile import MAX_GRAPHS
 from fusedrl.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,14 +26,37 @@ def _documents(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])[None]
 
 
+def _graphs_per_layer(model: torch.nn.Module) -> dict[str, int]:
+    """Graphs compiled inside each decoder layer's calls from now on (hooks subtract the process's count before each
+    call and add it after)."""
+    counts = dict.fromkeys(model.layers, 0)
+    for name, layer in model.layers.items():
+
+        def entered(module, args, name=name):
+            counts[name] -= compiled_graph_count()
+
+        def left(module, args, out, name=name):
+            counts[name] += compiled_graph_count()
+
+        layer.register_forward_pre_hook(entered)
+        layer.register_forward_hook(left)
+    return counts
+
+
 def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_graphs():
+    # dynamo's counters are the process's (any earlier compile moved them): every figure here is a difference taken
+    # around this test's calls. torch.compiler.reset() (public) drops earlier compiled graphs, so this test's first
+    # packing compiles even when an earlier test compiled the same layer forward.
+    torch.compiler.reset()
     torch.manual_seed(0)
     (eager,) = split_decoder(build_model("debug"), 1)
     compiled = copy.deepcopy(eager)
     assert apply_compile(compiled) == 2 and all(type(layer) is CompiledLayer for layer in compiled.layers.values())
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    layer_graphs = _graphs_per_layer(compiled)
     packings = [[7, 3, 12, 1], [20, 5], [4, 4, 4, 9, 2], [16], [30, 1, 1]]
-    graphs = []
+    graphs_before, seconds_before = compiled_graph_count(), compile_seconds()
+    graphs, seconds = [], []  # compiled by this test up to the end of each packing
     for lengths in packings:
         tokens = torch.randint(0, 500, (1, sum(lengths)))
         for documents in (_documents(lengths), None):  # packed rows, then one plain causal row
@@ -42,10 +66,18 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_graphs():
             grads = [torch.autograd.grad((out * weight).sum(), list(m.parameters())) for out, m in zip(outs, (eager, compiled))]
             for a, b in zip(*grads):
                 torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * float(a.abs().max()))
-        graphs.append(compiled_graph_count())
-    assert graphs[1] > 0 and compile_seconds() > 0
-    # the first shapes compile, the second ones make lengths symbolic; every later packing reuses those graphs
+        graphs.append(compiled_graph_count() - graphs_before)
+        seconds.append(compile_seconds() - seconds_before)
+    assert graphs[0] > 0 and seconds[0] > 0  # the first packing compiled (forward and backward)
+    # the first shapes compile, the second ones make lengths symbolic; every later packing reuses those graphs (and
+    # compiles no backward either)
     assert graphs[1:] == [graphs[1]] * (len(packings) - 1), graphs
+    assert seconds[1:] == [seconds[1]] * (len(packings) - 1), seconds
+    # one layer forward shared by all layers: the first layer compiled every graph, the second reused them (graphs
+    # do not grow with the layer count), and under the recompile limit apply_compile set (past it: eager)
+    first, *others = compiled.layers
+    assert layer_graphs == {first: graphs[-1], **dict.fromkeys(others, 0)}, layer_graphs
+    assert graphs[-1] <= MAX_GRAPHS
 
 
 def _compiled_update_equals_eager(checkpointing: str) -> bool:

@@ -10,6 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("eval/accuracy", "eval/score", "eval/finished", "eval/response_len_mean", "eval/pass@2")
+# the evaluation's settings, given on the command line and read back here by the independent figures
+COUNT, N, SEED, TEMPERATURE, MAX_NEW_TOKENS = 7, 2, 5, 1.0, 24
 
 
 def _overrides(out: str, world: int) -> list[str]:
@@ -22,7 +24,7 @@ def _overrides(out: str, world: int) -> list[str]:
         "--ppo.minibatch_size=8",
         "--ppo.microbatch_size=2",
         "--ppo.epochs=1",
-        "--generation.max_new_tokens=24",
+        f"--generation.max_new_tokens={MAX_NEW_TOKENS}",
         "--generation.max_slots=8",
         "--fusion.schedule_search_budget_s=0.2",
         "--training.steps=2",
@@ -32,36 +34,42 @@ def _overrides(out: str, world: int) -> list[str]:
         "--lr_scheduler.warmup_steps=0",
         "--optimizer.actor_lr=3e-3",  # large enough that the evaluations before and after training differ
         "--eval.interval=2",
-        "--eval.count=7",  # not a multiple of the instances: one gets more prompts
-        "--eval.n=2",
-        "--eval.temperature=1.0",
+        f"--eval.count={COUNT}",  # not a multiple of the instances: one gets more prompts
+        f"--eval.n={N}",
+        f"--eval.temperature={TEMPERATURE}",
+        f"--eval.seed={SEED}",
     ]
 
 
-def _independent_figures(trainer) -> dict[str, float] | None:
-    """[eval]'s figures of the Actor's current training weights, from a fresh engine on a copy of them and the task's
-    checker, on rank 0 (collective: every rank syncs)."""
+def _independent_figures(trainer, prompts: list[str]) -> dict[str, float] | None:
+    """[eval]'s figures of the Actor's current training weights on ``prompts`` (the test's own: the task's held-out
+    generator or the file, read here), from a fresh engine on a copy of the weights, the settings above and the task's
+    checker (``true_score``) applied here; nothing of the Evaluator's (its dataset, sampling or grading) is used. On
+    rank 0 (collective: every rank syncs)."""
     import torch.distributed as dist
 
-    from fusedrl.generation import GenerationEngine, Request
+    from fusedrl.generation import GenerationEngine, Request, SamplingParams
     from fusedrl.tasks.debug import true_score
 
-    cfg, evaluator = trainer.cfg, trainer.evaluator
     for sync in trainer.syncs:  # the training weights into the rollout copy
         sync.sync()
     if dist.get_rank() != 0:
         return None
+    tokenizer = trainer.tokenizer
+    stops = tuple(tokenizer.stop_token_ids)  # debug_ppo.toml sets no generation.stop_token_ids
+    sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=stops)
     engine = GenerationEngine(copy.deepcopy(trainer.rollout.actor), max_slots=4, max_len=trainer.max_len)
-    n, count = cfg.eval.n, evaluator.count
-    ids = evaluator.dataset.token_ids
-    requests = [Request(i * n + k, ids[i], evaluator.sampling, seed=cfg.eval.seed) for i in range(count) for k in range(n)]
+    # plain prompts (the debug task's are not chat turns) are tokenized as [data] does, with the BOS; sample k of
+    # prompt i is request i * N + k with seed eval.seed (its random stream is a function of both)
+    requests = [
+        Request(i * N + k, tokenizer.encode(prompt), sampling, seed=SEED) for i, prompt in enumerate(prompts) for k in range(N)
+    ]
     results = engine.generate(requests, progress=False)
-    stops = set(trainer.tokenizer.stop_token_ids)
     grades, lengths, finished = [], [], []
     for r in results:
         done = bool(r.tokens) and r.tokens[-1] in stops
-        text = trainer.tokenizer.decode(r.tokens[:-1] if done else r.tokens)
-        grades.append(true_score(evaluator.dataset.prompts[r.id // n], text, done))
+        text = tokenizer.decode(r.tokens[:-1] if done else r.tokens)
+        grades.append(true_score(prompts[r.id // N], text, done))
         lengths.append(len(r.tokens))
         finished.append(done)
     right = [g >= 1.0 for g in grades]
@@ -70,11 +78,11 @@ def _independent_figures(trainer) -> dict[str, float] | None:
         "eval/score": sum(grades) / len(grades),
         "eval/finished": sum(finished) / len(finished),
         "eval/response_len_mean": sum(lengths) / len(lengths),
-        "eval/pass@2": sum(right[i * n] or right[i * n + 1] for i in range(count)) / count,
+        "eval/pass@2": sum(right[i * N] or right[i * N + 1] for i in range(len(prompts))) / len(prompts),
     }
 
 
-def _eval_run(out: str, world: int, extra: tuple[str, ...] = ()):
+def _eval_run(out: str, world: int, prompts: list[str], extra: tuple[str, ...] = ()):
     import torch.distributed as dist
 
     from fusedrl.config import load_config
@@ -85,18 +93,26 @@ def _eval_run(out: str, world: int, extra: tuple[str, ...] = ()):
     use_device(cfg)
     trainer = Trainer(cfg)
     rank0 = dist.get_rank() == 0
-    independent = [_independent_figures(trainer)]  # the starting Actor's
+    independent = [_independent_figures(trainer, prompts)]  # the starting Actor's
     history = trainer.train()
-    independent.append(_independent_figures(trainer))  # the trained one's
+    independent.append(_independent_figures(trainer, prompts))  # the trained one's
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()] if rank0 else []
     return history, records, independent, trainer.evaluator.dataset.prompts
+
+
+def _evaluated(records: list[dict]) -> dict[int, dict[str, float]]:
+    return {r["step"]: {k: r[k] for k in FIGURES} for r in records if "eval/accuracy" in r}
 
 
 def test_evaluations_at_the_start_and_after_updates_grade_the_engines_current_weights(tmp_path, two_ranks):
     # 2 generation instances split the 7 prompts (4 and 3) and add their counts; the independent figures come from
     # all 7 on one fresh engine
-    history, records, (before, after), _ = two_ranks.run(_eval_run, str(tmp_path), 2, timeout_s=300.0)[0]
-    evaluated = {r["step"]: {k: r[k] for k in FIGURES} for r in records if "eval/accuracy" in r}
+    from fusedrl.tasks.debug import sample_prompts
+
+    prompts = sample_prompts(COUNT, seed=SEED)  # the debug task's held-out prompts (HeldOut.prompts)
+    history, records, (before, after), used = two_ranks.run(_eval_run, str(tmp_path), 2, prompts, timeout_s=300.0)[0]
+    assert used == prompts
+    evaluated = _evaluated(records)
     assert sorted(evaluated) == [0, 2]  # at the start, then every 2nd iteration (here also the last)
     assert "eval/accuracy" not in history[0] and all(k in history[1] for k in FIGURES)
     start = next(r for r in records if r["step"] == 0)
@@ -107,17 +123,37 @@ def test_evaluations_at_the_start_and_after_updates_grade_the_engines_current_we
     assert before != after  # the weights changed what the Actor answers: the check above has teeth
 
 
+def test_the_last_iteration_is_evaluated_when_it_is_not_a_multiple_of_the_interval(tmp_path, two_ranks):
+    # eval.interval = 2 over 3 iterations: the start, step 2 (the interval) and step 3 (the last, evaluated apart)
+    from fusedrl.tasks.debug import sample_prompts
+
+    prompts = sample_prompts(COUNT, seed=SEED)
+    extra = ("--training.steps=3",)
+    history, records, (_, after), _ = two_ranks.run(_eval_run, str(tmp_path), 2, prompts, extra, timeout_s=300.0)[0]
+    evaluated = _evaluated(records)
+    assert sorted(evaluated) == [0, 2, 3]
+    assert [all(k in h for k in FIGURES) for h in history] == [False, True, True]
+    last = next(r for r in records if r["step"] == 3)
+    assert last["time_eval"] > 0
+    # step 3's evaluation is its own, of the weights its update made: not step 2's figures carried over
+    assert evaluated[3] == pytest.approx(after, abs=1e-9)
+    assert evaluated[3] != evaluated[2]
+
+
 def test_a_prompt_file_is_evaluated_in_datas_format(tmp_path, two_ranks):
     from fusedrl.tasks.debug import sample_prompts
 
     train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
     train.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sample_prompts(64, seed=0)))
     held_out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in sample_prompts(5, seed=9)))
+    prompts = [json.loads(line)["prompt"] for line in held_out.read_text().splitlines()]  # the file, read here
     extra = ("--data.format=jsonl", f"--data.path={train}", f"--eval.path={held_out}", "--training.steps=1")
-    _, records, (before, _), prompts = two_ranks.run(_eval_run, str(tmp_path / "run"), 2, extra, timeout_s=300.0)[0]
-    assert prompts == sample_prompts(5, seed=9)  # the file's prompts in its order (eval.count 7: all 5 of them)
-    start = next(r for r in records if r["step"] == 0)
-    assert {k: start[k] for k in FIGURES} == pytest.approx(before, abs=1e-9)
+    _, records, (before, after), used = two_ranks.run(_eval_run, str(tmp_path / "run"), 2, prompts, extra, timeout_s=300.0)[0]
+    assert used == prompts  # the file's prompts in its order (eval.count 7: all 5 of them)
+    evaluated = _evaluated(records)
+    assert sorted(evaluated) == [0, 1]  # the start, and the last iteration (before the first interval)
+    assert evaluated[0] == pytest.approx(before, abs=1e-9)
+    assert evaluated[1] == pytest.approx(after, abs=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -692,3 +692,42 @@ def test_an_engine_over_unmerged_lora_adapters_decodes_as_the_adapted_model(comp
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
     switch_adapters(model, False)
     assert _reference_greedy(model, prompts[0], GREEDY.max_new_tokens)[0] != results[0].tokens  # the adapters matter
+
+
+@torch.no_grad()
+def test_resumed_siblings_of_one_prompt_share_a_prefill_only_where_their_tokens_are_equal(model, monkeypatch):
+    """Requests re-prefilled from their tokens (a "reprefill" migration imports them so; partial rollouts resume their
+    carried requests so): siblings of one prompt whose generated tokens differ get a prefill row each and continue
+    exactly as an uninterrupted engine decodes them; siblings whose tokens are equal (greedy) still share one row, and
+    a fresh sibling (the prompt alone) has its own, all in one prefill."""
+    prompt, other = _prompt(6, 5), _prompt(4, 6)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    requests = [Request(f"s{k}", prompt, SAMPLED, seed=7) for k in range(4)]
+    requests += [Request(f"g{k}", prompt, greedy, seed=7) for k in range(2)] + [Request("q", other, SAMPLED, seed=7)]
+    fresh = Request("f", prompt, SAMPLED, seed=7)
+    reference = GenerationEngine(model, max_slots=8, max_len=64, seed=1).generate([*requests, fresh])
+    source = GenerationEngine(model, max_slots=8, max_len=64, seed=2)
+    for r in requests:
+        source.add_request(r)
+    for _ in range(3):
+        assert source.step() == []
+    states = [pickle.loads(pickle.dumps(source.export_request(r.id, mode="reprefill"))) for r in requests]
+    assert all(not s.has_kv and len(s.generated) == 4 for s in states)
+    seqs = {s.id: tuple(s.request.prompt + s.generated[:-1]) for s in states}  # what a prefill computes (pending: not)
+    assert len({seqs[f"s{k}"] for k in range(4)}) == 4 and seqs["g0"] == seqs["g1"]
+    engine = GenerationEngine(model, max_slots=8, max_len=64, seed=3)
+    rows: list[int] = []
+    prefill = engine._prefill_fn
+    monkeypatch.setattr(engine, "_prefill_fn", lambda tokens, *a: rows.append(tokens.shape[0]) or prefill(tokens, *a))
+    for state in states:
+        engine.import_request(state)
+    engine.add_request(fresh)
+    results = {}
+    while engine.has_work():
+        results.update({r.id: r for r in engine.step()})
+    for ref in reference:
+        assert results[ref.id].tokens == ref.tokens, ref.id
+        torch.testing.assert_close(torch.tensor(results[ref.id].logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+    distinct = set(seqs.values()) | {tuple(prompt)}
+    assert rows == [len(distinct)] == [7]  # one prefill: 4 sampled siblings, the greedy pair once, "q", the fresh one
+    assert engine.prefill_stats.tokens == sum(len(seq) for seq in distinct)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -25,8 +27,26 @@ from fusedrl.models import (
 from fusedrl.rlhf.losses import token_logprobs
 from fusedrl.testing.configs import TINY_DEBUG_RUN
 
+if TYPE_CHECKING:
+    from fusedrl.config import JobConfig
+    from fusedrl.layouts import RolloutLayout, TrainingLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# lora.alpha / lora.rank of the specs and configs below, written out: LoRASpec.scale is code under test
+HAND_SCALE = 8.0 / 4
+
+
+def _merged_by_hand(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A plain model's state computing what the adapted one does: each adapted weight W + (alpha / rank) B A."""
+    out = {n: t.float() if t.is_floating_point() else t for n, t in state.items() if not n.endswith((".lora_a", ".lora_b"))}
+    for name, a in state.items():
+        if name.endswith(".lora_a"):
+            base = name.removesuffix(".lora_a")
+            out[f"{base}.weight"] = out[f"{base}.weight"] + HAND_SCALE * state[f"{base}.lora_b"].float() @ a.float()
+    return out
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -55,7 +75,12 @@ def test_adapters_start_as_the_base_train_alone_and_merge_exactly(flavor):
     _randomize(model, 1)
     adapted = model(tokens)
     assert not torch.allclose(adapted, plain(tokens), atol=1e-3)  # the adapters change the output
-    plain.load_state_dict(merge_adapters(model.state_dict(), spec.scale))
+    by_hand = _merged_by_hand(model.state_dict())
+    merged = merge_adapters(model.state_dict(), spec.scale)
+    assert sorted(merged) == sorted(by_hand)  # the adapters dropped, every other tensor kept
+    for n, t in by_hand.items():
+        torch.testing.assert_close(merged[n], t, atol=1e-6, rtol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    plain.load_state_dict(by_hand)
     torch.testing.assert_close(plain(tokens), adapted, atol=1e-4, rtol=1e-4)
 
 
@@ -110,6 +135,141 @@ def test_peft_loads_the_exported_adapter_and_gives_the_merged_models_logits(tmp_
         merged_logits = merged(tokens).logits
     torch.testing.assert_close(theirs, ours, atol=5e-5, rtol=1e-4)
     torch.testing.assert_close(merged_logits, ours, atol=5e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------- the trainer's pieces, 1 rank
+# The quick loop's LoRA checks of what the trainer wires up (the 2-rank runs below are slow): its layouts, its
+# weight sync into the engine and its base Reference, on one process in a one-rank gloo group.
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    from fusedrl.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_rank_lora_layouts(*overrides: str) -> tuple[JobConfig, TrainingLayout, RolloutLayout]:
+    """The debug config with a LoRA Actor (rank 4, alpha 8) on one rank: its config and its training and rollout
+    layouts, built and filled as the trainer does (the adapters' B zero)."""
+    from fusedrl.config import load_config
+    from fusedrl.layouts import build_rollout_layout, build_training_layout, load_initial_weights
+
+    one_rank = ("--parallelism.pp=1", "--parallelism.dp_shard=1", "--parallelism.tp=1", "--parallelism.gen_tp=1")
+    lora = ('--lora.models=["actor"]', "--lora.rank=4", "--lora.alpha=8")
+    cfg = load_config(
+        ["--job.config_file", str(ROOT / "train_configs/debug_ppo.toml"), *TINY_DEBUG_RUN, *one_rank, *lora, *overrides]
+    )
+    device = torch.device("cpu")
+    layout, rollout = build_training_layout(cfg, device), build_rollout_layout(cfg, device)
+    load_initial_weights(cfg, layout, rollout)
+    return cfg, layout, rollout
+
+
+def _train_adapters(stage: torch.nn.Module, seed: int) -> None:
+    """Stands in for an update: every adapter of the (FSDP2-sharded, one-rank) stage random, B non-zero."""
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            if name.endswith((".lora_a", ".lora_b")):
+                local = p.to_local() if isinstance(p, DTensor) else p  # one rank: the whole tensor
+                local.copy_(torch.randn(local.shape, generator=gen) * 0.2)
+
+
+def _policy(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain debug policy holding ``state`` (full-model names, no adapters)."""
+    model = build_model("debug", "policy")
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _logprobs_of(model: torch.nn.Module, sequences: list[list[int]], start: int, temperature: float) -> list[torch.Tensor]:
+    """``model``'s log-probs of each sequence's tokens from position ``start`` on."""
+    with torch.no_grad():
+        return [token_logprobs(model(torch.tensor([s])), torch.tensor([s]), temperature)[0, start:] for s in sequences]
+
+
+@pytest.mark.parametrize("rollout_weights", ["merged", "adapters"])
+def test_a_lora_weight_sync_gives_the_engine_the_trained_actors_logprobs(single_rank_group, rollout_weights):
+    from fusedrl.distributed import gather_full_state_dict
+    from fusedrl.generation import GenerationEngine, Request, SamplingParams, WeightSync
+
+    cfg, layout, rollout = _one_rank_lora_layouts(f"--lora.rollout_weights={rollout_weights}")
+    assert bool(adapter_modules(rollout.actor)) == (rollout_weights == "adapters")  # a merged copy is a plain model
+    engine = GenerationEngine.from_config(rollout.actor, cfg.generation, max_len=cfg.sequence_budget, seed=0)
+    sync = WeightSync(layout.actor_stage, engine)  # as the trainer builds it
+    temperature = cfg.generation.temperature
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 256, (5,), generator=gen).tolist() for _ in range(3)]
+    start = len(prompts[0])  # the first sampled token's position
+
+    def sample() -> tuple[list[list[int]], list[torch.Tensor]]:
+        params = SamplingParams(temperature=temperature, max_new_tokens=8)
+        results = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)], progress=False)
+        return [p + r.tokens for p, r in zip(prompts, results)], [torch.tensor(r.logprobs) for r in results]
+
+    def assert_close(got: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+    sync.sync()  # the first iteration's: B = 0, the base
+    base = _policy(_merged_by_hand(gather_full_state_dict(layout.actor_stage)))
+    sequences, engine_logprobs = sample()
+    assert_close(engine_logprobs, _logprobs_of(base, sequences, start, temperature), "first sync (the base)")
+
+    _train_adapters(layout.actor_stage, seed=1)
+    sync.sync()  # a later iteration's: only the adapters changed
+    trained = gather_full_state_dict(layout.actor_stage)
+    lora = add_lora(build_model("debug", "policy"), LoRASpec(4, 8.0, 0.0, ALL))  # the trained Actor, unmerged
+    lora.load_state_dict(trained)
+    sequences, engine_logprobs = sample()
+    assert_close(engine_logprobs, _logprobs_of(lora.eval(), sequences, start, temperature), "after the sync")
+    assert_close(engine_logprobs, _logprobs_of(_policy(_merged_by_hand(trained)), sequences, start, temperature), "by hand")
+    stale = _logprobs_of(base, sequences, start, temperature)
+    assert max(float((e - s).abs().max()) for e, s in zip(engine_logprobs, stale)) > 1e-2, "the engine kept the base"
+
+
+def test_the_base_reference_scores_with_the_adapters_off_and_turns_them_back_on(single_rank_group):
+    from fusedrl.components.tokenizer import load_tokenizer
+    from fusedrl.distributed import gather_full_state_dict
+    from fusedrl.models import reference_from_base
+    from fusedrl.rlhf import Experience, base_reference_logprobs, pad_to_bucket, recompute_logprobs
+
+    cfg, layout, rollout = _one_rank_lora_layouts()  # lora.reference = "base", the default
+    assert reference_from_base(cfg) and rollout.reference is None  # no Reference copy: the Actor's stages score
+    _train_adapters(layout.actor_stage, seed=2)
+    trained = gather_full_state_dict(layout.actor_stage)
+    base = _policy({n: t for n, t in trained.items() if not n.endswith((".lora_a", ".lora_b"))})
+    adapted = _policy(_merged_by_hand(trained))
+    tokens = torch.randint(1, 256, (cfg.ppo.batch_size, 13), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(tokens.shape)
+    mask[:, 6:] = 1.0
+    temperature = cfg.generation.temperature
+    with torch.no_grad():
+        expected_base = token_logprobs(base(tokens), tokens, temperature) * mask
+        expected_adapted = token_logprobs(adapted(tokens), tokens, temperature) * mask
+    assert (expected_adapted - expected_base).abs().max() > 1e-2  # the adapters matter
+
+    exp = Experience(tokens=tokens, response_mask=mask)
+    device, pad_id, length = torch.device("cpu"), load_tokenizer(cfg.model.tokenizer_path).pad_id, tokens.shape[1]
+    padded = pad_to_bucket(exp, cfg.sequence_budget, pad_id)
+    for with_old in (False, True):  # True: the same pass runs the micro-batches again with the adapters on
+        reference, old = base_reference_logprobs(cfg, layout, exp, device, cfg.sequence_budget, pad_id, with_old=with_old)
+        torch.testing.assert_close(reference, expected_base, atol=1e-5, rtol=1e-5, msg=lambda m: f"{with_old=}: {m}")
+        if with_old:
+            assert old is not None
+            torch.testing.assert_close(old[:, :length], expected_adapted, atol=1e-5, rtol=1e-5)
+        else:
+            assert old is None
+        # the update that follows trains the adapted Actor: the adapters are on again
+        after = recompute_logprobs(cfg, layout, padded, device)
+        torch.testing.assert_close(after[:, :length], expected_adapted, atol=1e-5, rtol=1e-5, msg=lambda m: f"{with_old=}: {m}")
 
 
 # ------------------------------------------------------------------------------------------- trainer, 2 ranks

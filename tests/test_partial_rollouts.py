@@ -6,6 +6,7 @@ flight); the trainer's run on 2 ranks; the config refuses the option without its
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from test_fusion import SAMPLED, _models
 from fusedrl.components import DataReport, PromptDataset, PromptLoader
 from fusedrl.config import ConfigError, JobConfig, load_config, run_checks
 from fusedrl.generation import GenerationEngine, Request, RequestState, SamplingParams
-from fusedrl.rlhf import Experience, PartialRollouts, Scorer
+from fusedrl.rlhf import Experience, PartialRollouts, RolloutPlan, Scorer
 from fusedrl.rollout_fusion import GroupTarget, MigrationController, RolloutResult
 from fusedrl.rollout_fusion.controller import Measurements
 
@@ -106,6 +107,16 @@ def _partial(over: float, staleness: int, prompts: int = 64, unfinished: str = "
     return PartialRollouts(cfg, loader, (0,), instance=0, instances=1, pad_id=0)
 
 
+def _pending(plan: RolloutPlan) -> dict[int, RequestState]:
+    """The plan's requests by id, fresh ones as empty states: an id planned twice (a group started again while its
+    stale states are still resumed, or a request planned twice) fails here rather than one state silently winning."""
+    fresh = {r.id: RequestState(r, [], []) for r in plan.requests}
+    resumed = {s.id: s for s in plan.resume}
+    assert len(fresh) == len(plan.requests) and len(resumed) == len(plan.resume), "a request planned twice"
+    assert not fresh.keys() & resumed.keys(), f"fresh and resumed requests share ids {sorted(fresh.keys() & resumed.keys())}"
+    return fresh | resumed
+
+
 def _fake_rollout(
     partial: PartialRollouts, step: int, rng: random.Random, left: dict[int, int], started: dict[int, int]
 ) -> Experience:
@@ -115,7 +126,7 @@ def _fake_rollout(
     planned in."""
     plan = partial.plan(step)
     started.update({r.id // 4: step for r in plan.requests})
-    pending = {r.id: RequestState(r, [], []) for r in plan.requests} | {s.id: s for s in plan.resume}
+    pending = _pending(plan)
     for r in plan.requests:
         left[r.id] = rng.choice([2, 3, 5, 40])  # a few long ones
     finished: set[int] = set() if plan.target is None else set(plan.target.finished)
@@ -243,6 +254,98 @@ def _iterate_deferred(over: float, steps: int, seed: int) -> dict:
 def test_tail_batching_trains_on_policy_whole_groups_and_finishes_deferred_prompts_in_long_rounds(over):
     result = _in_one_process(_iterate_deferred, over, 16, 7)
     assert result["long_rounds"] > 0 and result["deferred_trained"] > 0
+
+
+def _scripted_rollout(partial: PartialRollouts, step: int, finish: Callable[[int], bool]) -> tuple[RolloutPlan, Experience]:
+    """One rollout whose outcome the test dictates: the requests for which ``finish(request id)`` holds finish with
+    3 more tokens (several past the group target, as an engine's decode step may finish them), the others decode 2
+    more and are carried. The plan and the batch trained."""
+    plan = partial.plan(step)
+    pending = _pending(plan)
+    done = [(rid, len(pending[rid].generated) + 3) for rid in sorted(pending) if finish(rid)]
+    carried = [pending[rid] for rid in sorted(pending) if not finish(rid)]
+    for state in carried:
+        state.generated += [5, 5]
+        state.logprobs += [0.0, 0.0]
+    tokens = torch.zeros(len(done), 3 + max(n for _, n in done), dtype=torch.long)
+    mask = torch.zeros_like(tokens, dtype=torch.float)
+    for row, (_, n) in enumerate(done):
+        mask[row, 3 : 3 + n] = 1
+    scored = Experience(tokens, mask, scores=torch.zeros(len(done)), sample_ids=torch.tensor([i for i, _ in done]))
+    result = RolloutResult([], 0.0, 0.0, 0.0, None, None, Measurements(), carried=carried)  # type: ignore[arg-type]
+    return plan, partial.collect(step, result, scored)
+
+
+def _groups(ids: Iterable[int]) -> list[int]:
+    return sorted({int(i) // 4 for i in ids})
+
+
+def _defer_restarting_whole_groups_past_the_batch() -> None:
+    partial = _partial(1.0, 1, unfinished="defer")
+    trained: list[int] = []
+    # 1: groups 0-7 in flight; 0-5 finish whole (2 past the batch of 4), 6 and 7 half (2 samples finished, 2 not)
+    first, batch = _scripted_rollout(partial, 1, lambda rid: rid // 4 < 6 or rid % 4 < 2)
+    assert [r.id // 4 for r in first.requests[::4]] == list(range(8))
+    assert _groups(batch.sample_ids) == [0, 1, 2, 3]
+    f = partial.figures()
+    assert f["rollout_discarded_groups"] == 2 and f["rollout_deferred_groups"] == 2 and f["rollout_long_queue"] == 2
+    assert f["rollout_wasted_tokens"] == 8 * 3 + 4 * 3 + 4 * 2  # groups 4-5 whole; 6-7: finished and unfinished
+    assert [p[0] for p in partial.queue] == [4, 5] and [p[0] for p in partial.long] == [6, 7]  # in order, first
+    assert not partial.groups and not partial.states and partial.rows is None and not partial.carried_lengths
+    assert not partial.stretches
+    trained += batch.sample_ids.tolist()
+    # 2: groups 4 and 5 start again first, fresh (new requests under this iteration's seed, nothing resumed)
+    prompts = {r.id: r.prompt for r in first.requests}
+    second, batch = _scripted_rollout(partial, 2, lambda rid: rid // 4 not in (12, 13))
+    assert [r.id // 4 for r in second.requests[::4]] == [4, 5, 8, 9, 10, 11, 12, 13] and second.resume == []
+    assert all(r.prompt == prompts[r.id] and r.seed != first.requests[0].seed for r in second.requests[:8])
+    assert second.target is not None and second.target.finished == frozenset()
+    assert _groups(batch.sample_ids) == [4, 5, 8, 9]  # the restarted groups trained, whole, on-policy
+    f = partial.figures()
+    assert f["rollout_staleness_max"] == 0 and f["rollout_discarded_groups"] == 2 and f["rollout_deferred_groups"] == 2
+    assert [p[0] for p in partial.queue][:2] == [10, 11] and [p[0] for p in partial.long] == [6, 7, 12, 13]
+    trained += batch.sample_ids.tolist()
+    # 3: the long round (the deferred prompts alone, to their end); 4: the restarted groups 10 and 11 start first
+    third, batch = _scripted_rollout(partial, 3, lambda rid: True)
+    assert third.target is None and _groups(batch.sample_ids) == [6, 7, 12, 13] and not partial.long
+    trained += batch.sample_ids.tolist()
+    assert len(trained) == len(set(trained)) == 48
+    _no_prompt_lost(partial, trained)
+    assert [r.id // 4 for r in partial.plan(4).requests[::4]][:2] == [10, 11]
+
+
+def test_tail_batching_starts_whole_groups_past_the_batch_again_first_and_defers_the_unfinished():
+    _in_one_process(_defer_restarting_whole_groups_past_the_batch)
+
+
+def _carry_oldest_first() -> None:
+    partial = _partial(1.0, 1)
+    # 1: groups 0-7 in flight; 0-4 finish whole (group 4 past the batch: carried as samples), 5-7 carried requests
+    _, batch = _scripted_rollout(partial, 1, lambda rid: rid // 4 < 5)
+    assert _groups(batch.sample_ids) == [0, 1, 2, 3]
+    f = partial.figures()
+    assert (f["rollout_staleness_0_tokens"], f["rollout_staleness_1_tokens"]) == (16 * 3, 0)
+    assert f["rollout_carried_samples"] == 4 and f["rollout_carried_requests"] == 12
+    # 2: groups 8-12 start; 5 and 8-12 finish. Whole: 4 and 5 (started at 1), 8-12 (at 2): the two oldest go first
+    plan, batch = _scripted_rollout(partial, 2, lambda rid: rid // 4 not in (6, 7))
+    assert [r.id // 4 for r in plan.requests[::4]] == [8, 9, 10, 11, 12] and _groups(s.id for s in plan.resume) == [5, 6, 7]
+    assert _groups(batch.sample_ids) == [4, 5, 8, 9]
+    f = partial.figures()
+    # group 4: 4 x 3 tokens of iteration 1; group 5: 4 x 2 of iteration 1 and 4 x 3 of 2; groups 8, 9: 8 x 3 of 2
+    assert (f["rollout_staleness_0_tokens"], f["rollout_staleness_1_tokens"]) == (4 * 3 + 8 * 3, 4 * 3 + 4 * 2)
+    # 3: groups 6 and 7 (started at 1) are too stale: discarded, they start again with 13-18. Finished whole: 10-12
+    # (carried, started at 2) and 6, 7, 13 (started at 3): the carried ones first, then the lowest id of the newest
+    plan, batch = _scripted_rollout(partial, 3, lambda rid: rid // 4 in (6, 7, 13))
+    assert [r.id // 4 for r in plan.requests[::4]] == [6, 7, 13, 14, 15, 16, 17, 18] and plan.resume == []  # in order
+    assert _groups(batch.sample_ids) == [6, 10, 11, 12]
+    f = partial.figures()
+    assert f["rollout_discarded_groups"] == 2 and f["rollout_wasted_tokens"] == 8 * 4
+    assert (f["rollout_staleness_0_tokens"], f["rollout_staleness_1_tokens"]) == (4 * 3, 12 * 3)
+    assert _groups(partial._sample_ids(partial.rows)) == [7, 13] and {partial.groups[g].started for g in (7, 13)} == {3}
+
+
+def test_selection_trains_the_oldest_whole_groups_first_and_tags_each_token_with_its_iteration():
+    _in_one_process(_carry_oldest_first)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer

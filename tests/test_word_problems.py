@@ -1,8 +1,10 @@
-"""The word-problems task: generated problems read back exactly, the final-answer checker on hand-written responses,
-the format reward, the prompt file and the command line."""
+"""The word-problems task: hand-written problems of every sentence kind read back to answers worked out by hand,
+generated problems read back to the answers of a reader written here, the final-answer checker on hand-written
+responses, the format reward, the prompt file and the command line."""
 
 import json
 import random
+import re
 
 import pytest
 
@@ -18,6 +20,52 @@ SHARED = (
     "cards. He shares all his cards equally among 5 friends. How many cards does each friend get?\n" + wp.INSTRUCTION
 )  # (7 + 2 x 4) x 2 / 5 = 6
 
+# Stories written out here, not by the generator, with their answers worked by hand: every sentence kind the checker
+# reads (test_hand_written_stories_hold_every_sentence_kind), each where reading it with the wrong operation (adding
+# for taking away, doubling in the wrong place, a product for a sum) changes the answer.
+HAND_WRITTEN = [
+    ("Mia has 4 bags with 6 stickers in each bag. She gives away 5 stickers. How many stickers does Mia have now?", 19),
+    # 4 x 6 = 24; 24 - 5 = 19
+    (
+        "There are 7 cards on Ken's desk. He buys 2 packs with 4 cards in each pack. Then he doubles the number of his "
+        "cards. He shares all his cards equally among 5 friends. How many cards does each friend get?",
+        6,
+    ),
+    # 7; 7 + 2 x 4 = 15; 15 x 2 = 30; 30 / 5 = 6
+    ("Tom has 12 marbles. He loses 5 of his marbles. A friend gives him 3 marbles. How many marbles does Tom have now?", 10),
+    # 12; 12 - 5 = 7; 7 + 3 = 10
+    (
+        "Lena has 9 pencils. She buys 6 more pencils. She uses 4 pencils. Then she doubles the number of her pencils. "
+        "How many pencils does Lena have now?",
+        22,
+    ),
+    # 9; 9 + 6 = 15; 15 - 4 = 11; 11 x 2 = 22
+    (
+        "Omar has 3 jars with 5 shells in each jar. He finds 7 more shells. He uses 2 shells. He shares all his shells "
+        "equally among 4 friends. How many shells does each friend get?",
+        5,
+    ),
+    # 3 x 5 = 15; 15 + 7 = 22; 22 - 2 = 20; 20 / 4 = 5
+    (
+        "There are 20 cookies on Sara's desk. She gives away 8 cookies. She loses 3 of her cookies. She buys 2 packs "
+        "with 6 cookies in each pack. How many cookies does Sara have now?",
+        21,
+    ),
+    # 20; 20 - 8 = 12; 12 - 3 = 9; 9 + 2 x 6 = 21
+    ("Ravi has 10 stamps. A friend gives him 4 stamps. He gives away 6 stamps. How many stamps does Ravi have now?", 8),
+    # 10; 10 + 4 = 14; 14 - 6 = 8 (a friend's gift adds, giving away takes away)
+    (
+        "Julia has 2 baskets with 8 apples in each basket. Then she doubles the number of her apples. She buys 3 more "
+        "apples. She loses 9 of her apples. How many apples does Julia have now?",
+        26,
+    ),
+    # 2 x 8 = 16; 16 x 2 = 32; 32 + 3 = 35; 35 - 9 = 26
+]
+
+
+def _sentences(story: str) -> list[str]:
+    return [s.strip() for s in re.findall(r"[^.?]+[.?]", story)]
+
 
 def test_hand_written_problems_read_back():
     assert wp.answer_of(CHATML.format(STICKERS)) == 19
@@ -26,13 +74,66 @@ def test_hand_written_problems_read_back():
     assert wp.answer_of(f"<s>[INST] {STICKERS} [/INST]") == 19  # a template's text on the story's line
 
 
+@pytest.mark.parametrize("story,answer", HAND_WRITTEN, ids=[f"story{i}" for i in range(len(HAND_WRITTEN))])
+def test_hand_written_stories_of_every_sentence_kind_read_back_to_their_worked_answers(story, answer):
+    prompt = CHATML.format(f"{story}\n{wp.INSTRUCTION}")
+    assert wp.answer_of(prompt) == answer
+    assert wp.answer_of(f"{story}\n{wp.INSTRUCTION}") == answer  # without a chat template
+    assert wp.score(prompt, f"Answer: {answer}", True) == 1.0
+    assert wp.score(prompt, f"Answer: {answer + 1}", True) == 0.0
+
+
+def test_hand_written_stories_hold_every_sentence_kind():
+    """Each sentence form the checker reads (a new one must get a hand-written story above) is in some story."""
+    sentences = [s for story, _ in HAND_WRITTEN for s in _sentences(story)]
+    for template in (*wp.TEMPLATES, *wp.QUESTIONS):
+        assert any(template.pattern.match(s) for s in sentences), f"no hand-written sentence of the form {template.text!r}"
+    for kind in ("gives away", "loses", "buys", "A friend gives", "uses", "finds", "doubles", "shares", "packs"):
+        assert any(kind in s for s in sentences), kind
+
+
+def _worked(story: str) -> int:
+    """The answer of a generated story, read here by its words (not the module's templates or their operations)."""
+    count = 0
+    for sentence in _sentences(story):
+        numbers = [int(x) for x in re.findall(r"\d+", sentence)]
+        if sentence.startswith("How many"):
+            assert not numbers, sentence
+        elif " packs with " in sentence:  # k packs of n more
+            k, n = numbers
+            count += k * n
+        elif " in each " in sentence:  # a start of k containers of n
+            k, n = numbers
+            count = k * n
+        elif " has " in sentence or sentence.startswith("There are "):  # a start of n
+            (count,) = numbers
+        elif "doubles" in sentence:
+            assert not numbers, sentence
+            count *= 2
+        elif "shares" in sentence:  # among k friends, exactly
+            (k,) = numbers
+            assert count % k == 0, sentence
+            count //= k
+        elif "gives away" in sentence or " loses " in sentence or " uses " in sentence:
+            (n,) = numbers
+            count -= n
+        elif " more " in sentence or sentence.startswith("A friend gives"):
+            (n,) = numbers
+            count += n
+        else:
+            raise AssertionError(f"a sentence this reader does not know: {sentence!r}")
+        assert count >= 1, (story, sentence)  # every intermediate count stays a positive integer
+    return count
+
+
 @pytest.mark.parametrize("difficulty", wp.DIFFICULTIES)
 def test_generated_problems_read_back_with_their_answers(difficulty):
     rng = random.Random(difficulty)
     for _ in range(300):
         question, answer = wp.sample_problem(rng, difficulty)
-        assert wp.answer_of(CHATML.format(question)) == answer >= 1
         story = question.splitlines()[0]
+        assert question.splitlines()[1:] == [wp.INSTRUCTION]
+        assert wp.answer_of(CHATML.format(question)) == answer == _worked(story)
         sentences = story.count(".") + story.count("?")
         # a plain start, one sentence per operation and the question; a product start is itself an operation
         assert sentences == difficulty + (1 if " in each " in story.split(".")[0] else 2)
@@ -44,6 +145,9 @@ def test_problems_vary():
     assert len(set(questions)) > 190
     assert all(any(name in q for q in questions) for name, *_ in wp.NAMES)
     assert all(any(t in q for q in questions) for t in wp.THINGS)
+    sentences = [s for q in questions for s in _sentences(q.splitlines()[0])]
+    for template in (*wp.TEMPLATES, *wp.QUESTIONS):  # the generator writes every sentence form
+        assert any(template.pattern.match(s) for s in sentences), template.text
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,9 @@ KL_COEF = 0.04
 LR = 1e-6
 DTYPES = ("float32", "bfloat16")
 TRAINERS = ("trl", "fusedrl")
-PHASES = ("generation", "scoring", "recompute", "training")
-"""fusedrl's phases reported per run (the means of its ``time_<phase>`` metrics over the timed steps)."""
+PHASES = ("generation", "scoring", "recompute", "training", "compile")
+"""fusedrl's phases reported per run (the means of its ``time_<phase>`` metrics over the timed steps; ``compile``: the
+torch.compile time inside the others, so a recompile in the steady state shows apart)."""
 FRACTIONS = ("train_mfu", "score_mfu")
 """fusedrl's shares of the machine's matmul peak reported per run (means over the timed steps, where it logs them)."""
 INSTALL = 'TRL is not installed: pip install -e ".[peers]"'

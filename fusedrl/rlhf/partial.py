@@ -100,7 +100,8 @@ class PartialRollouts:
             mine = [p for k, p in enumerate(prompts) if self._start(p, step, k % self.instances)]
             self._add({"rollout_long_rounds": 1})
             return RolloutPlan(self._requests(mine, step), [], None)
-        for gid in [g for g, group in self.groups.items() if step - group.started > self.max_staleness]:
+        stale = [g for g, group in self.groups.items() if step - group.started > self.max_staleness]
+        for gid in reversed(stale):  # each goes to the queue's front: the oldest ends first, as the groups started
             self._discard(gid)
         for rid, generated in self.carried_lengths.items():
             if self.stretches[rid][-1][1] != step:  # a second round of the same iteration samples with the same weights
