@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from fusedrl.bench import NO_OUTPUT_OVERRIDES
 from fusedrl.config import ConfigError, load_config
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.engine import Quantize
+from fusedrl.generation.quantized import Quantize
 from fusedrl.models import build_model, cast_parameters, from_pretrained, init_rope_buffers
 from fusedrl.rlhf import logprob_gap
 from fusedrl.rlhf.losses import token_logprobs

@@ -3,7 +3,6 @@ torchtune decoder. The model's forward over the cache is :mod:`.slot_forward`, i
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import time
@@ -14,7 +13,6 @@ from typing import Literal, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtune.modules import TransformerDecoder
@@ -24,7 +22,8 @@ from fusedrl.buckets import doubling, round_up
 from fusedrl.config import ConfigError, GenerationSection, Startup
 from fusedrl.config.loader import source_of
 from fusedrl.distributed import compat
-from fusedrl.generation import cpu_kernels, freshness
+from fusedrl.generation import cpu_kernels, freshness, quantized
+from fusedrl.generation.quantized import QUANTIZE_MODES, Quantize
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.slot_forward import SlotForward, SlotState, layer_region, sample_rows
 from fusedrl.generation.speculation import Speculator, VerifyRow
@@ -32,24 +31,11 @@ from fusedrl.generation.state import RequestState
 from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
 
 _T = TypeVar("_T")
-Quantize = Literal["int8_weight_only"]
 Speculative = Literal["off", "history"]
 SPECULATIVE_MODES: tuple[str, ...] = get_args(Speculative)
 CompileScope = Literal["step", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = get_args(CompileScope)
-QUANTIZE_MODES: tuple[str, ...] = ("int8_weight_only",)
 BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
-
-
-def _copy_tensor_data(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src``'s data into ``dst`` in place, through the inner tensors of tensor subclasses of the same layout
-    (torchao's quantized weights: their ``__tensor_flatten__`` names)."""
-    flatten = getattr(dst, "__tensor_flatten__", None)
-    if flatten is None:
-        dst.copy_(src)
-        return
-    for name in flatten()[0]:
-        _copy_tensor_data(getattr(dst, name), getattr(src, name))
 
 
 def _tensor_parallel(model: TransformerDecoder) -> bool:
@@ -257,13 +243,8 @@ class GenerationEngine:
 
     # ---------------------------------------------------------------- model / weights
     def _build(self) -> None:
-        model = self.source_model
-        if self.quantize == "int8_weight_only":
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-            model = copy.deepcopy(model).eval()
-            quantize_(model, Int8WeightOnlyConfig())
-        self.model = model
+        self.model = self.source_model if self.quantize is None else quantized.quantized_copy(self.source_model)
+        model = self.model
         # decoding runs in eval mode (no dropout); a shared model gets its own modes back after each step
         self._modules = list(model.modules())
         freshness.watch(self.source_model)
@@ -312,27 +293,11 @@ class GenerationEngine:
             raise RuntimeError("weights changed with requests in flight; finish or export them first")
         cpu_kernels.forget(self.model)
         if self.quantize is not None:
-            self._requantize()
+            quantized.requantize(self.source_model, self.model)
         self._source_stamp = self._stamp_of_source()
 
     def _stamp_of_source(self) -> freshness.Stamp:
         return freshness.weights_stamp(self.source_model.parameters())
-
-    @torch.no_grad()
-    def _requantize(self) -> None:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-        copies = dict(self.model.named_parameters())
-        linears = {f"{name}.weight": m for name, m in self.source_model.named_modules() if type(m) is nn.Linear}
-        for name, p in self.source_model.named_parameters():
-            target = copies[name]
-            if name not in linears:
-                target.copy_(p)
-                continue
-            fresh = nn.Linear(p.shape[1], p.shape[0], bias=False, device=p.device, dtype=p.dtype)
-            fresh.weight.copy_(p)
-            quantize_(fresh, Int8WeightOnlyConfig())
-            _copy_tensor_data(target, fresh.weight)
 
     # ---------------------------------------------------------------- requests in
     def add_request(self, request: Request) -> None:
