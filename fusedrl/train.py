@@ -9,14 +9,42 @@ from __future__ import annotations
 import os
 import sys
 import time
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
 
-# Read once, when torch loads GNU OpenMP: so before the first torch import. With the default policy, once gloo has run
-# a large collective (it copies tensors on threads of its own), the main thread's OpenMP workers are woken for each
-# parallel region (as we read it: more OpenMP threads than cores stop their spinning), which costs more than a small
-# kernel: on 2 threads a bf16
-# [16, 576] x [576, 1536] linear took 47 us before the trainer's first large gloo collective and 92 us after, and
-# the whole decode ran 1.9x slower (docs/ppo.md, "Threads"). "active" keeps them ready; an idle process still sleeps.
-os.environ.setdefault("OMP_WAIT_POLICY", "active")
+
+def runs_on_cpu(argv: list[str], environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this command's ranks compute on the CPU, told before torch loads: ``training.device`` from the command
+    line, else from the config file, and for "auto" whether an NVIDIA GPU is visible (the driver lists one and
+    CUDA_VISIBLE_DEVICES does not hide them). :func:`fusedrl.distributed.select_device` decides the device itself once
+    torch is up; this only chooses settings that must precede torch's import."""
+    given: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in ("--training.device", "--job.config_file"):
+            given[key] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    device = given.get("--training.device")
+    if device is None and "--job.config_file" in given:
+        try:
+            device = tomllib.loads(Path(given["--job.config_file"]).read_text()).get("training", {}).get("device")
+        except (OSError, tomllib.TOMLDecodeError):
+            pass  # load_config names the problem
+    if device in ("cpu", "cuda"):
+        return device == "cpu"
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not (gpus.is_dir() and any(gpus.iterdir()))
+
+
+# Read once, when torch loads GNU OpenMP: so before the first torch import, and on CPU ranks only (a GPU rank's host
+# threads should sleep, not spin beside inductor's compile workers). With the default policy, once gloo has run a large
+# collective (it copies tensors on threads of its own), the main thread's OpenMP workers are woken for each parallel
+# region (as we read it: more OpenMP threads than cores stop their spinning), which costs more than a small kernel: on
+# 2 threads a bf16 [16, 576] x [576, 1536] linear took 47 us before the trainer's first large gloo collective and 92 us
+# after, and the whole decode ran 1.9x slower (docs/ppo.md, "Threads"). "active" keeps them ready; an idle process
+# still sleeps.
+if runs_on_cpu(sys.argv[1:]):
+    os.environ.setdefault("OMP_WAIT_POLICY", "active")
 
 import torch.distributed as dist  # noqa: E402
 

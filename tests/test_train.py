@@ -436,13 +436,40 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
         prepare([*base, f"--model.reference_path={qwen}"])
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "active"), ("passive", "passive")])
-def test_the_training_command_keeps_openmp_threads_awake_unless_told_otherwise(given, expected):
-    """``fusedrl.train`` sets OMP_WAIT_POLICY before torch loads OpenMP (docs/ppo.md, "Threads"), and leaves a value the
-    environment gives alone."""
+@pytest.mark.parametrize(
+    ("given", "args", "expected"),
+    [
+        (None, ["--job.config_file", "train_configs/debug_ppo.toml"], "active"),  # device = "cpu" in the file
+        ("passive", ["--job.config_file", "train_configs/debug_ppo.toml"], "passive"),
+        (None, ["--job.config_file", "train_configs/debug_ppo.toml", "--training.device=cuda"], "unset"),
+        (None, ["--job.config_file", "train_configs/llama3_1_8b_ppo.toml"], "unset"),  # device = "cuda" in the file
+    ],
+)
+def test_the_training_command_keeps_openmp_threads_awake_on_cpu_ranks_unless_told_otherwise(given, args, expected):
+    """``fusedrl.train`` sets OMP_WAIT_POLICY before torch loads OpenMP (docs/ppo.md, "Threads") where its ranks compute
+    on the CPU, leaves a GPU job's host threads to OpenMP's default, and leaves a value the environment gives alone."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
-    code = "import os, sys, fusedrl.train; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        f"import os, sys; sys.argv = ['fusedrl.train', *{args!r}]; import fusedrl.train; "
+        "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[-2:] == ["True", expected]
+
+
+def test_runs_on_cpu_reads_the_device_from_the_command_line_then_the_file_then_the_machine(tmp_path):
+    from fusedrl.train import runs_on_cpu
+
+    gpu_file, auto_file = tmp_path / "gpu.toml", tmp_path / "auto.toml"
+    gpu_file.write_text('[training]\ndevice = "cuda"\n')
+    auto_file.write_text("[training]\nsteps = 2\n")
+    no_gpus = {"CUDA_VISIBLE_DEVICES": ""}
+    assert not runs_on_cpu(["--job.config_file", str(gpu_file)], no_gpus)
+    assert runs_on_cpu(["--job.config_file", str(gpu_file), "--training.device", "cpu"], no_gpus)  # the command line wins
+    assert not runs_on_cpu([f"--job.config_file={auto_file}", "--training.device=cuda"], {})
+    assert runs_on_cpu(["--job.config_file", str(auto_file)], no_gpus)  # "auto" with the GPUs hidden
+    assert runs_on_cpu(["--job.config_file", str(tmp_path / "missing.toml")], no_gpus)  # load_config reports it later
+    if not Path("/proc/driver/nvidia/gpus").is_dir():  # this machine has no NVIDIA driver: "auto" is the CPU
+        assert runs_on_cpu([], {})

@@ -205,11 +205,12 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
-        # before the models: every allocation after this reuses freed memory
-        self.host_memory_reused = cfg.training.reuse_host_memory and reuse_host_memory()
+        self.device = select_device(cfg.training.device)
+        # before the models: every allocation after this reuses freed memory (CPU tensors; a GPU rank's host memory is
+        # left to the allocator's defaults)
+        self.host_memory_reused = cfg.training.reuse_host_memory and self.device.type == "cpu" and reuse_host_memory()
         self.task = load_task(cfg.job.task)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = select_device(cfg.training.device)
         self.out = Path(cfg.job.output_dir)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path)
         self.stop_ids = tuple(self.tokenizer.stop_token_ids)
