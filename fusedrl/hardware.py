@@ -36,6 +36,22 @@ class Accelerator:
 H100_SXM = Accelerator("H100 SXM", 3.35e12, 989e12, 80e9, 25e9)
 H200_SXM = Accelerator("H200 SXM", 4.8e12, 989e12, 141e9, 25e9)
 A100_SXM_80GB = Accelerator("A100 SXM 80GB", 2.039e12, 312e12, 80e9, 12.5e9)
+H100_PCIE = Accelerator("H100 PCIe", 2.0e12, 756e12, 80e9, 25e9)
+H100_NVL = Accelerator("H100 NVL", 3.9e12, 835e12, 94e9, 25e9)
+
+
+def accelerator_named(device_name: str) -> Accelerator | None:
+    """The data sheet of a GPU from its CUDA device name (``torch.cuda.get_device_name()``: "NVIDIA H100 80GB HBM3" is
+    the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"); None for others."""
+    name = device_name.upper()
+    if "H200" in name:
+        return H200_SXM
+    if "H100" in name:
+        return H100_PCIE if "PCIE" in name else H100_NVL if "NVL" in name else H100_SXM
+    if "A100" in name and "SXM" in name and "80GB" in name:
+        return A100_SXM_80GB
+    return None
+
 
 MFU = 0.4  # share of peak FLOP/s that compute-bound work (prefill, scoring, training) reaches
 DECODE_BW_UTIL = 0.6  # share of HBM bandwidth that memory-bound work (decode steps, the optimizer step) reaches

@@ -9,7 +9,8 @@ limits sum to 8 minutes, within one command of a lent GPU machine:
    bf16, compiled decode with CUDA graphs) with the architecture and tokenizer of ``--real-model`` (default
    ``models/SmolLM2-135M-Instruct``, from ``scripts/smollm2_from_gguf.py``) at full size: its weights when the folder
    has them, else random weights drawn here from its config.json (only the config and tokenizer files need to travel
-   to a GPU machine; the dry run shrinks it to 2 layers of width 64); skipped, with the reason, without that folder;
+   to a GPU machine; the dry run shrinks it to 2 layers of width 64); without that folder the step is skipped with
+   the reason and counts as failed;
 3. ``generation_bench`` (2.5 min): ``python -m fusedrl.bench.generation`` on a ~1B bf16 flavor, decode tokens/s at
    batch 1 and 32 next to torchtune's ``generate``, and each as a fraction of the memory-bandwidth roofline.
 
@@ -215,7 +216,7 @@ def _recipe_step(py: str, env: dict[str, str], limit: float, args: argparse.Name
     if not (args.real_model / "config.json").is_file():
         skipped = f"no {args.real_model / 'config.json'}: build it with scripts/smollm2_from_gguf.py"
         print(f"gpu_check: smollm2_recipe: skipped ({skipped})", flush=True)
-        return {"exit": 0, "skipped": skipped}
+        return {"exit": 1, "skipped": skipped}  # a check without the recipe's figures does not read ok
     start = time.perf_counter()
     real = out / "smollm2"
     prepare = [py, __file__, "--prepare-real-model", str(args.real_model), str(real), *(["--dry-run"] if args.dry_run else [])]
@@ -267,9 +268,9 @@ def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) 
         # no bucketed compile run: its graphs of a 1B model would not fit the step's limit
         bench += ["--batch-sizes", "1,32", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "1", "--graphs-slots", "0"]
     result = _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], limit, env)
-    figures = _last_json(result["output"]) or {}
+    figures = _last_json(result["output"]) or {}  # the bench prints its figures so far after each batch size
     keys = ("speedup_vs_torchtune", "modes", "roofline_fraction", "compile_overhead_s", "compiled_graphs")
-    entry = {"exit": result["exit"], **{k: figures.get(k) for k in keys}}
+    entry = {"exit": result["exit"], "partial": figures.get("partial", not figures), **{k: figures.get(k) for k in keys}}
     return entry | {"output_tail": result["output"][-3000:]}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedrl.bench import peak as peak_bench
-from fusedrl.hardware import Peak, measure_peak
+from fusedrl.hardware import Peak, accelerator_named, measure_peak
 
 HAND = Peak("cpu", 2, {"float32": 4e11, "bfloat16": 2e12}, 3e10)
 
@@ -82,3 +82,19 @@ def test_reuse_host_memory_ends_the_page_faults_of_fresh_tensors():
     _, system = last_round("system")
     # transparent huge pages (THP "always") fault a 64 MiB tensor in 32 pages of 2 MiB instead of 16384
     assert took == "True" and system >= 8 * 32 and reused * 10 < system, (took, reused, system)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "sheet"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200 SXM"),
+        ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB"),
+        ("NVIDIA A10G", None),
+    ],
+)
+def test_a_gpu_is_read_as_its_own_data_sheet(device_name, sheet):
+    found = accelerator_named(device_name)
+    assert (found.name if found else None) == sheet

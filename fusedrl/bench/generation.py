@@ -25,8 +25,9 @@ a training job's engine compiles.
 
 Each figure is also given as a fraction of the memory-bandwidth roofline of decoding: a decode step must read every
 weight and the batch's KV cache once, so ``roofline tok/s = batch / ((weight bytes + batch x mean context x KV
-bytes per token) / --hbm-bytes-per-s)`` (default on a GPU 4.8e12 B/s, an H200's HBM3e; on the CPU this machine's
-read bandwidth at ``--threads``, measured once by ``fusedrl.hardware.cached_peak``).
+bytes per token) / --hbm-bytes-per-s)`` (default on a GPU the data sheet's HBM bandwidth of the device found, e.g.
+3.35e12 B/s on an H100 SXM, 4.8e12 on an H200, else its measured read bandwidth; on the CPU this machine's read
+bandwidth at ``--threads``; measured once by ``fusedrl.hardware.cached_peak``).
 
 ``--compile-scope`` (``layer`` by default) is the compiled engine's ``compile_scope``.
 
@@ -53,7 +54,7 @@ from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.generation.engine import CompileScope
-from fusedrl.hardware import H200_SXM, cached_peak
+from fusedrl.hardware import accelerator_named, cached_peak
 from fusedrl.models import ModelFlavor, build_model, from_pretrained, resolve_flavor
 from fusedrl.models.figures import kv_bytes_per_token
 
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--hbm-bytes-per-s",
         type=float,
         default=None,
-        help="memory bandwidth of the roofline (default: an H200's HBM on a GPU, the measured read bandwidth on the CPU)",
+        help="memory bandwidth of the roofline (default: the GPU's data sheet, else its measured read bandwidth; the CPU's measured one)",
     )
     args = p.parse_args(argv)
     if args.device == "cpu":
@@ -278,7 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.hbm_bytes_per_s is not None:
         bandwidth = args.hbm_bytes_per_s
     elif args.device == "cuda":
-        bandwidth = H200_SXM.hbm_bytes_per_s
+        sheet = accelerator_named(torch.cuda.get_device_name())
+        bandwidth = sheet.hbm_bytes_per_s if sheet else cached_peak("cuda").memory_read_bytes_per_s
+        print(f"roofline bandwidth: {bandwidth / 1e12:.2f} TB/s ({sheet.name if sheet else 'measured'})", flush=True)
     else:
         bandwidth = cached_peak("cpu", args.threads).memory_read_bytes_per_s
     dtype = getattr(torch, args.dtype)
@@ -322,6 +325,22 @@ def main(argv: list[str] | None = None) -> dict:
     speedup: dict[str, float] = {}
     roofline: dict[str, dict[str, float]] = {}
     differing_rows: dict[str, int] = {}
+    out = {  # filled as each batch size ends: with --json a partial copy is printed then (a killed run keeps them)
+        f"speedup_vs_{baseline}": speedup,
+        "modes": modes,
+        "greedy_rows_differing": differing_rows,
+        "compile_overhead_s": compile_s,
+        "compiled_graphs": graphs,
+        "bucketed_compile": {},
+        "prefill_sharing": {},
+        "roofline_fraction": roofline,
+        "model": label,
+        "device": args.device,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+    }
     for b in batch_sizes:
         prompts = _prompts(b, args.prompt_len, vocab, seed=b, device=args.device)
         tokens = b * args.new_tokens
@@ -370,7 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
         roof = roofline_tokens_per_s(model, flavor, b, args.prompt_len, args.new_tokens, bandwidth)
         roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
         line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
-        print(line)
+        print(line, flush=True)
+        if args.json:
+            print(json.dumps(out | {"partial": True}), flush=True)
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
         print(
@@ -396,22 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{bucketed['graphs']} graphs, {bucketed['compile_s']:.1f} s in the calls that compiled them "
             f"({bucketed['wall_s']:.1f} s wall)"
         )
-    out = {
-        f"speedup_vs_{baseline}": speedup,
-        "modes": modes,
-        "greedy_rows_differing": differing_rows,
-        "compile_overhead_s": compile_s,
-        "compiled_graphs": graphs,
-        "bucketed_compile": bucketed,
-        "prefill_sharing": sharing,
-        "roofline_fraction": roofline,
-        "model": label,
-        "device": args.device,
-        "dtype": args.dtype,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "threads": args.threads,
-    }
+    out |= {"bucketed_compile": bucketed, "prefill_sharing": sharing}
     if args.json:
         print(json.dumps(out))
     return out
