@@ -42,8 +42,10 @@ H100_NVL = Accelerator("H100 NVL", 3.9e12, 835e12, 94e9, 25e9)
 
 def accelerator_named(device_name: str) -> Accelerator | None:
     """The data sheet of a GPU from its CUDA device name (``torch.cuda.get_device_name()``: "NVIDIA H100 80GB HBM3" is
-    the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"); None for others."""
+    the SXM part, "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"); None for others (a GH200 among them)."""
     name = device_name.upper()
+    if "GH200" in name:  # Grace Hopper: another HBM size and bandwidth per part; measure it
+        return None
     if "H200" in name:
         return H200_SXM
     if "H100" in name:

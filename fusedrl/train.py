@@ -27,9 +27,11 @@ def runs_on_cpu(argv: list[str], environ: Mapping[str, str] = os.environ) -> boo
     device = given.get("--training.device")
     if device is None and "--job.config_file" in given:
         try:
-            device = tomllib.loads(Path(given["--job.config_file"]).read_text()).get("training", {}).get("device")
-        except (OSError, tomllib.TOMLDecodeError):
-            pass  # load_config names the problem
+            with open(given["--job.config_file"], "rb") as f:
+                training = tomllib.load(f).get("training")
+            device = training.get("device") if isinstance(training, dict) else None
+        except (OSError, ValueError):  # unreadable, not UTF-8, not TOML: load_config names the problem
+            pass
     if device in ("cpu", "cuda"):
         return device == "cpu"
     gpus = Path("/proc/driver/nvidia/gpus")

@@ -94,12 +94,13 @@ def _pytest_counts(output: str) -> dict[str, int]:
 
 
 def _last_json(output: str) -> dict | None:
+    """The last whole JSON object line of ``output`` (a line cut off by a kill is passed over)."""
     for line in reversed(output.strip().splitlines()):
         if line.startswith("{"):
             try:
                 return json.loads(line)
             except json.JSONDecodeError:
-                return None
+                continue
     return None
 
 

@@ -15,7 +15,6 @@ import torch
 from fusedrl.config import ConfigError, load_config, run_checks
 from fusedrl.distributed import CompiledLayer, apply_compile, split_decoder
 from fusedrl.distributed.compat import compile_seconds, compiled_graph_count
-from fusedrl.distributed.compile import MAX_GRAPHS
 from fusedrl.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,10 +73,9 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_graphs():
     assert graphs[1:] == [graphs[1]] * (len(packings) - 1), graphs
     assert seconds[1:] == [seconds[1]] * (len(packings) - 1), seconds
     # one layer forward shared by all layers: the first layer compiled every graph, the second reused them (graphs
-    # do not grow with the layer count), and under the recompile limit apply_compile set (past it: eager)
+    # do not grow with the layer count)
     first, *others = compiled.layers
     assert layer_graphs == {first: graphs[-1], **dict.fromkeys(others, 0)}, layer_graphs
-    assert graphs[-1] <= MAX_GRAPHS
 
 
 def _compiled_update_equals_eager(checkpointing: str) -> bool:

@@ -93,6 +93,7 @@ def test_reuse_host_memory_ends_the_page_faults_of_fresh_tensors():
         ("NVIDIA H200", "H200 SXM"),
         ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB"),
         ("NVIDIA A10G", None),
+        ("NVIDIA GH200 480GB", None),
     ],
 )
 def test_a_gpu_is_read_as_its_own_data_sheet(device_name, sheet):

@@ -78,8 +78,39 @@ def test_a_migrated_request_continues_identically_under_speculation(model):
     assert result.tokens == expected[0]
 
 
+def _episode(engines: list[GenerationEngine], observation: list[int]) -> tuple[list[int], list[float]]:
+    """A two-turn request on ``engines[0]``, exported while it waits for its observation and imported into the next
+    engine (if any), continued there and ended."""
+    turn = SamplingParams(temperature=0.3, max_new_tokens=8)
+    engine = engines[0]
+    engine.add_request(Request(3, PROMPTS[0], turn, seed=7, multi_turn=True))
+    while not engine.step():
+        pass
+    for other in engines[1:]:
+        (state,) = unpack_states(pack_states([engine.export_request(3)])[1:])
+        other.import_request(state)
+        engine = other
+    engine.continue_request(3, observation)
+    while not engine.step():
+        pass
+    result = engine.end_request(3)
+    return result.tokens, result.logprobs
+
+
+def test_a_request_migrated_between_turns_continues_identically_under_speculation(model):
+    # imported while it waits for its environment, the request is not in the receiving drafter yet: continuing it
+    # appends the observation to its tokens and the drafter starts from them when it takes a slot
+    plain = _episode([GenerationEngine(model, max_slots=1, max_len=64)], [40, 41, 42])
+    engines = [GenerationEngine(model, max_slots=1, max_len=64, speculative="history", speculative_rows=1) for _ in range(2)]
+    tokens, logprobs = _episode(engines, [40, 41, 42])
+    assert tokens == plain[0]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(plain[1]), atol=1e-4, rtol=0)
+    assert engines[1].num_unfinished == 0
+
+
 def test_bad_speculation_settings_are_refused(model):
     with pytest.raises(ValueError, match="unknown speculative mode 'model'"):
         GenerationEngine(model, max_slots=1, max_len=16, speculative="model")
-    with pytest.raises(ValueError, match="max_draft and speculative_rows must be >= 1"):
-        GenerationEngine(model, max_slots=1, max_len=16, speculative="history", max_draft=0)
+    for speculative in ("history", "off"):  # a bad value is refused even where it is not used yet
+        with pytest.raises(ValueError, match="max_draft and speculative_rows must be >= 1"):
+            GenerationEngine(model, max_slots=1, max_len=16, speculative=speculative, max_draft=0)

@@ -471,5 +471,10 @@ def test_runs_on_cpu_reads_the_device_from_the_command_line_then_the_file_then_t
     assert not runs_on_cpu([f"--job.config_file={auto_file}", "--training.device=cuda"], {})
     assert runs_on_cpu(["--job.config_file", str(auto_file)], no_gpus)  # "auto" with the GPUs hidden
     assert runs_on_cpu(["--job.config_file", str(tmp_path / "missing.toml")], no_gpus)  # load_config reports it later
+    bad_shape, not_utf8 = tmp_path / "shape.toml", tmp_path / "latin1.toml"
+    bad_shape.write_text('training = "cuda"\n')
+    not_utf8.write_bytes("[job]\nname = 'caf\xe9'\n".encode("latin-1"))
+    for bad in (bad_shape, not_utf8):  # no traceback before load_config can name the problem
+        assert runs_on_cpu(["--job.config_file", str(bad)], no_gpus)
     if not Path("/proc/driver/nvidia/gpus").is_dir():  # this machine has no NVIDIA driver: "auto" is the CPU
         assert runs_on_cpu([], {})

@@ -234,7 +234,11 @@ def roofline_tokens_per_s(
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the figures as one JSON object as the last line (and, as each batch size ends, those so far with "partial": true)',
+    )
     p.add_argument("--flavor", default="debug_large", help="random weights of this flavor (without --model)")
     p.add_argument("--model", default=None, help="an HF checkpoint folder: greedy decoding against transformers' generate")
     p.add_argument("--batch-sizes", default="1,8,32")

@@ -167,6 +167,8 @@ class GenerationEngine:
             raise ValueError(f"unknown compile backend {backend!r}; valid: {', '.join(BACKENDS)}")
         if speculative not in SPECULATIVE_MODES:
             raise ValueError(f"unknown speculative mode {speculative!r}; valid: {', '.join(SPECULATIVE_MODES)}")
+        if max_draft < 1 or speculative_rows < 1:
+            raise ValueError(f"max_draft and speculative_rows must be >= 1, got {max_draft} and {speculative_rows}")
         if compile and backend == "tensorrt":
             try:
                 import torch_tensorrt  # noqa: F401

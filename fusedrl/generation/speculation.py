@@ -47,8 +47,8 @@ class Speculator:
     positions)."""
 
     def __init__(self, *, max_draft: int, rows: int) -> None:
-        if max_draft < 1 or rows < 1:
-            raise ValueError(f"max_draft and speculative_rows must be >= 1, got {max_draft} and {rows}")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
         self.drafter = HistoryDrafter(max_draft=max_draft)
         self.rows = rows
         self.stats = SpecStats()
@@ -62,8 +62,10 @@ class Speculator:
             self._held.add(request_id)
 
     def extend(self, request_id: Hashable, tokens: Sequence[int]) -> None:
-        """``tokens`` were appended to the request's tokens (sampled, or an observation)."""
-        self.drafter.extend(request_id, tokens)
+        """``tokens`` were appended to the request's tokens (sampled, or an observation). A request not held (imported
+        while it waited between turns) is left alone: :meth:`start` rebuilds it from its tokens when it takes a slot."""
+        if request_id in self._held:
+            self.drafter.extend(request_id, tokens)
 
     def finish(self, request_id: Hashable, keep: bool) -> None:
         """The request leaves its engine (``keep``: it ended there, its tokens join its prompt's history)."""
