@@ -161,9 +161,39 @@ def test_an_observation_past_the_episode_budget_ends_the_episode():
     assert episodes.take_figures()["limit_tokens"] == 1
 
 
+class BadObservation(Environment):
+    """Answers the first turn with the row's observation token ids."""
+
+    def __init__(self, row):
+        self.ids = tuple(row["ids"])
+
+    def step(self, text):
+        return EnvStep(observation=self.ids)
+
+
+@pytest.mark.parametrize("ids", [(), (7, 10**6)], ids=["empty", "past_the_vocabulary"])
+def test_an_observation_the_model_cannot_take_ends_its_episode_with_the_error_reward(ids):
+    from fusedrl.components import ByteTokenizer
+    from fusedrl.envs import EnvRunner
+    from fusedrl.generation import Request, SamplingParams
+    from fusedrl.rlhf import Episodes
+
+    engine, _ = _episodes_on_an_engine()
+    episodes = Episodes(engine, EnvRunner(BadObservation, workers=1, error_reward=-1.0), ByteTokenizer(), max_tokens=48)
+    tok = ByteTokenizer()
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(511,))
+    (request,) = episodes.begin([Request(0, tok.encode("repeat ab 3 times:"), params)], [{"ids": ids}])
+    engine.add_request(request)
+    (result,) = _drive(engine, episodes)  # the run goes on; the episode ends after its first turn
+    assert result.reward == -1.0 and result.observations == [] and len(result.tokens) == 4
+    figures = episodes.take_figures()
+    assert figures["runner"]["env_errors_invalid"] == 1 and engine.num_unfinished == 0
+
+
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="needs models/SmolLM2-135M-Instruct (README, 'What it does today')")
 def test_re_tokenizing_the_rendered_conversation_drifts_and_the_sampled_ids_are_trained():
-    # token drift: a model may sample " 1" then "2"; rendered to text and tokenized again that is " 12", one other id
+    # token drift: a model may sample " answ" then "er"; rendered to text and tokenized again that is " answer", one
+    # other id
     from fusedrl.components import load_tokenizer
     from fusedrl.generation import Request, RequestResult
     from fusedrl.rlhf import Scorer, ScoringModels, observation_ids
@@ -172,7 +202,7 @@ def test_re_tokenizing_the_rendered_conversation_drifts_and_the_sampled_ids_are_
     user = [{"role": "user", "content": "What is 5 + 7?"}]
     prompt = tok.encode(tok.render_chat(user), add_bos=False)
     stop = tok.stop_token_ids[0]
-    turn1 = tok.encode(" 1", add_bos=False) + tok.encode("2", add_bos=False) + [stop]
+    turn1 = tok.encode(" answ", add_bos=False) + tok.encode("er", add_bos=False) + [stop]
     obs = observation_ids(tok, "user", "Correct.", tok.stop_token_ids)
     turn2 = tok.encode("Done", add_bos=False) + [stop]
     sampled = turn1 + obs + turn2
@@ -185,7 +215,10 @@ def test_re_tokenizing_the_rendered_conversation_drifts_and_the_sampled_ids_are_
         {"role": "assistant", "content": tok.decode(turn2[:-1])},
     ]
     rendered = tok.encode(tok.render_chat(conversation), add_bos=False)
-    assert rendered[: len(prompt)] == prompt and rendered[len(prompt) :] != sampled  # the drift
+    assert rendered[: len(prompt)] == prompt
+    # the drift, in the first turn itself: its two sampled ids come back as one
+    assert rendered[len(prompt) : len(prompt) + len(turn1)] != turn1
+    assert tok.encode(tok.decode(turn1[:-1]), add_bos=False) == tok.encode(" answer", add_bos=False) != turn1[:-1]
     exp = Scorer(ScoringModels(None, None, None), env_rewards=True, pad_id=tok.pad_id).score([result])
     assert exp.tokens[0].tolist() == prompt + sampled  # fusedrl trains on what was sampled and appended
     assert exp.response_mask[0, len(prompt) + len(turn1) : len(prompt) + len(turn1) + len(obs)].sum() == 0

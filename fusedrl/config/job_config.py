@@ -457,8 +457,8 @@ class PPOSection:
     )
     overlong_buffer: int = _key(
         0,
-        "DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer loses "
-        "overlong_penalty x (its excess / overlong_buffer) from its score; 0 disables it.",
+        "DAPO's soft overlong punishment: a response longer than max_new_tokens (env.max_tokens of sampled tokens with an "
+        "environment) - overlong_buffer loses overlong_penalty x (its excess / overlong_buffer) from its score; 0 disables it.",
         at_least(0),
     )
     overlong_penalty: float = _key(1.0, "Largest soft overlong punishment (at max_new_tokens).", at_least(0.0))

@@ -356,10 +356,11 @@ def _check_algorithm(cfg: JobConfig) -> None:
             f"ppo.dynamic_sampling = true ({source_of(cfg, 'ppo.dynamic_sampling')}): drops groups of equal scores, "
             f"which only grpo and rloo compare ({est}); set --ppo.advantage_estimator=grpo or --ppo.dynamic_sampling=false"
         )
-    if ppo.overlong_buffer >= cfg.generation.max_new_tokens:
+    if ppo.overlong_buffer >= cfg.response_budget:
+        key = "env.max_tokens" if cfg.env.env else "generation.max_new_tokens"
         raise ConfigError(
             f"ppo.overlong_buffer = {ppo.overlong_buffer} ({source_of(cfg, 'ppo.overlong_buffer')}): must be below "
-            f"generation.max_new_tokens = {cfg.generation.max_new_tokens} (the punished span ends there); lower it"
+            f"{key} = {cfg.response_budget} (the punished span ends there); lower it"
         )
 
 

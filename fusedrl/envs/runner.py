@@ -228,6 +228,15 @@ class EnvRunner:
             self._close_locked(episode)
             return episode.stats()
 
+    def record_error(self, sample_id: int, kind: str, message: str) -> None:
+        """Count an error its caller found in a step's result (``kind`` one of ``ERROR_KINDS``; e.g. an observation
+        the model cannot take): the episode gets ``error_reward`` as a failed step gives it; the caller ends it."""
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"record_error kind {kind!r}: one of {', '.join(ERROR_KINDS)}")
+        with self._cond:
+            episode = self._episode(sample_id)
+            episode.reward += self._error_step(episode, kind, message).reward
+
     def episode_stats(self, sample_id: int) -> dict[str, float]:
         """The stats of an open episode, as ``close`` returns them."""
         with self._cond:

@@ -121,7 +121,7 @@ def worst_scoring_bytes(cfg: JobConfig, r: int, g: int) -> tuple[int, int, tuple
         width = longest if rows == 1 else min(longest, gen.scoring_max_tokens // rows)
         if width < 2:
             break
-        body, head = micro_batch_scoring_bytes(reference, others, rows, width, r, g, gen.max_new_tokens)
+        body, head = micro_batch_scoring_bytes(reference, others, rows, width, r, g, cfg.response_budget)
         if max(body, head) > max(best[0], best[1]):
             best = (body, head, (rows, width))
     return best

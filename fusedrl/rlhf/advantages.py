@@ -180,8 +180,8 @@ def compute_advantages(cfg: JobConfig, exp: Experience) -> tuple[Experience, dic
         exp.scores = exp.scores - ppo.truncation_penalty * (~finished).to(exp.scores.dtype)
     if ppo.overlong_buffer > 0:
         lengths = mask.sum(1)
-        exp.scores = exp.scores - overlong_penalty(
-            lengths, cfg.generation.max_new_tokens, ppo.overlong_buffer, ppo.overlong_penalty
+        exp.scores = exp.scores - overlong_penalty(  # a response's sampled tokens (every turn of an episode)
+            lengths, cfg.response_budget, ppo.overlong_buffer, ppo.overlong_penalty
         ).to(exp.scores.dtype)
     ref = exp.ref_logprobs if exp.ref_logprobs is not None else exp.logprobs  # no Reference: no KL
     exp.token_rewards, kl = kl_shaped_rewards(exp.scores, exp.logprobs, ref, mask, ppo.kl_coef, ppo.kl_estimator)

@@ -43,8 +43,8 @@ def check_packing(startup: Startup) -> None:
     where = source_of(cfg, "ppo.microbatch_tokens")
     if tokens < cfg.sequence_budget:
         raise ConfigError(
-            f"ppo.microbatch_tokens = {tokens} ({where}) is smaller than the longest sequence, data.max_prompt_len + "
-            f"generation.max_new_tokens = {cfg.sequence_budget}; raise it to at least {cfg.sequence_budget}, or set 0 "
+            f"ppo.microbatch_tokens = {tokens} ({where}) is smaller than the longest sequence, "
+            f"{cfg.sequence_budget_terms} = {cfg.sequence_budget}; raise it to at least {cfg.sequence_budget}, or set 0 "
             "(no packing)"
         )
     need = (cfg.ppo.microbatch_size + 1) * cfg.sequence_budget

@@ -164,9 +164,25 @@ class Episodes:
             return self._finish(self.engine.end_request(sid))
         assert step.observation is not None  # the runner's check: an observation unless done
         last = live.last
-        stops = last.request.sampling.stop_token_ids
+        # the template's end of turn follows the sampled stop token; a turn cut at its length gets it from the template
+        ended = (last.tokens[-1],) if last.tokens and last.tokens[-1] in last.request.sampling.stop_token_ids else ()
         obs = step.observation
-        ids = observation_ids(self.tokenizer, self.role, obs, stops) if isinstance(obs, str) else list(obs)
+        try:
+            ids = observation_ids(self.tokenizer, self.role, obs, ended) if isinstance(obs, str) else list(obs)
+        except Exception as e:  # noqa: BLE001 - the chat template refused the role or the text: this episode ends
+            ids, problem = [], f"the chat template cannot render it as a {self.role!r} message ({type(e).__name__}: {e})"
+        else:
+            bad = next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)
+            problem = (
+                "it has no tokens"
+                if not ids
+                else f"token id {bad} is outside [0, {self.engine.vocab_size})"
+                if bad is not None
+                else ""
+            )
+        if problem:
+            self.runner.record_error(sid, "invalid", f"observation: {problem}")
+            return self._finish(self.engine.end_request(sid))
         room = min(self.max_tokens, self.engine.max_len - 1 - len(last.prompt)) - len(last.tokens)
         if len(ids) >= room:  # the observation and at least one more sampled token must fit
             self.stats.limit_tokens += 1
