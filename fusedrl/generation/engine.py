@@ -27,7 +27,7 @@ from fusedrl.generation.quantized import QUANTIZE_MODES, Quantize
 from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.slot_forward import SlotForward, SlotState, layer_region, sample_rows
 from fusedrl.generation.speculation import Speculator, VerifyRow
-from fusedrl.generation.state import RequestState
+from fusedrl.generation.state import RequestState, sampled_count
 from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
 
 _T = TypeVar("_T")
@@ -77,7 +77,7 @@ class _Slot:
 
     @property
     def sampled(self) -> int:
-        return len(self.generated) - sum(end - start for start, end in self.observations)
+        return sampled_count(self.generated, self.observations)
 
     def state(self, reason: FinishReason | None = None) -> RequestState:
         """This slot's request as a state without KV (``reason``: its turn ended)."""
@@ -456,9 +456,7 @@ class GenerationEngine:
         return bool(self._active or self._waiting or self._ready)
 
     def stats(self) -> EngineStats:
-        turn = [(s.request, len(s.generated) - s.turn_start) for s in self._active]
-        turn += [(s.request, len(s.generated) - s.turn_start) for s in self._waiting]
-        remaining = sum(r.sampling.new_token_budget - n for r, n in turn)
+        remaining = sum(p.budget - p.generated for p in self.progress())  # what the current turns may still sample
         return EngineStats(
             active=len(self._active),
             waiting=len(self._waiting),

@@ -23,6 +23,12 @@ from fusedrl.generation.request import FinishReason, Request, RequestId, Request
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
+def sampled_count(generated: Sequence[int], observations: Sequence[tuple[int, int]]) -> int:
+    """Tokens of ``generated`` a request sampled, those in the ``observations`` spans left out: the position of its
+    random stream."""
+    return len(generated) - sum(end - start for start, end in observations)
+
+
 @dataclass
 class RequestState:
     """Everything needed to continue a request on another engine with identical output, or to score it.
@@ -50,8 +56,8 @@ class RequestState:
 
     @property
     def sampled(self) -> int:
-        """Tokens of ``generated`` the request sampled (the position of its random stream)."""
-        return len(self.generated) - sum(end - start for start, end in self.observations)
+        """Tokens of ``generated`` the request sampled (:func:`sampled_count`)."""
+        return sampled_count(self.generated, self.observations)
 
     @property
     def id(self) -> RequestId:
