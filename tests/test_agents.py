@@ -161,6 +161,33 @@ def test_an_observation_past_the_episode_budget_ends_the_episode():
     assert episodes.take_figures()["limit_tokens"] == 1
 
 
+def test_an_episode_never_passes_its_token_budget_and_one_a_limit_cut_is_not_finished():
+    from fusedrl.components import ByteTokenizer
+    from fusedrl.envs import EnvRunner
+    from fusedrl.generation import Request, SamplingParams
+    from fusedrl.rlhf import Episodes
+
+    tok = ByteTokenizer()
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(511,))
+    prompt = tok.encode("repeat ab 3 times:")
+    engine, episodes = _episodes_on_an_engine()
+    episodes.max_tokens = 16  # 6 sampled + 7 of " again:" leave 3 for the second turn, not its 6
+    (request,) = episodes.begin([Request(0, prompt, params)], [{"prompt": "repeat ab 3 times:"}])
+    engine.add_request(request)
+    (result,) = _drive(engine, episodes)
+    assert result.observations == [(6, 13)] and len(result.tokens) == 16 and result.finish_reason == "max_len"
+    assert episodes.take_figures()["limit_tokens"] == 1
+
+    # the turn limit ends an episode its environment would go on with: its last turn stopped, the episode did not
+    engine, _ = _episodes_on_an_engine()
+    episodes = Episodes(engine, EnvRunner(TwoTurns, workers=1, max_turns=1), tok, max_tokens=48)
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(512)))
+    (request,) = episodes.begin([Request(0, prompt, stopping)], [{"prompt": "repeat ab 3 times:"}])
+    engine.add_request(request)
+    (result,) = _drive(engine, episodes)
+    assert len(result.tokens) == 1 and result.finish_reason == "length"
+
+
 class BadObservation(Environment):
     """Answers the first turn with the row's observation token ids."""
 
@@ -222,3 +249,32 @@ def test_re_tokenizing_the_rendered_conversation_drifts_and_the_sampled_ids_are_
     exp = Scorer(ScoringModels(None, None, None), env_rewards=True, pad_id=tok.pad_id).score([result])
     assert exp.tokens[0].tolist() == prompt + sampled  # fusedrl trains on what was sampled and appended
     assert exp.response_mask[0, len(prompt) + len(turn1) : len(prompt) + len(turn1) + len(obs)].sum() == 0
+
+
+def test_a_chat_template_that_refuses_the_observation_role_stops_the_job_at_startup(tmp_path):
+    import json
+    import shutil
+
+    from fusedrl.components import HFTokenizer
+    from fusedrl.config import InputError, load_config
+    from fusedrl.rlhf import build_episodes
+
+    engine, _ = _episodes_on_an_engine()
+    template = (
+        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+        "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}assistant: "
+    )
+    folder = shutil.copytree(ROOT / "assets" / "debug" / "tokenizer", tmp_path / "tokenizer")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    tok = HFTokenizer(folder)
+    env = [f"--env.env={__name__}:TwoTurns", "--env.max_tokens=48", "--generation.max_new_tokens=8"]
+    cfg = load_config([*TINY, *env, "--env.observation_role=tool"])
+    with pytest.raises(
+        InputError, match=r"env.observation_role = 'tool' .*roles must be user or assistant.*--env.observation_role=user"
+    ):
+        build_episodes(cfg, engine, tok)
+    episodes = build_episodes(load_config([*TINY, *env, "--env.observation_role=user"]), engine, tok)
+    assert episodes is not None
+    episodes.close()

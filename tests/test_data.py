@@ -120,6 +120,9 @@ def test_parquet_and_hf_disk(tmp_path):
     ds = load_prompts(tmp_path / "p.parquet", TOK, format="parquet")
     assert ds.prompts == ["one", "two"] and ds.source_rows == [1, 4]
     assert [(b.where, b.reason) for b in ds.report.bad] == [("row 2", "prompt field 'prompt' is null"), ("row 3", "empty prompt")]
+    assert ds.rows == [{"prompt": "one"}, {"prompt": "two"}]  # the other columns are not read without an environment
+    whole = load_prompts(tmp_path / "p.parquet", TOK, format="parquet", whole_rows=True)
+    assert whole.rows == [{"prompt": "one", "other": 1}, {"prompt": "two", "other": 4}]
     binary = pa.table({"prompt": pa.array([b"ok", b"\xff\xfe"], type=pa.binary())})
     pq.write_table(binary, tmp_path / "b.parquet")
     with pytest.raises(ValueError, match=r"row 1: .*binary.*row 2: invalid UTF-8"):
@@ -130,6 +133,9 @@ def test_parquet_and_hf_disk(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a", "b", " "]})}).save_to_disk(str(tmp_path / "hf"))
     ds = load_prompts(tmp_path / "hf", TOK, format="hf_disk")
     assert ds.prompts == ["a", "b"] and ds.report.bad[0].where == "row 3"
+    datasets.Dataset.from_dict({"prompt": ["a"], "answer": [7]}).save_to_disk(str(tmp_path / "hf2"))
+    assert load_prompts(tmp_path / "hf2", TOK, format="hf_disk").rows == [{"prompt": "a"}]
+    assert load_prompts(tmp_path / "hf2", TOK, format="hf_disk", whole_rows=True).rows == [{"prompt": "a", "answer": 7}]
     with pytest.raises(ValueError, match="splits"):
         load_prompts(tmp_path / "hf", TOK, format="hf_disk", split="test")
 

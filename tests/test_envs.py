@@ -28,8 +28,9 @@ from fusedrl.tasks.word_problems_tools import (
 
 
 class Scripted(Environment):
-    """Each step sleeps ``row["sleep"]`` s, then does ``row["mode"]``: "ok" (an EnvStep of ``reward``, done after
-    ``steps`` steps, ``info`` as given), "raise", "invalid" (returns a dict) or "nan" (a non-finite reward)."""
+    """Each step sleeps ``row["sleep"]`` s, then does ``row["mode"]`` (after ``row["ok_steps"]`` "ok" steps): "ok" (an
+    EnvStep of ``reward``, done after ``steps`` steps, ``info`` as given), "raise", "invalid" (returns a dict) or "nan"
+    (a non-finite reward)."""
 
     threads: list[int] = []
 
@@ -44,7 +45,7 @@ class Scripted(Environment):
         Scripted.threads.append(threading.get_ident())
         time.sleep(self.row.get("sleep", 0.0))
         self.steps += 1
-        mode = self.row.get("mode", "ok")
+        mode = self.row.get("mode", "ok") if self.steps > self.row.get("ok_steps", 0) else "ok"
         if mode == "raise":
             raise RuntimeError("boom\nsecond line")
         if mode == "invalid":
@@ -188,6 +189,23 @@ def test_a_failed_step_ends_its_episode_with_the_error_reward(mode, kind, detail
         with pytest.raises(ValueError, match="is over"):
             runner.submit(0, "again")
         assert runner.close(0)["reward"] == -1.0
+
+
+def test_an_error_replaces_the_rewards_of_the_steps_before_it():
+    with EnvRunner(Scripted, error_reward=-1.0) as runner:
+        runner.start(0, {"mode": "raise", "ok_steps": 2, "reward": 0.5})
+        runner.start(1, {"ok_steps": 2, "reward": 0.5})
+        for _ in range(2):
+            runner.submit(0, "turn")
+            runner.submit(1, "turn")
+            drain(runner, 2)
+        assert runner.episode_stats(0)["reward"] == 1.0
+        runner.submit(0, "turn")
+        [(_, step)] = drain(runner, 1)
+        assert step.done and step.reward == -1.0
+        assert runner.close(0)["reward"] == -1.0  # not 0.5 + 0.5 - 1.0
+        runner.record_error(1, "invalid", "observation: it has no tokens")
+        assert runner.close(1)["reward"] == -1.0
 
 
 def test_a_timed_out_step_ends_its_episode_and_its_late_result_is_dropped():

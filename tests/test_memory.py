@@ -266,3 +266,19 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, args, four_ranks):
         assert any(c.startswith(name) for c in categories), (name, categories)
     critic = {c for c in categories if "critic" in c}
     assert critic == set() if "--critic-free" in args else {"optimizer_critic", "gradients_critic"} <= critic, critic
+
+
+def test_multi_turn_requests_waiting_for_their_environment_hold_kv_in_the_generation_phase(debug):
+    """With an environment every request of an instance may wait between turns at once, its KV read off the slots:
+    the generation phase counts them (64 requests over 4 instances, 16 each, at the engine's full length)."""
+    f = FLAVORS["debug"]
+    env = _estimate("--env.env=fusedrl.tasks.word_problems_tools:word_problems_calc", "--env.max_tokens=96")
+    r = env.ranks[0]
+    per_request = r.persistent["kv_cache"] // 16  # max_slots = 16 in the debug config
+    assert (
+        r.transients["parked_kv"]
+        == 16 * per_request
+        == 16 * f.num_layers * 2 * 161 * f.num_kv_heads * (f.embed_dim // f.num_heads) * 4
+    )
+    assert r.phase_peak("generation") - debug.ranks[0].phase_peak("generation") == r.transients["parked_kv"]
+    assert debug.ranks[0].transients["parked_kv"] == 0

@@ -78,7 +78,8 @@ class DataReport:
 class PromptDataset:
     """Tokenised prompts; ``prompts[i]`` is the text that was tokenised (a chat as its template rendered it),
     ``source_rows[i]`` is where prompt ``i`` came from (1-based line / row), ``rows[i]`` that row's fields (what an
-    environment of multi-turn rollouts is built from; ``{prompt_key: value}`` for synthetic prompts)."""
+    environment of multi-turn rollouts is built from: every column with ``whole_rows``, else the prompt's alone
+    from Parquet and HF datasets; ``{prompt_key: value}`` for synthetic prompts)."""
 
     prompts: list[str]
     token_ids: list[list[int]]
@@ -130,16 +131,16 @@ def _table_rows(rows: Iterable[dict[str, Any]], prompt_key: str) -> Iterator[_Ro
         yield i, row[prompt_key], None, row
 
 
-def _parquet_rows(path: Path, prompt_key: str) -> Iterator[_Row]:
+def _parquet_rows(path: Path, prompt_key: str, whole_rows: bool) -> Iterator[_Row]:
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
     if prompt_key not in schema.names:
         raise InputError(f"Parquet file {path} has no column {prompt_key!r} (columns: {schema.names}); set data.prompt_key")
-    return _table_rows(pq.read_table(path).to_pylist(), prompt_key)
+    return _table_rows(pq.read_table(path, columns=None if whole_rows else [prompt_key]).to_pylist(), prompt_key)
 
 
-def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[_Row]:
+def _hf_disk_rows(path: Path, prompt_key: str, split: str, whole_rows: bool) -> Iterator[_Row]:
     import datasets
 
     ds = datasets.load_from_disk(str(path))
@@ -149,7 +150,7 @@ def _hf_disk_rows(path: Path, prompt_key: str, split: str) -> Iterator[_Row]:
         ds = ds[split]
     if prompt_key not in ds.column_names:
         raise InputError(f"HF dataset {path} has no column {prompt_key!r} (columns: {ds.column_names}); set data.prompt_key")
-    return _table_rows(iter(ds), prompt_key)
+    return _table_rows(iter(ds if whole_rows else ds.select_columns([prompt_key])), prompt_key)
 
 
 def load_prompts(
@@ -164,8 +165,9 @@ def load_prompts(
     vocab_size: int | None = None,
     split: str = "train",
     texts: Sequence[Prompt] | None = None,
+    whole_rows: bool = False,
 ) -> PromptDataset:
-    """Read, validate and tokenise prompts.
+    """Read, validate and tokenise prompts (``whole_rows``: keep every column of a row in ``rows``).
 
     A chat prompt (a list of ``{"role", "content"}`` messages) is rendered by ``tokenizer.render_chat``
     and encoded without an added BOS: the template writes the special tokens itself. ``chat_template=True``
@@ -203,9 +205,9 @@ def load_prompts(
         if format == "jsonl":
             rows = _jsonl_rows(path, prompt_key)
         elif format == "parquet":
-            rows = _parquet_rows(path, prompt_key)
+            rows = _parquet_rows(path, prompt_key, whole_rows)
         else:
-            rows = _hf_disk_rows(path, prompt_key, split)
+            rows = _hf_disk_rows(path, prompt_key, split, whole_rows)
 
     unit = "line" if format == "jsonl" else "row"
     report = DataReport(source)
@@ -250,10 +252,16 @@ def load_prompts(
 
 
 def load_prompts_from_config(
-    section: DataSection, tokenizer: PromptTokenizer, *, vocab_size: int, texts: Sequence[Prompt] | None = None
+    section: DataSection,
+    tokenizer: PromptTokenizer,
+    *,
+    vocab_size: int,
+    texts: Sequence[Prompt] | None = None,
+    whole_rows: bool = False,
 ) -> PromptDataset:
     """The ``[data]`` section's prompts; ``chat_template = true`` renders plain prompts through the tokenizer's
-    chat template, and format ``synthetic`` takes ``texts`` (the embedded task's prompts)."""
+    chat template, and format ``synthetic`` takes ``texts`` (the embedded task's prompts). ``whole_rows``: every
+    column of a row kept (an environment reads them)."""
     return load_prompts(
         section.path,
         tokenizer,
@@ -264,6 +272,7 @@ def load_prompts_from_config(
         chat_template=section.chat_template,
         vocab_size=vocab_size,
         texts=texts,
+        whole_rows=whole_rows,
     )
 
 

@@ -655,8 +655,8 @@ class EnvSection:
     max_tokens: int = _key(
         512,
         "Tokens of an episode after its prompt (every turn and observation; generation.max_new_tokens is per turn): the "
-        "KV cache and training buckets hold data.max_prompt_len + this; an observation that would pass it ends the "
-        "episode (counted in env_limit_tokens).",
+        "KV cache and training buckets hold data.max_prompt_len + this; a turn that reaches it or an observation that "
+        "would pass it ends the episode, unfinished (counted in env_limit_tokens).",
         at_least(2),
     )
     step_timeout_s: float = _key(
@@ -664,12 +664,15 @@ class EnvSection:
     )
     workers: int = _key(4, "Threads that run environment steps beside the decode loop, per generation instance.", at_least(1))
     error_reward: float = _key(
-        0.0, "Reward of an episode a step ended by raising, timing out or returning something invalid.", finite
+        0.0,
+        "Reward of an episode a step ended by raising, timing out or returning something invalid (in place of what "
+        "its earlier steps gave).",
+        finite,
     )
     observation_role: str = _key(
         "user",
         "Chat role of text observations: each is appended as the tokenizer's chat template renders a message of this "
-        "role after the model's turn (e.g. user, tool).",
+        "role after the model's turn (e.g. user, tool); one the template refuses stops the job at startup.",
         non_empty,
     )
 

@@ -11,7 +11,8 @@ Invariants:
   yields results.
 - Nothing an environment does raises into the caller. A step that raises ("exception"), returns something that
   breaks the interface ("invalid", :func:`fusedrl.envs.check_step`) or runs past ``step_timeout_s`` ("timeout") ends
-  its episode with ``EnvStep(None, error_reward, done=True, info={"env_error": "<kind>: <message>"})``. Creating an
+  its episode with ``EnvStep(None, error_reward, done=True, info={"env_error": "<kind>: <message>"})``; the episode's
+  reward is then ``error_reward`` alone (what its earlier steps gave is dropped: a failed episode is not partly right). Creating an
   episode (the factory, then ``opening()``) is held to the same rules; a failed start is the result of the episode's
   first submit. The caller's own mistakes (an unknown sample id, a second step in flight) raise ValueError.
 - The ``max_turns``-th step of an episode ends it: ``done`` is forced and ``info["limit"] = "turns"`` added, after the
@@ -185,7 +186,7 @@ class EnvRunner:
             self._pending += 1
             episode.awaiting = True
             if episode.failure is not None:
-                self._deliver(episode, episode.failure)
+                self._deliver(episode, episode.failure, failed=True)
             elif not episode.ready:
                 episode.deferred = text  # launched when the start finishes
             else:
@@ -220,7 +221,7 @@ class EnvRunner:
 
     def close(self, sample_id: int) -> dict[str, float]:
         """Ends the episode (a result not yet taken is dropped) and returns its stats: ``turns``, ``step_seconds``,
-        ``reward`` (the sum of its steps' rewards), ``tool_calls``, ``tool_errors``, ``errors``, ``done``. Its
+        ``reward`` (the sum of its steps' rewards; ``error_reward`` alone after an error), ``tool_calls``, ``tool_errors``, ``errors``, ``done``. Its
         environment's ``close()`` runs on a worker, after any step that still holds it."""
         with self._cond:
             episode = self._episode(sample_id)
@@ -235,7 +236,7 @@ class EnvRunner:
             raise ValueError(f"record_error kind {kind!r}: one of {', '.join(ERROR_KINDS)}")
         with self._cond:
             episode = self._episode(sample_id)
-            episode.reward += self._error_step(episode, kind, message).reward
+            episode.reward = self._error_step(episode, kind, message).reward
 
     def episode_stats(self, sample_id: int) -> dict[str, float]:
         """The stats of an open episode, as ``close`` returns them."""
@@ -339,7 +340,7 @@ class EnvRunner:
         if episode.deferred is not None and not episode.closing:
             text, episode.deferred = episode.deferred, None
             if episode.failure is not None:
-                self._deliver(episode, episode.failure)
+                self._deliver(episode, episode.failure, failed=True)
             else:
                 self._launch(episode, "step", text)
 
@@ -359,10 +360,10 @@ class EnvRunner:
             if not step.done and episode.turns >= self._max_turns:
                 step = EnvStep(observation=None, reward=step.reward, done=True, info={**step.info, "limit": "turns"})
                 self._totals["env_turn_limits"] += 1
-        self._deliver(episode, step)
+        self._deliver(episode, step, failed=error is not None)
 
-    def _deliver(self, episode: _Episode, step: EnvStep) -> None:
-        episode.reward += step.reward
+    def _deliver(self, episode: _Episode, step: EnvStep, *, failed: bool = False) -> None:
+        episode.reward = step.reward if failed else episode.reward + step.reward
         if step.done and not episode.done:
             episode.done = True
             self._totals["env_episodes_done"] += 1

@@ -2,7 +2,7 @@
 request-state export/import and its wire format, and loading training weights into the engine."""
 
 from fusedrl.generation.engine import GenerationEngine
-from fusedrl.generation.request import Request, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.request import FinishReason, Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import check_sampling
 from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
 from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
@@ -11,6 +11,7 @@ from fusedrl.generation.weight_sync import WeightSync, WeightSyncStats
 __all__ = [
     "CompileStats",
     "EngineStats",
+    "FinishReason",
     "GenerationEngine",
     "PendingSend",
     "PrefillStats",

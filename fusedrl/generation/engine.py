@@ -404,6 +404,11 @@ class GenerationEngine:
                 f"engine's max_len {self.max_len} less one for its next turn: end the episode (end_request), shorten "
                 "the observation or raise max_len"
             )
+        if state.request.turn_budget(len(state.generated) + len(ids)) == 0:
+            raise ValueError(
+                f"request {request_id!r}: the observation of {len(ids)} tokens takes it to its max_tokens "
+                f"{state.request.max_tokens}, leaving no token for its next turn: end the episode (end_request)"
+            )
         del self._parked[request_id]
         start = len(state.generated)
         state.generated += ids
@@ -439,11 +444,11 @@ class GenerationEngine:
     def progress(self) -> list[RequestProgress]:
         """Every unfinished request's progress (``generated``: its current turn's tokens): active slots first, then the
         waiting queue in order (multi-turn requests between turns left out)."""
-        entries = [(s.request, len(s.generated) - s.turn_start, True) for s in self._active]
-        entries += [(s.request, len(s.generated) - s.turn_start, False) for s in self._waiting]
+        entries = [(s.request, len(s.generated), s.turn_start, True) for s in self._active]
+        entries += [(s.request, len(s.generated), s.turn_start, False) for s in self._waiting]
         return [
-            RequestProgress(r.id, len(r.prompt), n, r.sampling.new_token_budget, r.sampling.target_len is not None, active)
-            for r, n, active in entries
+            RequestProgress(r.id, len(r.prompt), n - t, r.turn_budget(t), r.sampling.target_len is not None, active)
+            for r, n, t, active in entries
         ]
 
     @property
@@ -633,7 +638,7 @@ class GenerationEngine:
         slots = list(self._active)
         rows = []
         for i, slot in enumerate(slots):
-            budget = slot.request.sampling.new_token_budget - (len(slot.generated) - slot.turn_start)
+            budget = slot.request.turn_budget(slot.turn_start) - (len(slot.generated) - slot.turn_start)
             room = self.max_len - 1 - slot.cache_len
             # a verify step produces one token after its accepted drafts
             rows.append(VerifyRow(slot.request.id, i, slot.generated[-1], slot.cache_len, min(budget - 1, room)))
@@ -715,7 +720,7 @@ class GenerationEngine:
             return "stop"
         if n >= p.max_new_tokens:
             return "length"
-        if len(slot.request.prompt) + len(slot.generated) >= self.max_len:
+        if len(slot.request.prompt) + len(slot.generated) >= self.max_len or slot.request.turn_budget(len(slot.generated)) == 0:
             return "max_len"
         return None
 

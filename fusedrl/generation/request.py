@@ -53,16 +53,27 @@ class Request:
     ``multi_turn``: a turn that ends (a stop token, or ``sampling.max_new_tokens`` tokens: the budget is per turn) does
     not end the request: the engine reports it (a result with ``awaiting``) and keeps its KV until
     :meth:`~fusedrl.generation.GenerationEngine.continue_request` appends an observation or
-    :meth:`~fusedrl.generation.GenerationEngine.end_request` ends it."""
+    :meth:`~fusedrl.generation.GenerationEngine.end_request` ends it.
+
+    ``max_tokens``: the most tokens after the prompt over every turn, observations included (None: the engine's
+    ``max_len`` alone bounds them); a turn that reaches it ends the request (finish reason ``"max_len"``)."""
 
     id: RequestId
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     multi_turn: bool = False
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt = [int(t) for t in self.prompt]
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"request {self.id!r}: max_tokens must be >= 1 or None, got {self.max_tokens}")
+
+    def turn_budget(self, turn_start: int) -> int:
+        """The most tokens the turn that begins ``turn_start`` tokens after the prompt may produce."""
+        budget = self.sampling.new_token_budget
+        return budget if self.max_tokens is None else max(0, min(budget, self.max_tokens - turn_start))
 
 
 @dataclass

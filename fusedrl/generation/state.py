@@ -121,6 +121,7 @@ def pack_states(states: Sequence[RequestState]) -> list[torch.Tensor]:
                 "sampling": dataclasses.asdict(s.request.sampling),
                 "finish_reason": s.finish_reason,
                 "multi_turn": s.request.multi_turn,
+                "max_tokens": s.request.max_tokens,
                 "observations": s.observations,
                 "turn_start": s.turn_start,
                 "awaiting": s.awaiting,
@@ -174,7 +175,7 @@ def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
         sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
         seq = token_ids[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
         state = RequestState(
-            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"], info["multi_turn"]),
+            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"], info["multi_turn"], info["max_tokens"]),
             seq[n_prompt:],
             logprob_values[pos["logprobs"] : pos["logprobs"] + n_gen],
             finish_reason=info["finish_reason"],

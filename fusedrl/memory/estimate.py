@@ -268,6 +268,10 @@ def estimate_rank(
     width = longest - 1 if reprefill else cfg.data.max_prompt_len
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
     transients["decode_step"] = decode_step_bytes(actor, gen.max_slots, r, g)
+    # multi-turn: a request waiting for its environment keeps its KV off the slots; an instance's every request may
+    instances = par.pp * par.dp_shard * par.tp // g
+    parked = -(-cfg.ppo.batch_size // instances) if cfg.env.env else 0
+    transients["parked_kv"] = actor.num_layers * 2 * parked * positions * build.kv_heads * actor.head_dim * kv
     body, head, shape = worst_scoring_bytes(cfg, max(r, frozen), g)
     transients["scoring_activations"], transients["scoring_logits"] = body, head
     gradients = {f"gradients_{m}": sum(x.local_bytes for x in st.tensors if x.trainable) for m, st in build.stages.items()}
@@ -288,7 +292,7 @@ def estimate_rank(
     training_moment = max(moments, key=lambda d: sum(d.values()))
     phases = {
         "weight_sync": {**persistent, **pick("weight_sync_buffers")},
-        "generation": {**persistent, **offloaded, **larger("prefill_activations", "decode_step")},
+        "generation": {**persistent, **offloaded, **pick("parked_kv"), **larger("prefill_activations", "decode_step")},
         "scoring": {**persistent, **offloaded, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **training_moment},
     }

@@ -14,8 +14,10 @@ leaves out. A text observation becomes the ids the tokenizer's chat template wri
 next one (:func:`observation_ids`): the template is rendered once around a placeholder turn, and the text after the
 placeholder's end of turn is tokenized alone.
 
-Limits: ``max_tokens`` after the prompt (an observation that would pass it, or the engine's room, ends the episode:
-``env_limit_tokens``), the runner's turns and step timeout. Episodes never migrate between instances (their
+Limits: ``max_tokens`` after the prompt, strict (the engine ends a turn that reaches it; an observation that would
+pass it, or the engine's room, ends the episode: ``env_limit_tokens``), the runner's turns and step timeout. An episode
+a limit ended is not finished (finish reason ``"max_len"`` or, for the turn limit, ``"length"``), whatever its last
+turn did, so that ``ppo.truncated`` treats it as the truncated response it is. Episodes never migrate between instances (their
 environments live here): the migration controller leaves requests with an environment where they are.
 """
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from fusedrl.components import Tokenizer, length_stats
 from fusedrl.envs import EnvRunner, EnvStep
-from fusedrl.generation import GenerationEngine, Request, RequestResult
+from fusedrl.generation import FinishReason, GenerationEngine, Request, RequestResult
 
 _PLACEHOLDER = "\u2063fusedrl-turn\u2063"  # a turn's content the model never writes
 
@@ -105,7 +107,7 @@ class Episodes:
                 render = getattr(self.tokenizer, "render_chat", None)
                 text = render([{"role": "user", "content": opening}]) if render is not None else opening
                 prompt = list(self.tokenizer.encode(text, add_bos=render is None))
-            out.append(dataclasses.replace(r, prompt=prompt, multi_turn=True))
+            out.append(dataclasses.replace(r, prompt=prompt, multi_turn=True, max_tokens=self.max_tokens))
         return out
 
     @property
@@ -160,8 +162,8 @@ class Episodes:
         assert live.submitted_at is not None and live.last is not None  # only a submitted turn is answered
         self.stats.wait_s += time.perf_counter() - live.submitted_at
         live.submitted_at = None
-        if step.done:
-            return self._finish(self.engine.end_request(sid))
+        if step.done:  # cut by the turn limit: the model never answered the last observation
+            return self._finish(self.engine.end_request(sid), "length" if step.info.get("limit") == "turns" else None)
         assert step.observation is not None  # the runner's check: an observation unless done
         last = live.last
         # the template's end of turn follows the sampled stop token; a turn cut at its length gets it from the template
@@ -186,13 +188,14 @@ class Episodes:
         room = min(self.max_tokens, self.engine.max_len - 1 - len(last.prompt)) - len(last.tokens)
         if len(ids) >= room:  # the observation and at least one more sampled token must fit
             self.stats.limit_tokens += 1
-            return self._finish(self.engine.end_request(sid))
+            return self._finish(self.engine.end_request(sid), "max_len")
         self.engine.continue_request(sid, ids)
         live.turn_start = len(last.tokens) + len(ids)
         return None
 
-    def _finish(self, result: RequestResult) -> RequestResult:
-        """``result`` of an ended episode with the episode's reward; the episode is closed."""
+    def _finish(self, result: RequestResult, limit: FinishReason | None = None) -> RequestResult:
+        """``result`` of an ended episode with the episode's reward; the episode is closed. ``limit``: the finish reason
+        of an episode a limit cut (its last turn may have stopped, the episode did not: ``ppo.truncated`` applies)."""
         sid = int(result.id)
         live = self._live.pop(sid)
         episode = self.runner.close(sid)
@@ -200,7 +203,13 @@ class Episodes:
         self.stats.turns.append(live.turns)
         self.stats.observation_tokens += observed
         self.stats.sampled_tokens += len(result.tokens) - observed
-        return dataclasses.replace(result, reward=float(episode["reward"]))
+        return dataclasses.replace(result, reward=float(episode["reward"]), finish_reason=limit or result.finish_reason)
+
+    def close(self) -> None:
+        """End every open episode and stop the environments' worker threads (a step still running is left to finish;
+        see :meth:`~fusedrl.envs.EnvRunner.shutdown`)."""
+        self._live.clear()
+        self.runner.shutdown()
 
     def take_figures(self) -> dict[str, Any]:
         """This instance's figures since the last call (to combine over instances with :func:`episode_metrics`): the

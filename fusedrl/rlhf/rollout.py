@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fusedrl.components import Progress, PromptBatch, Tokenizer
-from fusedrl.config import JobConfig
+from fusedrl.config import InputError, JobConfig
+from fusedrl.config.loader import source_of
 from fusedrl.envs import EnvRunner, load_env_factory
 from fusedrl.generation import GenerationEngine, Request, RequestState, SamplingParams
 from fusedrl.layouts import RolloutLayout
-from fusedrl.rlhf.episodes import Episodes
+from fusedrl.rlhf.episodes import Episodes, observation_ids
 from fusedrl.rlhf.experience import Experience
 from fusedrl.rlhf.reward_fn import RewardFn, RuleReward, load_reward_fn
 from fusedrl.rlhf.scoring import Scorer, ScoringModels
@@ -73,10 +74,20 @@ def build_scorer(cfg: JobConfig, rollout: RolloutLayout, tokenizer: Tokenizer, t
 
 
 def build_episodes(cfg: JobConfig, engine: GenerationEngine, tokenizer: Tokenizer) -> Episodes | None:
-    """The multi-turn episodes of ``engine`` with ``[env]``'s environment (None without one)."""
+    """The multi-turn episodes of ``engine`` with ``[env]``'s environment (None without one). Raises InputError when
+    the tokenizer's chat template cannot write an ``env.observation_role`` message after the model's turn."""
     e = cfg.env
     if not e.env:
         return None
+    try:
+        observation_ids(tokenizer, e.observation_role, "42", tokenizer.stop_token_ids)
+    except Exception as err:  # noqa: BLE001 - a template's own error, of any type: said in one line
+        problem = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise InputError(
+            f"env.observation_role = {e.observation_role!r} ({source_of(cfg, 'env.observation_role')}): the tokenizer's "
+            f"chat template cannot write such a message after the model's turn ({problem}); set a role it takes, e.g. "
+            "--env.observation_role=user"
+        ) from None
     runner = EnvRunner(
         load_env_factory(e.env),
         workers=e.workers,

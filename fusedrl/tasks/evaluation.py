@@ -9,8 +9,10 @@ for a right/wrong checker, partial credit otherwise), ``eval/pass@<n>`` with ``n
 with a right sample), ``eval/finished`` (samples that ended with a stop token) and ``eval/response_len_mean`` (tokens).
 
 With an ``[env]`` environment every sample is an episode (its own runner and :class:`~fusedrl.rlhf.Episodes` over the
-engine, the turns decoded as in the rollout), graded by its environment's reward (1.0: right); ``eval/turns_mean``
-adds the model turns per episode.
+engine, the turns decoded as in the rollout), graded by its environment's reward: ``eval/accuracy`` counts rewards of
+at least 1.0, ``eval/score`` is the mean reward (shaping terms such as a format bonus included), ``eval/finished`` the
+episodes no limit cut, ``eval/response_len_mean`` the tokens the model sampled (observations left out);
+``eval/turns_mean`` adds the model turns per episode.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class Evaluator:
         else:  # the task's own held-out prompts, rendered like the training prompts
             section = dataclasses.replace(cfg.data, format="synthetic", path=None, chat_template=held_out.chat)
             texts = held_out.prompts(e.count, e.seed)
-        self.dataset: PromptDataset = load_prompts_from_config(section, tokenizer, vocab_size=vocab_size, texts=texts)
+        self.dataset: PromptDataset = load_prompts_from_config(
+            section, tokenizer, vocab_size=vocab_size, texts=texts, whole_rows=episodes is not None
+        )
         self.count = min(e.count, len(self.dataset))  # a file may hold fewer; prompts over data.max_prompt_len drop
         self._check_gradable(held_out)
         if self.count < e.count and dist.get_rank() == 0:
@@ -65,7 +69,6 @@ class Evaluator:
         group = rollout.instance_group
         self.leader = group is None or dist.get_rank(group) == 0
         stops = tuple(dict.fromkeys((*tokenizer.stop_token_ids, *cfg.generation.stop_token_ids)))
-        self.stops = set(stops)
         self.sampling = SamplingParams(
             temperature=e.temperature, max_new_tokens=cfg.generation.max_new_tokens, stop_token_ids=stops
         )
@@ -136,14 +139,15 @@ class Evaluator:
                 for k in range(n):
                     result = results[i * n + k]
                     tokens = result.tokens
-                    finished = bool(tokens) and tokens[-1] in self.stops
+                    finished = result.finish_reason == "stop"  # an episode's: a limit that cut it is not a stop
                     if self.episodes is not None:  # the environment checked the episode's answer
                         grade = float(result.reward or 0.0)
                     else:
                         text = self.tokenizer.decode(tokens[:-1] if finished else tokens)
                         grade = float(self.held_out.grade(self.dataset.prompts[i], text, finished))
                     right |= grade >= RIGHT
-                    sums += torch.tensor([grade >= RIGHT, grade, 0.0, len(tokens), finished], dtype=torch.float64)
+                    sampled = sum(result.sampled_mask)  # an episode's observations are not its answer
+                    sums += torch.tensor([grade >= RIGHT, grade, 0.0, sampled, finished], dtype=torch.float64)
                 sums[2] += right
         sums = sums.to(self.engine.device)
         dist.all_reduce(sums)

@@ -225,7 +225,9 @@ class Trainer:
             self.frozen.release()
         self.executor = build_executor(cfg, self.layout, self.device)
         texts = synthetic_prompts(cfg, self.task)
-        self.dataset = load_prompts_from_config(cfg.data, self.tokenizer, vocab_size=vocab, texts=texts)
+        self.dataset = load_prompts_from_config(
+            cfg.data, self.tokenizer, vocab_size=vocab, texts=texts, whole_rows=bool(cfg.env.env)
+        )
         groups = cfg.ppo.batch_size // cfg.generation.n
         self.partial: PartialRollouts | None = None
         if cfg.rollout.over_provision > 0:  # plans every instance's prompts from the global stream
@@ -375,7 +377,22 @@ class Trainer:
             "kept for reuse (training.reuse_host_memory)" if self.host_memory_reused else "returned to the system",
         )
         log.info("trained parameters: %s", trained_parameters(cfg))
-        history = []
+        try:
+            history = self._iterate()
+        finally:  # the environments' worker threads end with the run, also when it fails
+            for episodes in (self.episodes, self.evaluator.episodes if self.evaluator is not None else None):
+                if episodes is not None:
+                    episodes.close()
+        if cfg.checkpoint.export_hf:
+            with self.progress("export of the Actor", 1, "exported") as progress:
+                self.export()
+                progress.update(1)
+        self.metrics.close()
+        return history
+
+    def _iterate(self) -> list[dict[str, float]]:
+        """The evaluation at the start (a fresh run's) and the iterations up to ``training.steps``; their metrics."""
+        cfg, history = self.cfg, []
         if self.evaluator is not None and cfg.eval.at_start and self.step == 0:  # a fresh run's starting Actor
             start = time.perf_counter()
             figures = self.evaluate(0)
@@ -391,11 +408,6 @@ class Trainer:
                     self.ckpt.save(self.step)
                     progress.update(1)
             self.outside_s = time.perf_counter() - start
-        if cfg.checkpoint.export_hf:
-            with self.progress("export of the Actor", 1, "exported") as progress:
-                self.export()
-                progress.update(1)
-        self.metrics.close()
         return history
 
     def progress(self, desc: str, total: int, unit: str) -> Progress:
