@@ -584,3 +584,79 @@ def test_instances_of_two_tp_ranks_give_the_samples_and_scores_of_single_rank_in
             m = runs[name]["migration"]
             assert m is not None and m["moved"] > 0 and m["kept"] == [0], (rank, name, m)  # 2 instances: one kept
             assert m == tp2[0][name]["migration"]  # every rank reports the same migration
+
+
+# ------------------------------------------------------------------------------------------------ multi-turn
+
+
+class _SlowSecondTurn:
+    """An environment (built lazily: fusedrl.envs is imported in the ranks) that answers a first turn after
+    ``row["sleep"]`` seconds with " again:" and ends the episode at the second turn, rewarding its length."""
+
+    def __new__(cls, row):
+        import time
+
+        from fusedrl.envs import Environment, EnvStep
+
+        class Env(Environment):
+            turns = 0
+
+            def step(self, text):
+                self.turns += 1
+                if self.turns == 1:
+                    time.sleep(row["sleep"])
+                    return EnvStep(observation=" again:")
+                return EnvStep(reward=float(len(text)), done=True)
+
+        return Env()
+
+
+MULTI_TURN_SLEEPS = (0.0, 0.0, 0.0, 0.0, 0.6, 0.0, 0.6, 0.0)  # ids 4 and 6 (rank 0) wait while 0 and 2 are done
+
+
+def _multi_turn_rollouts() -> dict:
+    import torch.distributed as dist
+
+    from fusedrl.components import ByteTokenizer
+    from fusedrl.envs import EnvRunner
+    from fusedrl.rlhf import Episodes
+
+    actor, scoring = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for fusion in (False, True):
+        engine = GenerationEngine(actor, max_slots=8, max_len=64, seed=11)
+        episodes = Episodes(engine, EnvRunner(_SlowSecondTurn, workers=4), ByteTokenizer(), max_tokens=40)
+        requests = _requests((3,) * len(MULTI_TURN_SLEEPS), rank, world)
+        requests = episodes.begin(requests, [{"sleep": MULTI_TURN_SLEEPS[int(r.id)]} for r in requests])
+        ctl = MigrationController(
+            engine, Scorer(scoring, env_rewards=True).score, micro_batch_size=3, fusion=fusion, episodes=episodes
+        )
+        r = ctl.run(requests, gather=True)
+        episodes.close()
+        e = Experience.concat(r.scored)
+        e = e.select(e.sample_ids.argsort())
+        mine = [ev for ev in r.trace.events if ev["ph"] == "X" and ev["pid"] == rank]
+        decode_end = max(ev["ts"] + ev["dur"] for ev in mine if ev["name"] == "decode")
+        out[fusion] = dict(
+            exp={
+                k: getattr(e, k)
+                for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
+            },
+            scored_while_waiting=sum(ev["args"]["samples"] for ev in mine if ev["name"] == "score" and ev["ts"] < decode_end),
+            idle_s=r.env_idle_s,
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_a_fused_multi_turn_rollout_scores_while_its_requests_wait_and_changes_no_output(rank_pools):
+    """Rank 0's episodes 0 and 2 end while 4 and 6 wait 0.6 s for their environment: fused, rank 0 scores the ended
+    ones in that gap (none unfused: it scores after every instance is done); the samples and scores are the same."""
+    per_rank = rank_pools(2).run(_multi_turn_rollouts, timeout_s=240)
+    for rank in per_rank:
+        _check_same_outputs(rank[False], rank[True])
+        assert rank[False]["scored_while_waiting"] == 0
+    off, on = per_rank[0][False], per_rank[0][True]
+    assert on["exp"]["response_mask"].sum() < on["exp"]["tokens"].ne(0).sum()  # observations are out of the loss
+    assert on["scored_while_waiting"] >= 2 and on["idle_s"] < off["idle_s"]

@@ -27,8 +27,10 @@ Run: ``python -m fusedrl.bench.agent [--config FILE] [--batch 32] [--scales 0.25
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -52,29 +54,55 @@ SIGMA = 1.5  # the simulated latency's lognormal shape
 
 
 class Delayed(Environment):
-    """An environment whose steps take ``delay()`` seconds more (a tool call over a network, a slow sandbox)."""
+    """An environment whose steps take ``delay(text)`` seconds more (a tool call over a network, a slow sandbox)."""
 
-    def __init__(self, inner: Environment, delay: Callable[[], float]) -> None:
+    def __init__(self, inner: Environment, delay: Callable[[str], float]) -> None:
         self.inner, self.delay = inner, delay
 
     def opening(self) -> str | None:
         return self.inner.opening()
 
     def step(self, text: str) -> EnvStep:
-        time.sleep(self.delay())
+        time.sleep(self.delay(text))
         return self.inner.step(text)
 
 
-def lognormal_delays(mean_s: float, seed: int) -> Callable[[], float]:
-    """Seconds drawn from a lognormal of mean ``mean_s`` (sigma :data:`SIGMA`); thread-safe."""
-    rng, lock = random.Random(seed), threading.Lock()
-    mu = math.log(mean_s) - SIGMA**2 / 2 if mean_s > 0 else 0.0
+def _lognormal(mean_s: float, rng: random.Random) -> float:
+    """Seconds from a lognormal of mean ``mean_s`` (sigma :data:`SIGMA`)."""
+    return rng.lognormvariate(math.log(mean_s) - SIGMA**2 / 2, SIGMA) if mean_s > 0 else 0.0
 
-    def draw() -> float:
+
+def lognormal_delays(mean_s: float, seed: int) -> Callable[[str], float]:
+    """One stream of :func:`_lognormal` seconds for every step, whatever its text; thread-safe."""
+    rng, lock = random.Random(seed), threading.Lock()
+
+    def draw(_text: str) -> float:
         with lock:
-            return rng.lognormvariate(mu, SIGMA) if mean_s > 0 else 0.0
+            return _lognormal(mean_s, rng)
 
     return draw
+
+
+TOOL_LATENCY_VAR = "FUSEDRL_TOOL_LATENCY_S"
+"""The mean simulated latency (seconds) of :func:`word_problems_calc_delayed`'s steps."""
+
+
+def word_problems_calc_delayed(row: Mapping[str, Any]) -> Environment:
+    """The tool recipe's environment (calculator and format bonus) with each step delayed by a simulated tool latency:
+    lognormal (sigma :data:`SIGMA`) of mean ``$FUSEDRL_TOOL_LATENCY_S`` seconds, drawn from the prompt row and the
+    model's turn, so that two runs of the same episodes wait alike. For the fusions at 2 ranks on a multi-turn workload:
+    ``FUSEDRL_TOOL_LATENCY_S=2 python -m fusedrl.bench.e2e --config train_configs/smollm2_135m_tool_grpo.toml --apart
+    --env.env=fusedrl.bench.agent:word_problems_calc_delayed`` (docs/benchmarks.md)."""
+    from fusedrl.tasks.word_problems_tools import word_problems_calc_with_format
+
+    mean_s = float(os.environ.get(TOOL_LATENCY_VAR, "0"))
+    episode = json.dumps(row, sort_keys=True, default=str)
+
+    def delay(text: str) -> float:  # a function of the problem and the model's turn: the same in every run
+        digest = hashlib.sha256(f"{episode}\0{text}".encode()).digest()
+        return _lognormal(mean_s, random.Random(int.from_bytes(digest[:8], "little")))
+
+    return Delayed(word_problems_calc_with_format(row), delay)
 
 
 def per_request(engine: GenerationEngine, episodes: Episodes, requests: list[Request]) -> list[RequestResult]:
@@ -159,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     task = load_task(cfg.job.task)
     dataset = load_prompts_from_config(
-        cfg.data, tokenizer, vocab_size=engine.vocab_size, texts=synthetic_prompts(cfg, task, count=args.batch)
+        cfg.data, tokenizer, vocab_size=engine.vocab_size, texts=synthetic_prompts(cfg, task, count=args.batch), whole_rows=True
     )
     n = cfg.generation.n
     g = cfg.generation

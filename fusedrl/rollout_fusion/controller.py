@@ -25,6 +25,11 @@ off) and stop decoding once enough whole groups have finished: each rank then ex
 (tokens and log-probs, no KV) as ``RolloutResult.carried``, which the next rollout resumes (``run(resume=...)``).
 The target is checked until a migration; a rollout that migrates first decodes its tail to the end.
 
+Multi-turn episodes (``episodes``) never migrate. A fused rollout instead scores where its instance would idle: when
+every one of its requests waits for an environment's answer, it scores a few finished samples (:data:`GAP_SAMPLES`)
+rather than wait, and takes the answers that came meanwhile afterwards (single-rank instances; an instance whose
+requests are all done scores the rest in a thread, as without episodes).
+
 Scoring arrives as a callable (``score``): the controller cuts finished samples into length-sorted
 micro-batches and hands each to it; what it returns is collected, never inspected. Sampling uses
 per-request RNG streams that travel with the request, so fusion changes no output. Request ids must be
@@ -83,6 +88,7 @@ AUTO_FALLBACK_FRACTION = 0.1  # an "auto" threshold before costs are known, wher
 AUTO_MIN_GAIN = 0.05  # inter_stage = "auto": a migration must be predicted to shorten the rollout this much
 PROBE_MIN_STEPS = 64  # "auto" measures scoring mid-rollout only with at least this many decode steps left to gain in
 ENV_WAIT_S = 0.05  # an instance with nothing to decode waits this long for an environment's answer between checks
+GAP_SAMPLES = 4  # samples scored at a time while every request waits for its environment (answers wait that long)
 TAIL_SHARE = 0.9  # a rollout's tail: its decoding after this share of an instance's requests ended
 T = TypeVar("T")
 ScoreFn = Callable[[list[RequestResult]], T]
@@ -471,18 +477,22 @@ class _Rollout:
         return self.engine.has_work() or (self.episodes is not None and self.episodes.waiting > 0)
 
     def _step(self) -> None:
-        """One engine step; with episodes, the turns that ended go to their environments and their answers come in
-        (where the engine has nothing to decode, waiting up to :data:`ENV_WAIT_S` for one: the engine idles)."""
+        """One engine step; with episodes, the turns that ended go to their environments and their answers come in.
+        Where the engine has nothing to decode, a fused rollout scores up to :data:`GAP_SAMPLES` finished samples
+        (the gap would idle otherwise), an unfused one waits up to :data:`ENV_WAIT_S` for an answer (it idles)."""
         stats, prefilled = self.engine.stats(), dataclasses.replace(self.engine.prefill_stats)
-        start, before, graphs = self.clock(), len(self.finished), self.engine.compile_stats.graphs
+        start, graphs = self.clock(), self.engine.compile_stats.graphs
         results = self.engine.step() if self.engine.has_work() else []
-        idle = 0.0
+        idle, gap = 0.0, False
         if self.episodes is not None:
             results = self.episodes.on_results(results)
             waiting = not self.engine.has_work()
+            # an instance of several ranks would need them to agree on each gap: only single-rank instances score in gaps
+            single = self.ctl.instance_group is None
+            gap = waiting and single and self.ctl.fusion and bool(self.finished) and self.idle_scoring is None
             waited = self.clock()
-            results += self.episodes.pump(ENV_WAIT_S if waiting else None)
-            if waiting:
+            results += self.episodes.pump(ENV_WAIT_S if waiting and not gap else None)
+            if waiting and not gap:
                 idle = self.clock() - waited
                 self.env_idle_s += idle
         for res in results:
@@ -490,13 +500,14 @@ class _Rollout:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
             self.unreported.append(int(res.id))
+            self.new_lengths.append(len(res.tokens))
         end = self.clock()
         self.ended += len(results)
         if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
             self.tail_start = end
         if self.progress is not None:
             self.decoded += stats.active
-            self.progress.update(len(self.finished) - before, tok_s=self.decoded / max(end, 1e-9))
+            self.progress.update(len(results), tok_s=self.decoded / max(end, 1e-9))
         now = self.engine.prefill_stats
         if now.tokens > prefilled.tokens:  # the engine times its prefills apart (those that compiled nothing)
             self.measurements.prefill.append((now.tokens - prefilled.tokens, now.seconds - prefilled.seconds))
@@ -504,6 +515,9 @@ class _Rollout:
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
         self._span("decode", start, end)
         self.decode_end = end
+        if gap and not self.engine.has_work():  # no answer came in meanwhile: score in the gap
+            chunk, self.finished = self.finished[:GAP_SAMPLES], self.finished[GAP_SAMPLES:]
+            self._score(chunk)
 
     def _decode_until_done(self) -> None:
         if self.target is None:
@@ -545,9 +559,7 @@ class _Rollout:
         while True:
             for _ in range(k):
                 if self._has_work():
-                    before = len(self.finished)
                     self._step()
-                    self.new_lengths += [len(s.tokens) for s in self.finished[before:]]
             self.steps += k
             if not self._has_work() and self.finished and self.target is None:
                 self._score_while_idle()
