@@ -270,7 +270,8 @@ def test_measured_trainer_memory_matches_the_estimate(capsys, args, four_ranks):
 
 def test_multi_turn_requests_waiting_for_their_environment_hold_kv_in_the_generation_phase(debug):
     """With an environment every request of an instance may wait between turns at once, its KV read off the slots:
-    the generation phase counts them (64 requests over 4 instances, 16 each, at the engine's full length)."""
+    the generation phase counts them (64 requests over 4 instances, 16 each, at the engine's full length), and the
+    scoring phase of a fused rollout, which scores while they wait."""
     f = FLAVORS["debug"]
     env = _estimate("--env.env=fusedrl.tasks.word_problems_tools:word_problems_calc", "--env.max_tokens=96")
     r = env.ranks[0]
@@ -282,3 +283,9 @@ def test_multi_turn_requests_waiting_for_their_environment_hold_kv_in_the_genera
     )
     assert r.phase_peak("generation") - debug.ranks[0].phase_peak("generation") == r.transients["parked_kv"]
     assert debug.ranks[0].transients["parked_kv"] == 0
+    # a fused rollout scores while they wait; an unfused one scores after every episode ended
+    assert r.phase_peak("scoring") - debug.ranks[0].phase_peak("scoring") == r.transients["parked_kv"]
+    unfused = _estimate(
+        "--env.env=fusedrl.tasks.word_problems_tools:word_problems_calc", "--env.max_tokens=96", "--fusion.inter_stage=false"
+    )
+    assert unfused.ranks[0].phase_peak("scoring") == debug.ranks[0].phase_peak("scoring")

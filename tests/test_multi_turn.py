@@ -165,3 +165,40 @@ def test_a_request_decoding_its_second_turn_migrates_with_its_turn_state(model):
     assert turn.awaiting and len(turn.tokens) == 16  # the turn's budget counts from its start, not from the import
     result = other.end_request(3)
     _same((result.tokens, result.logprobs), expected)
+
+
+def test_a_request_s_max_tokens_caps_every_turn_forced_and_speculated_ones_too(model):
+    # a turn cut at the cap ends the request; one that stops on its last allowed token waits for its environment,
+    # which then has no room for an observation
+    engine = GenerationEngine(model, max_slots=2, max_len=64)
+    engine.add_request(Request(0, PROMPT, SamplingParams(temperature=0.0, max_new_tokens=20), multi_turn=True, max_tokens=9))
+    engine.add_request(Request(1, PROMPT, GREEDY_TURN, multi_turn=True, max_tokens=7))
+    (first,) = _turn(engine)
+    assert first.id == 1 and first.awaiting and len(first.tokens) == 5
+    engine.continue_request(1, [11])  # 6 of 7: room for one more token
+    done = {r.id: r for r in [*_turn(engine), *_turn(engine)]}
+    assert len(done[0].tokens) == 9 and done[0].finish_reason == "max_len" and not done[0].awaiting
+    assert len(done[1].tokens) == 7 and done[1].finish_reason == "max_len" and not done[1].awaiting
+    stop_all = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=tuple(range(512)))
+    engine.add_request(Request(2, PROMPT, stop_all, multi_turn=True, max_tokens=1))
+    (stopped,) = _turn(engine)
+    assert stopped.finish_reason == "stop" and stopped.awaiting and len(stopped.tokens) == 1
+    with pytest.raises(ValueError, match="max_tokens 1, leaving no token for its next turn: end the episode"):
+        engine.continue_request(2, [11])
+    # a forced length stops at the cap too, and what is left never goes below zero
+    forced = Request(3, PROMPT, SamplingParams(target_len=10), max_tokens=4)
+    engine.add_request(forced)
+    budgets = []
+    while engine.has_work():
+        budgets += [p.budget - p.generated for p in engine.progress() if p.id == 3]
+        results = engine.step()
+    assert [len(r.tokens) for r in results] == [4] and results[0].finish_reason == "max_len"
+    assert min(budgets) >= 0
+    # speculation (verify steps produce several tokens at once) stops at the cap as plain decoding does
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
+    requests = [Request(10 + k, PROMPT, greedy, max_tokens=13) for k in range(4)]
+    plain = GenerationEngine(model, max_slots=2, max_len=64).generate(requests)
+    spec = GenerationEngine(model, max_slots=2, max_len=64, speculative="history", speculative_rows=2)
+    speculated = spec.generate(requests)
+    assert spec.speculator is not None and spec.speculator.stats.accepted > 0
+    assert [r.tokens for r in speculated] == [r.tokens for r in plain] and {len(r.tokens) for r in plain} == {13}

@@ -95,7 +95,13 @@ def word_problems_calc_delayed(row: Mapping[str, Any]) -> Environment:
     --env.env=fusedrl.bench.agent:word_problems_calc_delayed`` (docs/benchmarks.md)."""
     from fusedrl.tasks.word_problems_tools import word_problems_calc_with_format
 
-    mean_s = float(os.environ.get(TOOL_LATENCY_VAR, "0"))
+    value = os.environ.get(TOOL_LATENCY_VAR, "0")
+    try:
+        mean_s = float(value)
+    except ValueError:
+        raise ValueError(f"{TOOL_LATENCY_VAR}={value!r}: give the mean tool latency in seconds, e.g. 2") from None
+    if not 0 <= mean_s < math.inf:
+        raise ValueError(f"{TOOL_LATENCY_VAR}={value!r}: give a finite number of seconds >= 0")
     episode = json.dumps(row, sort_keys=True, default=str)
 
     def delay(text: str) -> float:  # a function of the problem and the model's turn: the same in every run

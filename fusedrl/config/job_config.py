@@ -449,8 +449,8 @@ class PPOSection:
     )
     truncated: Literal["score", "mask", "penalty"] = _key(
         "score",
-        "Responses that hit max_new_tokens: score (as if finished), mask (no loss on them) or penalty (their score "
-        "minus truncation_penalty).",
+        "Responses that hit max_new_tokens (with an environment: episodes that env.max_tokens or env.max_turns cut): "
+        "score (as if finished), mask (no loss on them) or penalty (their score minus truncation_penalty).",
     )
     truncation_penalty: float = _key(
         1.0, 'Subtracted from a truncated response\'s score with truncated = "penalty".', at_least(0.0)
@@ -655,8 +655,8 @@ class EnvSection:
     max_tokens: int = _key(
         512,
         "Tokens of an episode after its prompt (every turn and observation; generation.max_new_tokens is per turn): the "
-        "KV cache and training buckets hold data.max_prompt_len + this; a turn that reaches it or an observation that "
-        "would pass it ends the episode, unfinished (counted in env_limit_tokens).",
+        "KV cache and training buckets hold data.max_prompt_len + this; a turn cut at it or an observation that would "
+        "pass it ends the episode, unfinished (counted in env_limit_tokens).",
         at_least(2),
     )
     step_timeout_s: float = _key(

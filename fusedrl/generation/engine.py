@@ -714,15 +714,16 @@ class GenerationEngine:
         """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""
         p: SamplingParams = slot.request.sampling
         n = len(slot.generated) - slot.turn_start
-        if p.target_len is not None:
-            return "length" if n >= p.target_len else None
-        if token in p.stop_token_ids:
-            return "stop"
-        if n >= p.max_new_tokens:
+        if p.target_len is not None and n >= p.target_len:
             return "length"
-        if len(slot.request.prompt) + len(slot.generated) >= self.max_len or slot.request.turn_budget(len(slot.generated)) == 0:
-            return "max_len"
-        return None
+        if p.target_len is None and token in p.stop_token_ids:
+            return "stop"
+        if p.target_len is None and n >= p.max_new_tokens:
+            return "length"
+        room = self.max_len - len(slot.request.prompt)
+        if slot.request.max_tokens is not None:  # a request's own cap over every turn
+            room = min(room, slot.request.max_tokens)
+        return "max_len" if len(slot.generated) >= room else None
 
     def _remove_slot(self, i: int) -> None:
         """Free slot i, keeping active slots contiguous: the last active slot moves into i."""

@@ -175,7 +175,9 @@ def unpack_states(tensors: Sequence[torch.Tensor]) -> list[RequestState]:
         sampling = {**info["sampling"], "stop_token_ids": tuple(info["sampling"]["stop_token_ids"])}
         seq = token_ids[pos["tokens"] : pos["tokens"] + n_prompt + n_gen]
         state = RequestState(
-            Request(info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"], info["multi_turn"], info["max_tokens"]),
+            Request(
+                info["id"], seq[:n_prompt], SamplingParams(**sampling), info["seed"], info["multi_turn"], info.get("max_tokens")
+            ),
             seq[n_prompt:],
             logprob_values[pos["logprobs"] : pos["logprobs"] + n_gen],
             finish_reason=info["finish_reason"],

@@ -44,7 +44,7 @@ class RequestProgress:
     id: RequestId
     prompt_len: int
     generated: int
-    budget: int  # SamplingParams.new_token_budget: target_len if forced, else max_new_tokens
+    budget: int  # the current turn's most tokens: target_len if forced, else max_new_tokens; within Request.max_tokens
     forced: bool  # True when target_len fixes the length exactly
     active: bool  # holds a slot (False: waiting)
 

@@ -268,7 +268,8 @@ def estimate_rank(
     width = longest - 1 if reprefill else cfg.data.max_prompt_len
     transients["prefill_activations"] = prefill_bytes(actor, gen.max_slots, width, r, g)
     transients["decode_step"] = decode_step_bytes(actor, gen.max_slots, r, g)
-    # multi-turn: a request waiting for its environment keeps its KV off the slots; an instance's every request may
+    # multi-turn: a request waiting for its environment keeps its KV off the slots, and every request of an instance
+    # may wait at once; a fused rollout scores while they wait (the controller's gaps)
     instances = par.pp * par.dp_shard * par.tp // g
     parked = -(-cfg.ppo.batch_size // instances) if cfg.env.env else 0
     transients["parked_kv"] = actor.num_layers * 2 * parked * positions * build.kv_heads * actor.head_dim * kv
@@ -290,10 +291,11 @@ def estimate_rank(
     # training.offload_frozen: the Reference and the Reward are on the device during the rollout only
     offloaded = {k: persistent.pop(k) for k in OFFLOADED if t.offload_frozen}
     training_moment = max(moments, key=lambda d: sum(d.values()))
+    gap_parked = pick("parked_kv") if cfg.fusion.inter_stage is not False else {}
     phases = {
         "weight_sync": {**persistent, **pick("weight_sync_buffers")},
         "generation": {**persistent, **offloaded, **pick("parked_kv"), **larger("prefill_activations", "decode_step")},
-        "scoring": {**persistent, **offloaded, **larger("scoring_activations", "scoring_logits")},
+        "scoring": {**persistent, **offloaded, **gap_parked, **larger("scoring_activations", "scoring_logits")},
         "training": {**persistent, **training_moment},
     }
     details = {

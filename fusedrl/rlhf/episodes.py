@@ -14,11 +14,12 @@ leaves out. A text observation becomes the ids the tokenizer's chat template wri
 next one (:func:`observation_ids`): the template is rendered once around a placeholder turn, and the text after the
 placeholder's end of turn is tokenized alone.
 
-Limits: ``max_tokens`` after the prompt, strict (the engine ends a turn that reaches it; an observation that would
-pass it, or the engine's room, ends the episode: ``env_limit_tokens``), the runner's turns and step timeout. An episode
-a limit ended is not finished (finish reason ``"max_len"`` or, for the turn limit, ``"length"``), whatever its last
-turn did, so that ``ppo.truncated`` treats it as the truncated response it is. Episodes never migrate between instances (their
-environments live here): the migration controller leaves requests with an environment where they are.
+Limits: ``max_tokens`` after the prompt, strict (the engine cuts a turn at it, which ends the episode; an observation
+that would pass it, or the engine's room, ends the episode: ``env_limit_tokens``), the runner's turns and step timeout.
+An episode a limit ended is not finished (finish reason ``"max_len"`` or, for the turn limit, ``"length"``), whatever
+its last turn did, so that ``ppo.truncated`` treats it as the truncated response it is. Episodes never migrate between
+instances (their environments live here): the migration controller leaves requests with an environment where they
+are.
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ def episode_metrics(parts: Sequence[Mapping[str, Any]], idle_s: float) -> dict[s
     """One iteration's multi-turn figures from every instance's :meth:`Episodes.take_figures` (``idle_s``: seconds
     the engines waited for environments with nothing to decode, summed over instances): turns per episode (mean,
     p50, p90, max), observation (masked) and sampled tokens, seconds requests waited for their environments (summed
-    over requests), the share of the time some request waited that its engine filled with decoding others
-    (``env_wait_filled``), episodes ended for want of room; the runners' steps, tool calls, errors by kind and step
+    over requests), the share of the time some request waited that its engine filled with decoding others or, fused,
+    with scoring (``env_wait_filled``), episodes ended for want of room; the runners' steps, tool calls, errors by kind and step
     seconds."""
     turns = [t for p in parts for t in p["turns"]]
     out: dict[str, float] = {

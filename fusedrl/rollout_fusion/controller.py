@@ -88,7 +88,7 @@ AUTO_FALLBACK_FRACTION = 0.1  # an "auto" threshold before costs are known, wher
 AUTO_MIN_GAIN = 0.05  # inter_stage = "auto": a migration must be predicted to shorten the rollout this much
 PROBE_MIN_STEPS = 64  # "auto" measures scoring mid-rollout only with at least this many decode steps left to gain in
 ENV_WAIT_S = 0.05  # an instance with nothing to decode waits this long for an environment's answer between checks
-GAP_SAMPLES = 4  # samples scored at a time while every request waits for its environment (answers wait that long)
+GAP_SAMPLES = 4  # most samples scored at a time while every request waits for its environment (answers wait that long)
 TAIL_SHARE = 0.9  # a rollout's tail: its decoding after this share of an instance's requests ended
 T = TypeVar("T")
 ScoreFn = Callable[[list[RequestResult]], T]
@@ -478,8 +478,9 @@ class _Rollout:
 
     def _step(self) -> None:
         """One engine step; with episodes, the turns that ended go to their environments and their answers come in.
-        Where the engine has nothing to decode, a fused rollout scores up to :data:`GAP_SAMPLES` finished samples
-        (the gap would idle otherwise), an unfused one waits up to :data:`ENV_WAIT_S` for an answer (it idles)."""
+        Where the engine has nothing to decode, a fused rollout scores up to :data:`GAP_SAMPLES` finished samples (one
+        micro-batch at most; the gap would idle otherwise), an unfused one waits up to :data:`ENV_WAIT_S` for an answer
+        (it idles)."""
         stats, prefilled = self.engine.stats(), dataclasses.replace(self.engine.prefill_stats)
         start, graphs = self.clock(), self.engine.compile_stats.graphs
         results = self.engine.step() if self.engine.has_work() else []
@@ -489,7 +490,8 @@ class _Rollout:
             waiting = not self.engine.has_work()
             # an instance of several ranks would need them to agree on each gap: only single-rank instances score in gaps
             single = self.ctl.instance_group is None
-            gap = waiting and single and self.ctl.fusion and bool(self.finished) and self.idle_scoring is None
+            gap = waiting and single and self.ctl.fusion and self.episodes.waiting > 0 and bool(self.finished)
+            gap = gap and self.idle_scoring is None
             waited = self.clock()
             results += self.episodes.pump(ENV_WAIT_S if waiting and not gap else None)
             if waiting and not gap:
@@ -515,8 +517,9 @@ class _Rollout:
             self.measurements.decode.append((stats.active, stats.cached_tokens, end - start))
         self._span("decode", start, end)
         self.decode_end = end
-        if gap and not self.engine.has_work():  # no answer came in meanwhile: score in the gap
-            chunk, self.finished = self.finished[:GAP_SAMPLES], self.finished[GAP_SAMPLES:]
+        if gap and not self.engine.has_work():  # no answer came in meanwhile: score the oldest samples in the gap
+            size = min(GAP_SAMPLES, self.ctl.micro_batch_size)  # one micro-batch
+            chunk, self.finished = self.finished[:size], self.finished[size:]
             self._score(chunk)
 
     def _decode_until_done(self) -> None:
