@@ -424,7 +424,11 @@ class Trainer:
     def skipped_update(self, step: int) -> UpdateResult:
         """The update of an iteration without a token to train on: nothing steps, the skip is counted."""
         if self.rank == 0:
-            log.warning('step %d: every response hit generation.max_new_tokens and ppo.truncated = "mask": no update', step)
+            log.warning(
+                'step %d: every response was truncated (generation.max_new_tokens, or env limits) and ppo.truncated = "mask": '
+                "no update",
+                step,
+            )
         return UpdateResult({}, {}, 0, {"skipped_updates": self.updates_per_step, **self.opt.learning_rates()}, None, 0)
 
     def rollout_round(self, step: int, timers: PhaseTimers) -> tuple[RolloutResult[Experience], Experience]:
@@ -545,7 +549,7 @@ class Trainer:
                 update = ppo_update(
                     cfg, self.layout, self.executor, self.opt, exp, step, record=self.records_timeline(step), progress=progress
                 )
-        else:  # every response hit max_new_tokens and ppo.truncated = "mask": no token to learn from
+        else:  # every response was truncated and ppo.truncated = "mask": no token to learn from
             update = self.skipped_update(step)
         timers.add("step", time.perf_counter() - step_start)
         timers.add("outside", self.outside_s)
