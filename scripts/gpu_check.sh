@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import torchtune" 2> /dev/null; then
   # A machine without network: what the image lacks arrives as wheels (scripts/gpu_wheels.py, docs/gpu.md).
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fusedrl-site .whl/*.whl
-  export PYTHONPATH="/tmp/fusedrl-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  SITE="${FUSEDRL_SITE:-/tmp/fusedrl-site}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import sys; from importlib.metadata import entry_points as e; sys.exit(not e(group='fusedrl.config_checks'))"; then

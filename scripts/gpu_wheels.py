@@ -45,14 +45,27 @@ def needed_distributions(max_rounds: int = 20) -> list[str]:
     raise SystemExit(f"error: the import check still fails after {max_rounds} rounds")
 
 
-def download(pins: list[str], out: Path) -> None:
+GPU_PYTHON = "3.12"
+"""The GPU image's Python (docs/gpu.md)."""
+
+
+def read_pins(path: Path = WHEELS) -> list[str]:
+    """The ``name==version`` lines of a wheel list (``scripts/gpu_wheels.txt``)."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def download(pins: list[str], out: Path, python_version: str = GPU_PYTHON) -> None:
+    """Wheels of ``pins`` for CPython ``python_version`` on manylinux x86_64 into ``out`` (a wheel built here from
+    the source distribution where the index has none: pure-Python packages, which fit any version)."""
     out.mkdir(parents=True, exist_ok=True)
     for pin in pins:
         platform_args = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        binary = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12"]
-        if subprocess.run([*binary, "--implementation", "cp", *platform_args, "-d", str(out), pin]).returncode == 0:
+        binary = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        binary += ["--python-version", python_version, "--implementation", "cp", *platform_args]
+        if subprocess.run([*binary, "-d", str(out), pin]).returncode == 0:
             continue
-        print(f"{pin}: no wheel on the index for CPython 3.12; building one from its source distribution", flush=True)
+        print(f"{pin}: no wheel on the index for CPython {python_version}; building one from its source distribution", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), pin], check=True)
 
 

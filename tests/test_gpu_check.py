@@ -106,3 +106,39 @@ def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels(
     assert "torchtune" in wheels and "torch" not in wheels  # what the image lacks, and not what it has
     without = run_check(ROOT / "scripts" / "gpu_image_packages.txt", [w for w in wheels if w != "torchtune"])
     assert without["missing"] == ["torchtune"] and "fusedrl.train" in without["failed"]  # the check can fail
+
+
+def test_the_rehearsal_s_image_site_hides_what_the_image_lacks_unless_it_comes_from_outside_site_packages(tmp_path):
+    """scripts/gpu_rehearsal.py runs the check with :class:`~fusedrl.testing.image.ImageSite` in every process (a
+    ``sitecustomize``): torchtune, installed here but not on the GPU image, does not import; the same name put on the
+    path from a folder of its own (the carried wheels' install target) does."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_rehearsal import image_site
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    site = image_site(tmp_path / "image", ROOT)
+    outside = tmp_path / "carried"
+    (outside / "torchtune").mkdir(parents=True)
+    (outside / "torchtune" / "__init__.py").write_text("")
+    (outside / "torchtune" / "models.py").write_text("")
+    probe = (
+        "import importlib\n"
+        "for name in ('torch', 'torchtune', 'torchtune.models'):\n"
+        "    try:\n"
+        "        module = importlib.import_module(name)\n"
+        f"        print(name, 'carried' if module.__file__.startswith({str(outside)!r}) else 'installed')\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        print(name, 'refused:', e)\n"
+    )
+
+    def run(*path: Path) -> list[str]:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
+        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip().splitlines()
+
+    hidden = run(site)
+    assert hidden[0] == "torch installed"  # on the image
+    assert hidden[1] == "torchtune refused: No module named 'torchtune' (torchtune is not on the image)", hidden
+    assert run(site, outside) == ["torch installed", "torchtune carried", "torchtune.models carried"]

@@ -35,17 +35,21 @@ def _drop_a_shard(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _edit_config(text: str):
+def _edit_config(text: str | None = None, *, vocab_size: int | None = None):
+    """Replace the copy's config.json by ``text``, or by the real one with another ``vocab_size`` (read when the test
+    runs: a machine without the folder collects this module and skips it)."""
+
     def edit(folder: Path) -> None:
+        new = (
+            text
+            if vocab_size is None
+            else json.dumps({**json.loads((FOLDER / "config.json").read_text()), "vocab_size": vocab_size})
+        )
+        assert new is not None
         (folder / "config.json").unlink()
-        (folder / "config.json").write_text(text)
+        (folder / "config.json").write_text(new)
 
     return edit
-
-
-def _vocab(size: int) -> str:
-    config = json.loads((FOLDER / "config.json").read_text())
-    return json.dumps({**config, "vocab_size": size})
 
 
 def _prompts(tmp_path: Path) -> Path:
@@ -64,7 +68,7 @@ def _prompts(tmp_path: Path) -> Path:
             [f"model.safetensors.index.json names shard(s) that do not exist: {SHARDS[1]}", "Fix: copy the missing shard"],
         ),
         (
-            _edit_config(_vocab(1000)),
+            _edit_config(vocab_size=1000),
             ["vocab mismatch: model.embed_tokens.weight has 49152 rows but", "has vocab_size 1000", "Fix: "],
         ),
         (_edit_config('{"model_type": "llama", '), ["config.json is not valid JSON"]),
