@@ -268,9 +268,12 @@ def _generation_step(py: str, env: dict[str, str], limit: float, dry_run: bool) 
         ]
         # no bucketed compile run: its graphs of a 1B model would not fit the step's limit
         bench += ["--batch-sizes", "1,32", "--new-tokens", "128", "--prompt-len", "128", "--repeats", "1", "--graphs-slots", "0"]
+        # eager figures first; a compiled batch size starts only in the first half of the limit (CUDA graph capture
+        # of a 1B model's step takes tens of seconds), so the step ends with figures rather than at its limit
+        bench += ["--time-budget-s", f"{limit / 2:.0f}"]
     result = _run("bench.generation", [py, "-m", "fusedrl.bench.generation", *bench, "--json"], limit, env)
     figures = _last_json(result["output"]) or {}  # the bench prints its figures so far after each batch size
-    keys = ("speedup_vs_torchtune", "modes", "roofline_fraction", "compile_overhead_s", "compiled_graphs")
+    keys = ("speedup_vs_torchtune", "modes", "roofline_fraction", "compile_overhead_s", "compiled_graphs", "compiled_skipped")
     entry = {"exit": result["exit"], "partial": figures.get("partial", not figures), **{k: figures.get(k) for k in keys}}
     return entry | {"output_tail": result["output"][-3000:]}
 

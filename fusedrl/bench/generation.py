@@ -12,7 +12,10 @@ decoding, against transformers' ``generate`` on the same folder loaded by transf
 padding), and the greedy tokens of every row are compared (rows whose tokens differ from transformers' are counted:
 float rounding can flip a near tie). Tokens/s counts generated tokens over wall time including prefill; compile time
 is excluded (a warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
-``--repeats`` times each, and the best time per mode counts.
+``--repeats`` times each, and the best time per mode counts. Every mode but the compiled one is timed first, for every
+batch size; then the compiled engine, beside the eager one again (the eager figure keeps its best), one batch size at a
+time while ``--time-budget-s`` lasts: whatever compiling costs, a run cut at its limit has the other figures (with
+``--json``, a partial JSON line after each batch size of each pass).
 
 Prefill sharing (``--prefill-groups 4,8,16``): the eager engine's prefill (and one sampled token) of 16 prompts, all
 distinct, against 16 / n distinct prompts of n samples each, which the engine prefills once per prompt.
@@ -47,6 +50,7 @@ import argparse
 import copy
 import json
 import time
+from collections.abc import Callable
 
 import torch
 from torchtune.generation import generate as torchtune_generate
@@ -247,6 +251,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode (interleaved); the best counts")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled mode")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=0.0,
+        help="the compiled mode (timed after every other mode's figures) starts a batch size only within this many "
+        "seconds of the start (0: no limit); the batch sizes left out are listed in compiled_skipped",
+    )
     p.add_argument("--quantize", action="store_true", help="also run the int8 weight-only engine")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -345,18 +356,29 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "threads": args.threads,
     }
-    for b in batch_sizes:
+    deadline = None if args.time_budget_s <= 0 else time.monotonic() + args.time_budget_s
+    skipped: list[str] = []
+    out["compiled_skipped"] = skipped
+
+    def measure(b: int, names: list[str]) -> None:
+        """Time ``names`` at batch size ``b`` (interleaved repeats, the best counts) and report the batch's figures."""
         prompts = _prompts(b, args.prompt_len, vocab, seed=b, device=args.device)
         tokens = b * args.new_tokens
         theirs: dict = {}
         ours: dict = {}
-        if hf_model is not None:
-            runners = {baseline: _transformers_runner(hf_model, prompts, args.new_tokens, theirs)}
-        else:
-            runners = {baseline: _torchtune_runner(model, prompts, args.new_tokens)}
-        engine = GenerationEngine(model, max_slots=b, max_len=max_len)
-        runners["eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy, ours)
-        if "compiled" in modes:
+        runners: dict[str, Callable[[], object]] = {}
+        if baseline in names:
+            runners[baseline] = (
+                _transformers_runner(hf_model, prompts, args.new_tokens, theirs)
+                if hf_model is not None
+                else _torchtune_runner(model, prompts, args.new_tokens)
+            )
+        if "eager" in names:
+            runners["eager"] = _engine_runner(
+                GenerationEngine(model, max_slots=b, max_len=max_len), prompts, args.new_tokens, greedy, ours
+            )
+        compiled = None
+        if "compiled" in names:
             # One length bucket (as the figures before the symbolic attended length were measured).
             mode = None if args.compile_mode == "default" else args.compile_mode
             compiled = GenerationEngine(
@@ -369,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
                 len_buckets=[max_len],
             )
             runners["compiled"] = _engine_runner(compiled, prompts, args.new_tokens, greedy)
-        if "int8_eager" in modes:
+        if "int8_eager" in names:
             engine = GenerationEngine(model, max_slots=b, max_len=max_len, quantize="int8_weight_only")
             runners["int8_eager"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
         warmup = {name: _seconds(run) for name, run in runners.items()}
@@ -379,23 +401,34 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeats):
                 for name, run in runners.items():
                     best[name] = min(best[name], _seconds(run))
-        for name in runners:
-            modes[name][str(b)] = tokens / best[name]
-        if "compiled" in runners:
+        for name in runners:  # a mode timed twice (eager, beside the compiled one too) keeps its best
+            modes[name][str(b)] = max(modes[name].get(str(b), 0.0), tokens / best[name])
+        if compiled is not None:
             compile_s[str(b)] = warmup["compiled"] - best["compiled"]
             graphs[str(b)] = {"graphs": compiled.compile_stats.graphs, "compile_s": compiled.compile_stats.seconds}
-        fused = [modes[m][str(b)] for m in ("eager", "compiled") if m in modes]
+        fused = [modes[m][str(b)] for m in ("eager", "compiled") if str(b) in modes.get(m, {})]
         speedup[str(b)] = max(fused) / modes[baseline][str(b)]
-        line = f"{b:>5} " + " ".join(f"{modes[m][str(b)]:>16.1f}" for m in modes) + f" {speedup[str(b)]:>17.2f}x"
-        if greedy:
+        cells = " ".join(f"{modes[m][str(b)]:>16.1f}" if str(b) in modes[m] else f"{'-':>16}" for m in modes)
+        line = f"{b:>5} {cells} {speedup[str(b)]:>17.2f}x"
+        if greedy and theirs and ours:
             differing_rows[str(b)] = sum(x != y for x, y in zip(ours["tokens"], theirs["tokens"]))
             line += f"  greedy tokens equal in {b - differing_rows[str(b)]}/{b} rows"
         roof = roofline_tokens_per_s(model, flavor, b, args.prompt_len, args.new_tokens, bandwidth)
-        roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes}
+        roofline[str(b)] = {m: modes[m][str(b)] / roof for m in modes if str(b) in modes[m]}
         line += "  of roofline: " + " ".join(f"{m} {f:.0%}" for m, f in roofline[str(b)].items())
         print(line, flush=True)
         if args.json:
             print(json.dumps(out | {"partial": True}), flush=True)
+
+    for b in batch_sizes:  # every mode but the compiled one first: their figures come whatever compiling costs
+        measure(b, [m for m in modes if m != "compiled"])
+    if "compiled" in modes:
+        for b in batch_sizes:  # then the compiled engine (beside the eager one again), while the time budget lasts
+            if deadline is not None and time.monotonic() > deadline:
+                skipped.append(str(b))
+                print(f"{b:>5} compiled: not run, --time-budget-s {args.time_budget_s:g} spent", flush=True)
+                continue
+            measure(b, ["eager", "compiled"])
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
         print(
