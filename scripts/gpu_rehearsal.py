@@ -46,14 +46,15 @@ CHECK_LIMIT_S = 540
 """The limit to give the check's command on the GPU machine: its steps' 480 s, the preflight and the install."""
 
 
-def wheel_names(folder: Path) -> set[str]:
-    return {normalize(w.name.split("-")[0]) for w in folder.glob("*.whl")}
-
-
 def carried_wheels(pins: list[str]) -> None:
-    """``.whl/`` holds a 3.12 wheel of every pin (downloaded when missing)."""
+    """``.whl/`` holds a 3.12 wheel of every pin (downloaded when missing) and nothing else."""
     folder = ROOT / WHEELS
-    missing = [p for p in pins if normalize(p.split("==")[0]) not in wheel_names(folder)] if folder.is_dir() else pins
+    wanted = {normalize(p.split("==")[0]): p.split("==")[1] for p in pins}
+    have = {normalize(w.name.split("-")[0]): w for w in folder.glob("*.whl")} if folder.is_dir() else {}
+    stale = [w.name for name, w in have.items() if wanted.get(name) != w.name.split("-")[1]]
+    if stale:
+        raise SystemExit(f"error: {WHEELS}/ holds wheels scripts/gpu_wheels.txt does not pin: {', '.join(stale)}; remove them")
+    missing = [p for p in pins if normalize(p.split("==")[0]) not in have]
     if missing:
         print(f"rehearsal: downloading {', '.join(missing)} for CPython {GPU_PYTHON} into {WHEELS}/", flush=True)
         download(missing, folder, GPU_PYTHON)
@@ -75,9 +76,10 @@ def carried_model(real_model: Path) -> None:
 def travelling_files() -> list[Path]:
     """The working tree as the device tool sends it (tracked, and untracked files git does not ignore) plus the
     carried paths, relative to the repository."""
-    listed = subprocess.run(
+    out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.decode()
+    ).stdout
+    listed = os.fsdecode(out)
     tree = [Path(p) for p in listed.split("\0") if p and (ROOT / p).is_file()]
     carried = [p.relative_to(ROOT) for folder in (WHEELS, MODEL) for p in sorted((ROOT / folder).rglob("*")) if p.is_file()]
     return tree + carried
@@ -105,17 +107,23 @@ def copy_tree(files: list[Path], dst: Path, pins: list[str]) -> None:
     download(pins, dst / WHEELS, here)
 
 
-def image_site(folder: Path, tree: Path) -> Path:
-    """A folder whose ``sitecustomize`` hides every distribution the GPU image lacks (put it first on PYTHONPATH)."""
+def image_site(folder: Path, tree: Path, roots: list[Path]) -> Path:
+    """A folder whose ``sitecustomize`` hides every distribution the GPU image lacks unless it comes from ``roots``
+    (put the folder first on PYTHONPATH); it then runs the ``sitecustomize`` it shadows, if the interpreter has one."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(
         "# written by scripts/gpu_rehearsal.py: this process sees the GPU image's distributions only\n"
+        "import importlib.machinery\n"
         "import importlib.util\n"
+        "import sys\n"
         "from pathlib import Path\n\n"
         f"_spec = importlib.util.spec_from_file_location('_fusedrl_image', {str(tree / 'fusedrl/testing/image.py')!r})\n"
         "_image = importlib.util.module_from_spec(_spec)\n"
         "_spec.loader.exec_module(_image)\n"
-        f"_image.install_image_site(Path({str(tree / IMAGE)!r}))\n"
+        f"_image.install_image_site(Path({str(tree / IMAGE)!r}), [Path(r) for r in {[str(r) for r in roots]!r}])\n"
+        f"_next = importlib.machinery.PathFinder.find_spec('sitecustomize', [p for p in sys.path if p != {str(folder)!r}])\n"
+        "if _next is not None and _next.loader is not None:\n"
+        "    _next.loader.exec_module(importlib.util.module_from_spec(_next))\n"
     )
     return folder
 
@@ -124,7 +132,7 @@ def dry_run(tree: Path, work: Path) -> int:
     """The check's dry run in ``tree``, offline and with the image's distributions only; its exit status."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
     env.update(
-        PYTHONPATH=str(image_site(work / "image", tree)),
+        PYTHONPATH=str(image_site(work / "image", tree, [work / "site"])),
         PYTHON=sys.executable,
         FUSEDRL_SITE=str(work / "site"),
         PIP_NO_INDEX="1",
@@ -153,15 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     if size_report(files) > LIMIT_BYTES:
         raise SystemExit(f"error: what travels passes {LIMIT_BYTES / 2**20:.0f} MiB; carry less (docs/gpu.md)")
     work = Path(tempfile.mkdtemp(prefix="fusedrl-rehearsal-")) if args.work is None else args.work.resolve()
-    tree = work / "tree"
-    if tree.exists():
-        shutil.rmtree(tree)
-    copy_tree(files, tree, pins)
-    status = 0 if args.no_run else dry_run(tree, work)
-    if args.work is None and status == 0:
-        shutil.rmtree(work)
-    elif status != 0:
-        print(f"rehearsal: the copy, the installed wheels and the check's files are in {work}", flush=True)
+    if work.is_relative_to(ROOT):
+        raise SystemExit(f"error: --work {work} is inside the repository, whose files it copies; give a folder outside it")
+    tree, status = work / "tree", 1
+    try:
+        if tree.exists():
+            shutil.rmtree(tree)
+        copy_tree(files, tree, pins)
+        status = 0 if args.no_run else dry_run(tree, work)
+    finally:
+        if args.work is None and status == 0 and not args.no_run:
+            shutil.rmtree(work)
+        else:
+            print(f"rehearsal: the copy, the installed wheels and the check's files are in {work}", flush=True)
     carry = json.dumps([str(WHEELS), str(MODEL)])
     print(
         f"rehearsal: {'passed' if status == 0 else f'FAILED (exit status {status})'}; on the GPU machine, carrying "

@@ -108,20 +108,21 @@ def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels(
     assert without["missing"] == ["torchtune"] and "fusedrl.train" in without["failed"]  # the check can fail
 
 
-def test_the_rehearsal_s_image_site_hides_what_the_image_lacks_unless_it_comes_from_outside_site_packages(tmp_path):
+def test_the_rehearsal_s_image_site_hides_what_the_image_lacks_unless_it_comes_from_the_wheels_root(tmp_path):
     """scripts/gpu_rehearsal.py runs the check with :class:`~fusedrl.testing.image.ImageSite` in every process (a
-    ``sitecustomize``): torchtune, installed here but not on the GPU image, does not import; the same name put on the
-    path from a folder of its own (the carried wheels' install target) does."""
+    ``sitecustomize``): torchtune, installed here but not on the GPU image, does not import, nor from another folder
+    on the path; installed into the root the blocker names (the carried wheels' install target), it does."""
+    saved = list(sys.path)
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from gpu_rehearsal import image_site
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    site = image_site(tmp_path / "image", ROOT)
+        sys.path[:] = saved  # the module puts scripts/ on the path too
     outside = tmp_path / "carried"
-    (outside / "torchtune").mkdir(parents=True)
-    (outside / "torchtune" / "__init__.py").write_text("")
-    (outside / "torchtune" / "models.py").write_text("")
+    site = image_site(tmp_path / "image", ROOT, [outside])
+    elsewhere = tmp_path / "elsewhere"  # not a root: a package there is refused as the installed one is
+    (elsewhere / "torchtune").mkdir(parents=True)
+    (elsewhere / "torchtune" / "__init__.py").write_text("")
     probe = (
         "import importlib\n"
         "for name in ('torch', 'torchtune', 'torchtune.models'):\n"
@@ -138,7 +139,14 @@ def test_the_rehearsal_s_image_site_hides_what_the_image_lacks_unless_it_comes_f
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.strip().splitlines()
 
+    refused = "torchtune refused: No module named 'torchtune' (torchtune is not on the image)"
     hidden = run(site)
-    assert hidden[0] == "torch installed"  # on the image
-    assert hidden[1] == "torchtune refused: No module named 'torchtune' (torchtune is not on the image)", hidden
-    assert run(site, outside) == ["torch installed", "torchtune carried", "torchtune.models carried"]
+    assert hidden[0] == "torch installed" and hidden[1] == refused, hidden  # torch is on the image
+    assert run(site, elsewhere)[1] == refused
+    (outside / "torchtune").mkdir(parents=True)  # the wheels installed into the root
+    (outside / "torchtune" / "__init__.py").write_text("")
+    (outside / "torchtune" / "models.py").write_text("")
+    assert run(site) == ["torch installed", "torchtune carried", "torchtune.models carried"]
+    empty = tmp_path / "carried" / "torchtune"  # a root holding a folder without __init__.py: no package, refused
+    (empty / "__init__.py").unlink()
+    assert run(site)[1] == refused

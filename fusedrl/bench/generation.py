@@ -13,9 +13,10 @@ padding), and the greedy tokens of every row are compared (rows whose tokens dif
 float rounding can flip a near tie). Tokens/s counts generated tokens over wall time including prefill; compile time
 is excluded (a warm-up generation precedes the timed ones) and reported separately. Modes are timed interleaved,
 ``--repeats`` times each, and the best time per mode counts. Every mode but the compiled one is timed first, for every
-batch size; then the compiled engine, beside the eager one again (the eager figure keeps its best), one batch size at a
-time while ``--time-budget-s`` lasts: whatever compiling costs, a run cut at its limit has the other figures (with
-``--json``, a partial JSON line after each batch size of each pass).
+batch size; then the compiled engine, interleaved with the baseline and the eager engine again (their figures of that
+batch size replaced, so that all come from one pass), one batch size at a time while ``--time-budget-s`` lasts (counted
+from the model's load): whatever compiling costs, a run cut at its limit has the other figures (with ``--json``, a
+partial JSON line after each batch size of each pass and each batch size left out).
 
 Prefill sharing (``--prefill-groups 4,8,16``): the eager engine's prefill (and one sampled token) of 16 prompts, all
 distinct, against 16 / n distinct prompts of n samples each, which the engine prefills once per prompt.
@@ -401,8 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeats):
                 for name, run in runners.items():
                     best[name] = min(best[name], _seconds(run))
-        for name in runners:  # a mode timed twice (eager, beside the compiled one too) keeps its best
-            modes[name][str(b)] = max(modes[name].get(str(b), 0.0), tokens / best[name])
+        for name in runners:  # the second pass's figures replace the first's: all of one batch size from one pass
+            modes[name][str(b)] = tokens / best[name]
         if compiled is not None:
             compile_s[str(b)] = warmup["compiled"] - best["compiled"]
             graphs[str(b)] = {"graphs": compiled.compile_stats.graphs, "compile_s": compiled.compile_stats.seconds}
@@ -423,12 +424,14 @@ def main(argv: list[str] | None = None) -> dict:
     for b in batch_sizes:  # every mode but the compiled one first: their figures come whatever compiling costs
         measure(b, [m for m in modes if m != "compiled"])
     if "compiled" in modes:
-        for b in batch_sizes:  # then the compiled engine (beside the eager one again), while the time budget lasts
+        for b in batch_sizes:  # then the compiled engine beside the others again, while the time budget lasts
             if deadline is not None and time.monotonic() > deadline:
                 skipped.append(str(b))
                 print(f"{b:>5} compiled: not run, --time-budget-s {args.time_budget_s:g} spent", flush=True)
+                if args.json:
+                    print(json.dumps(out | {"partial": True}), flush=True)
                 continue
-            measure(b, ["eager", "compiled"])
+            measure(b, [m for m in modes if m != "int8_eager"])
     if compile_s:
         print("compile warm-up overhead (s): " + ", ".join(f"batch {b}: {s:.1f}" for b, s in compile_s.items()))
         print(

@@ -22,7 +22,6 @@ import importlib.util
 import json
 import pkgutil
 import re
-import site
 import subprocess
 import sys
 import traceback
@@ -94,38 +93,32 @@ class ImportBlocker(importlib.abc.MetaPathFinder):
 
 class ImageSite(ImportBlocker):
     """An :class:`ImportBlocker` for whole programs run as on the image (``scripts/gpu_rehearsal.py``): a refused
-    distribution imports after all from a folder outside this interpreter's site-packages (the carried wheels'
-    ``pip install --target``, put on ``PYTHONPATH``), as it would on the image."""
+    distribution imports after all from one of ``roots`` (the carried wheels' ``pip install --target`` folder), as it
+    would on the image; nothing else it refuses is found anywhere."""
 
-    def __init__(self, allowed: set[str]) -> None:
+    def __init__(self, allowed: set[str], roots: Sequence[Path]) -> None:
         super().__init__(allowed)
-        self.site_dirs = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+        self.roots = [str(Path(r).resolve()) for r in roots]
 
-    def _outside(self, location: str | None) -> bool:
-        """Whether ``location`` lies outside every site-packages (the interpreter's, a system dist-packages)."""
-        if location is None:
-            return False
-        where = Path(location).resolve()
-        inside = any(str(where).startswith(d) for d in self.site_dirs)
-        return not inside and not {"site-packages", "dist-packages"} & set(where.parts)
+    def _in_roots(self, location: str | None) -> bool:
+        return location is not None and any(str(Path(location).resolve()).startswith(r + "/") for r in self.roots)
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
         top = fullname.partition(".")[0]
         loaded = sys.modules.get(top)
-        if loaded is not None and self._outside(getattr(loaded, "__file__", None)):
-            return None  # its package came from outside site-packages: so do its submodules
+        if loaded is not None and self._in_roots(getattr(loaded, "__file__", None)):
+            return None  # its package came from a root: its __path__ finds its submodules there
         if fullname == top:
-            entries = [p for p in sys.path if p and self._outside(p)]
-            spec = importlib.machinery.PathFinder.find_spec(top, entries)
-            if spec is not None:
-                return None  # found outside site-packages: the normal finders take it (PYTHONPATH comes first)
+            spec = importlib.machinery.PathFinder.find_spec(top, self.roots)
+            if spec is not None and spec.origin is not None:  # a module or a regular package in a root, not a namespace
+                return spec
         return super().find_spec(fullname, path, target)
 
 
-def install_image_site(image: Path) -> ImageSite:
-    """Put an :class:`ImageSite` for the distributions listed in ``image`` (with their dependencies) first on
-    ``sys.meta_path`` (a ``sitecustomize`` calls it, so that every process of a program has it)."""
-    blocker = ImageSite(with_dependencies(read_names(image)) | {"fusedrl"})
+def install_image_site(image: Path, roots: Sequence[Path]) -> ImageSite:
+    """Put an :class:`ImageSite` for the distributions listed in ``image`` (with their dependencies) and ``roots``
+    first on ``sys.meta_path`` (a ``sitecustomize`` calls it, so that every process of a program has it)."""
+    blocker = ImageSite(with_dependencies(read_names(image)) | {"fusedrl"}, roots)
     sys.meta_path.insert(0, blocker)
     return blocker
 
