@@ -714,11 +714,12 @@ class GenerationEngine:
         """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""
         p: SamplingParams = slot.request.sampling
         n = len(slot.generated) - slot.turn_start
-        if p.target_len is not None and n >= p.target_len:
-            return "length"
-        if p.target_len is None and token in p.stop_token_ids:
+        if p.target_len is not None:
+            if n >= p.target_len:
+                return "length"
+        elif token in p.stop_token_ids:
             return "stop"
-        if p.target_len is None and n >= p.max_new_tokens:
+        elif n >= p.max_new_tokens:
             return "length"
         room = self.max_len - len(slot.request.prompt)
         if slot.request.max_tokens is not None:  # a request's own cap over every turn

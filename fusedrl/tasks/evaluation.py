@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fusedrl.components import Progress, PromptDataset, Tokenizer, load_prompts_from_config
 from fusedrl.config import InputError, JobConfig
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
+from fusedrl.generation.state import sampled_count
 from fusedrl.layouts import RolloutLayout
 from fusedrl.rlhf import Episodes, build_episodes
 from fusedrl.tasks import HeldOut, Task
@@ -146,7 +147,7 @@ class Evaluator:
                         text = self.tokenizer.decode(tokens[:-1] if finished else tokens)
                         grade = float(self.held_out.grade(self.dataset.prompts[i], text, finished))
                     right |= grade >= RIGHT
-                    sampled = sum(result.sampled_mask)  # an episode's observations are not its answer
+                    sampled = sampled_count(tokens, result.observations)  # an episode's observations are not its answer
                     sums += torch.tensor([grade >= RIGHT, grade, 0.0, sampled, finished], dtype=torch.float64)
                 sums[2] += right
         sums = sums.to(self.engine.device)
