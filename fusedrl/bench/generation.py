@@ -18,6 +18,10 @@ batch size replaced, so that all come from one pass), one batch size at a time w
 from the model's load): whatever compiling costs, a run cut at its limit has the other figures (with ``--json``, a
 partial JSON line after each batch size of each pass and each batch size left out).
 
+On a device where the engine reads each decode step's tokens one step late by default (CUDA:
+``fusedrl.generation.engine.reads_lag_a_step``), the eager engine that reads every step at once is timed beside it
+(``eager_reads_each_step``): what the late read gains.
+
 Prefill sharing (``--prefill-groups 4,8,16``): the eager engine's prefill (and one sampled token) of 16 prompts, all
 distinct, against 16 / n distinct prompts of n samples each, which the engine prefills once per prompt.
 
@@ -58,7 +62,7 @@ from torchtune.generation import generate as torchtune_generate
 from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.engine import CompileScope
+from fusedrl.generation.engine import CompileScope, reads_lag_a_step
 from fusedrl.hardware import accelerator_named, cached_peak
 from fusedrl.models import ModelFlavor, build_model, from_pretrained, resolve_flavor
 from fusedrl.models.figures import kv_bytes_per_token
@@ -326,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
     greedy = hf_model is not None
 
     modes: dict[str, dict[str, float]] = {baseline: {}, "eager": {}}
+    if reads_lag_a_step(torch.device(args.device)):
+        modes["eager_reads_each_step"] = {}
     if not args.no_compile:
         modes["compiled"] = {}
     if args.quantize:
@@ -378,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict:
             runners["eager"] = _engine_runner(
                 GenerationEngine(model, max_slots=b, max_len=max_len), prompts, args.new_tokens, greedy, ours
             )
+        if "eager_reads_each_step" in names:
+            engine = GenerationEngine(model, max_slots=b, max_len=max_len, lagged_reads=False)
+            runners["eager_reads_each_step"] = _engine_runner(engine, prompts, args.new_tokens, greedy)
         compiled = None
         if "compiled" in names:
             # One length bucket (as the figures before the symbolic attended length were measured).

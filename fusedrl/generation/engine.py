@@ -43,6 +43,14 @@ def _tensor_parallel(model: TransformerDecoder) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def reads_lag_a_step(device: torch.device) -> bool:
+    """Whether an engine on ``device`` reads a decode step's sampled tokens one step late by default: on a CUDA device
+    the host launches step t+1 (its inputs are on the device already) before it waits for step t's tokens, so the device
+    never idles while the host copies them and updates its slots. On a CPU every operation runs in the caller's thread:
+    a late read would only decode finished rows once more."""
+    return device.type == "cuda"
+
+
 def check_compile(startup: Startup) -> None:
     """Startup check (raises ConfigError): CUDA graphs (``compile_mode = "reduce-overhead"``) record the whole decode
     step, so they need ``compile_scope = "step"``; the compiled decode takes no tensor-parallel weights."""
@@ -60,6 +68,16 @@ def check_compile(startup: Startup) -> None:
             "graphs of the whole decode step, but generation.compile_scope = layer compiles one layer: set "
             "--generation.compile_scope=step, or compile_mode = default"
         )
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A decode step's sampled tokens and log-probs ([2, rows] float64) on their way to the host, for ``slots`` (rows
+    in order); ``done``: the CUDA event after the copy (None: already on the host)."""
+
+    slots: list[_Slot]
+    values: torch.Tensor
+    done: torch.cuda.Event | None
 
 
 @dataclass(eq=False)
@@ -129,6 +147,10 @@ class GenerationEngine:
             drafts as context), drafts are accepted while they equal the sampled tokens, and the first sampled token
             that differs is kept. The tokens are those of decoding without it; log-probs are the verify forward's.
 
+        lagged_reads: read each decode step's tokens while the next step runs (None: on CUDA devices,
+            :func:`reads_lag_a_step`). A request that finished is then found one step later (its row decodes once
+            more, discarded); every request's tokens and log-probs are the same.
+
     The model may be tensor-parallel over a generation instance (``fusedrl.distributed.apply_tp``): every rank
     of the instance runs the same requests in lockstep, holds its share of the KV heads, and samples the same
     tokens (the logits are replicated).
@@ -152,6 +174,7 @@ class GenerationEngine:
         speculative: Speculative = "off",
         max_draft: int = 8,
         speculative_rows: int = 4,
+        lagged_reads: bool | None = None,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -197,6 +220,8 @@ class GenerationEngine:
             raise ValueError(f"len_buckets {self.len_buckets} must lie in [1, max_len] and include max_len={max_len}")
         self.vocab_size = model.tok_embeddings.num_embeddings
         self.device = model.tok_embeddings.weight.device
+        self.lagged_reads = reads_lag_a_step(self.device) if lagged_reads is None else lagged_reads
+        self._in_flight: _Launched | None = None  # a decode step whose tokens the host has not read (lagged_reads)
         self._build()
         self._state = SlotState(max_slots, self.device)
         self._active: list[_Slot] = []
@@ -362,6 +387,7 @@ class GenerationEngine:
         """Remove an unfinished request and return its state (KV included when ``mode="kv"``)."""
         if mode not in ("kv", "reprefill"):
             raise ValueError(f"export mode must be 'kv' or 'reprefill', got {mode!r}")
+        self._read_in_flight()
         for i, slot in enumerate(self._active):
             if slot.request.id == request_id:
                 state = slot.state()
@@ -383,6 +409,7 @@ class GenerationEngine:
 
     def unfinished_ids(self) -> list[RequestId]:
         """Requests decoding, queued, or (multi-turn) waiting between turns."""
+        self._read_in_flight()
         return [s.request.id for s in self._active] + [s.id for s in self._waiting] + list(self._parked)
 
     # ---------------------------------------------------------------- multi-turn requests
@@ -444,6 +471,7 @@ class GenerationEngine:
     def progress(self) -> list[RequestProgress]:
         """Every unfinished request's progress (``generated``: its current turn's tokens): active slots first, then the
         waiting queue in order (multi-turn requests between turns left out)."""
+        self._read_in_flight()
         entries = [(s.request, len(s.generated), s.turn_start, True) for s in self._active]
         entries += [(s.request, len(s.generated), s.turn_start, False) for s in self._waiting]
         return [
@@ -454,11 +482,12 @@ class GenerationEngine:
     @property
     def num_unfinished(self) -> int:
         """Requests decoding, queued, or waiting between turns."""
+        self._read_in_flight()
         return len(self._active) + len(self._waiting) + len(self._parked)
 
     def has_work(self) -> bool:
         """Whether :meth:`step` has something to do (multi-turn requests between turns wait for their caller)."""
-        return bool(self._active or self._waiting or self._ready)
+        return bool(self._active or self._waiting or self._ready or self._in_flight)
 
     def stats(self) -> EngineStats:
         remaining = sum(p.budget - p.generated for p in self.progress())  # what the current turns may still sample
@@ -486,6 +515,8 @@ class GenerationEngine:
             self._admit()
             if self._active:
                 self._decode_step()
+            else:
+                self._read_in_flight()  # a step launched before its rows were known to have finished
         finally:
             for m in training:
                 m.training = True
@@ -612,12 +643,16 @@ class GenerationEngine:
         )
 
     def _decode_step(self) -> None:
+        if self.speculator is not None and len(self._active) <= self.speculator.rows:
+            self._read_in_flight()  # drafts extend every request's latest tokens
+            if not self._active or self._verify_step():
+                return
         n = len(self._active)
-        if self.speculator is not None and n <= self.speculator.rows and self._verify_step():
-            return
         b = round_up(n, self.batch_buckets)
-        # the host knows every cache length: the length bucket needs no device read
-        length = round_up(max(s.cache_len for s in self._active), self.len_buckets, strictly_above=True)
+        # the host knows every cache length (a step still in flight moved each row one position on): the length bucket
+        # needs no device read
+        lag = int(self._in_flight is not None)
+        length = round_up(max(s.cache_len for s in self._active) + lag, self.len_buckets, strictly_above=True)
         columns, ints, floats = self._forward.columns[:length], self._state.ints[:b], self._state.floats[:b]
         if self.compile:
             # the attended length is symbolic: one graph for every length bucket (compiled per step, the buckets bound
@@ -630,7 +665,15 @@ class GenerationEngine:
         # rows past n: free slots (token 0 at position 0, cleared when their request left)
         tokens, logprobs, ints = self._call(self._decode, ints, floats, columns, *self._sampling_flags(self._active))
         self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
-        self._record(list(self._active), tokens[:n], logprobs[:n])
+        launched = self._copy_out(list(self._active), tokens[:n], logprobs[:n])
+        if not self.lagged_reads:
+            self._read(launched)
+            return
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._read(previous)  # while this step runs
+            if not self._active:
+                self._in_flight = None  # every row of this step finished before it: nothing of it to read
 
     def _verify_step(self) -> bool:
         """A speculative step (:mod:`.speculation`) over every active slot; False (nothing done) when none had a draft."""
@@ -671,8 +714,34 @@ class GenerationEngine:
 
     def _record(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots."""
-        host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids are exact in float64
-        self._append(slots, [[int(t)] for t in host[0]], [[lp] for lp in host[1]])
+        self._read(self._copy_out(slots, tokens, logprobs))
+
+    def _copy_out(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> _Launched:
+        """Start copying the sampled ``tokens`` and ``logprobs`` of ``slots`` to the host (one copy)."""
+        values = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
+        if values.device.type != "cuda":
+            return _Launched(slots, values, None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # an asynchronous copy needs pinned memory
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(slots, host, done)
+
+    def _read(self, launched: _Launched) -> None:
+        """Append a step's tokens to its slots that are still active (a row that finished in the step before a lagged
+        read decoded once more: its token is dropped) and retire the slots that finished."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        tokens, logprobs = launched.values.tolist()
+        live = {id(s) for s in self._active}
+        rows = [r for r, s in enumerate(launched.slots) if id(s) in live]
+        self._append([launched.slots[r] for r in rows], [[int(tokens[r])] for r in rows], [[logprobs[r]] for r in rows])
+
+    def _read_in_flight(self) -> None:
+        """Read the decode step still in flight (``lagged_reads``): every slot's tokens on the host are then current."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._read(launched)
 
     def _append(self, slots: list[_Slot], tokens: list[list[int]], logprobs: list[list[float]]) -> list[_Slot]:
         """Append each slot's sampled tokens in order, up to the one that ends it (a verify step produces several),
@@ -727,10 +796,11 @@ class GenerationEngine:
         return "max_len" if len(slot.generated) >= room else None
 
     def _remove_slot(self, i: int) -> None:
-        """Free slot i, keeping active slots contiguous: the last active slot moves into i."""
+        """Free slot i, keeping active slots contiguous: the last active slot moves into i (with the position a step
+        still in flight writes)."""
         last = len(self._active) - 1
         if i != last:
-            self._forward.move_slot(last, i, self._active[last].cache_len)
+            self._forward.move_slot(last, i, self._active[last].cache_len + int(self._in_flight is not None))
             self._state.move(last, i)
             self._active[i] = self._active[last]
         self._state.ints[last] = 0  # a free row decodes at position 0 (padding rows of a batch bucket)
