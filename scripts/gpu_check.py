@@ -18,7 +18,9 @@ Before the steps, a preflight (a second, not counted in the limits) writes ``pre
 GPU, driver and CUDA version (``nvidia-smi``), the versions of the distributions the figures depend on
 (:data:`REPORTED`), and the carried wheels; it refuses to start (exit 1, nothing else run) when a distribution of
 ``scripts/gpu_wheels.txt`` is not installed (the wheels were not carried) or a carried wheel does not fit this
-Python (a wheel tagged for another minor version, as multiprocess is).
+Python (a wheel tagged for another minor version, as multiprocess is). A dry run lists such wheels without refusing:
+``.whl/`` holds the GPU machine's (CPython 3.12) wheels once the rehearsal built them, and a dry run here runs on this
+interpreter's own packages.
 
 Each step's result is written to ``--out`` (default ``$OUT``, the folder whose files come back from a lent GPU
 machine, else a new temporary folder) as ``<step>.json`` when it ends, so a run killed from outside still returns the
@@ -168,9 +170,9 @@ def _misfit_wheel(wheel: Path) -> str | None:
     return None if fitting else f"tagged for {', '.join(sorted({t.interpreter for t in tags}))}, not Python {this}"
 
 
-def preflight(out: Path) -> dict:
+def preflight(out: Path, dry_run: bool = False) -> dict:
     """The machine and versions (written to ``out/preflight.json``); ``exit`` 1 with ``error`` when the carried
-    wheels are missing or do not fit this Python."""
+    wheels are missing or (unless ``dry_run``: listed as ``wheels_for_another_python``) do not fit this Python."""
     pins = [line.split("==")[0] for line in WHEELS_LIST.read_text().splitlines() if line and not line.startswith("#")]
     wheels = sorted(CARRIED_WHEELS.glob("*.whl"))
     misfits = {w.name: why for w in wheels if (why := _misfit_wheel(w)) is not None}
@@ -187,7 +189,9 @@ def preflight(out: Path) -> dict:
             f"{', '.join(missing)} not installed: build the wheels with `python scripts/gpu_wheels.py` on a machine with an "
             f"index and carry {CARRIED_WHEELS.name}/ with the checkout (docs/gpu.md)"
         )
-    if misfits:
+    if misfits and dry_run:
+        entry["wheels_for_another_python"] = misfits
+    elif misfits:
         errors.append(
             "carried wheels that do not fit this Python: "
             + "; ".join(f"{name} ({why})" for name, why in misfits.items())
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "smollm2_recipe": lambda limit: _recipe_step(py, env, limit, args, work, device),
         "generation_bench": lambda limit: _generation_step(py, env, limit, args.dry_run),
     }
-    summary: dict = {"dry_run": args.dry_run, "out": str(out), "preflight": preflight(out)}
+    summary: dict = {"dry_run": args.dry_run, "out": str(out), "preflight": preflight(out, args.dry_run)}
     if summary["preflight"]["exit"]:
         summary["ok"] = False
         print(json.dumps(summary), flush=True)

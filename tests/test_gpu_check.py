@@ -87,13 +87,19 @@ def test_gpu_check_refuses_to_start_without_the_carried_wheels_or_with_wheels_fo
     monkeypatch.setattr(check, "WHEELS_LIST", listed)
     monkeypatch.setattr(check, "CARRIED_WHEELS", carried)
     out = tmp_path / "out"
-    assert check.main(["--dry-run", "--out", str(out)]) == 1
+    assert check.main(["--out", str(out)]) == 1
     assert sorted(p.name for p in out.iterdir()) == ["preflight.json"]  # no step ran
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     error = summary["preflight"]["error"]
     assert not summary["ok"] and "no-such-distribution-here not installed" in error and "pytest" not in error.split(":")[0]
     assert f"multiprocess-0.70.19-{other}-none-any.whl" in error and "dill" not in error
     assert summary["preflight"]["versions"]["torch"] == importlib.metadata.version("torch")
+    # a dry run (this interpreter's packages) lists the GPU machine's wheels and refuses only what is missing
+    listed.write_text("pytest==0\n")
+    dry = check.preflight(tmp_path, dry_run=True)
+    assert dry["exit"] == 0 and list(dry["wheels_for_another_python"]) == [f"multiprocess-0.70.19-{other}-none-any.whl"]
+    listed.write_text("no-such-distribution-here==1.0\n")
+    assert check.preflight(tmp_path, dry_run=True)["exit"] == 1
 
 
 @pytest.mark.slow
