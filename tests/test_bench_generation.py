@@ -4,6 +4,7 @@ engine follows while its time budget lasts, so a run cut at its limit (the GPU c
 import json
 
 import pytest
+import torch
 
 from fusedrl.bench.generation import main
 
@@ -23,6 +24,7 @@ def test_eager_figures_come_first_and_the_compiled_mode_runs_while_its_budget_la
     assert "compiled: not run, --time-budget-s 0.001 spent" in out
     assert _json_lines(out)[-2]["compiled_skipped"] == ["1", "2"]  # said in a partial line too, before the last one
 
+    torch.compiler.reset()  # a same-shaped graph compiled earlier in this process (another test's) would be reused
     figures = main([*TINY, "--batch-sizes", "1"])
     lines = _json_lines(capsys.readouterr().out)
     first, second = lines[0], lines[1]  # the partial figures after each pass
