@@ -221,7 +221,9 @@ class GenerationEngine:
         self.vocab_size = model.tok_embeddings.num_embeddings
         self.device = model.tok_embeddings.weight.device
         self.lagged_reads = reads_lag_a_step(self.device) if lagged_reads is None else lagged_reads
-        self._in_flight: _Launched | None = None  # a decode step whose tokens the host has not read (lagged_reads)
+        # a decode step whose tokens the host has not read (lagged_reads); only while some slot is active: a read that
+        # leaves none drops it (its rows all finished before it)
+        self._in_flight: _Launched | None = None
         self._build()
         self._state = SlotState(max_slots, self.device)
         self._active: list[_Slot] = []
@@ -487,7 +489,7 @@ class GenerationEngine:
 
     def has_work(self) -> bool:
         """Whether :meth:`step` has something to do (multi-turn requests between turns wait for their caller)."""
-        return bool(self._active or self._waiting or self._ready or self._in_flight)
+        return bool(self._active or self._waiting or self._ready)
 
     def stats(self) -> EngineStats:
         remaining = sum(p.budget - p.generated for p in self.progress())  # what the current turns may still sample
@@ -515,8 +517,6 @@ class GenerationEngine:
             self._admit()
             if self._active:
                 self._decode_step()
-            else:
-                self._read_in_flight()  # a step launched before its rows were known to have finished
         finally:
             for m in training:
                 m.training = True
