@@ -54,6 +54,6 @@ def _install(phase: str, step: int) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == os.environ["FAULT_RANK"]:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == os.environ.get("FAULT_RANK"):
         _install(os.environ["FAULT_PHASE"], int(os.environ["FAULT_STEP"]))
     sys.exit(train.main(sys.argv[1:]))

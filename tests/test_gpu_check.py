@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,30 +20,59 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = {"pytest_gpu", "smollm2_recipe", "generation_bench"}
 
 
-def _check(*args: str, ok: bool = True) -> tuple[dict, subprocess.CompletedProcess]:
-    proc = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run", *args],
+def _check(out: Path, *args: str) -> subprocess.Popen:
+    """``gpu_check.sh --dry-run`` started (not waited for): each run takes one core, so the two below run side by side."""
+    return subprocess.Popen(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out), *args],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=2100,  # a hang guard past the dry run's own (4x the 480 s of step limits)
         env={**os.environ, "PYTHON": sys.executable},
     )
-    assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc
+
+
+def _summary(proc: subprocess.Popen, ok: bool = True) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=2100)  # a hang guard past the dry run's own (4x the 480 s of step limits)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert (proc.returncode == 0) == ok, stdout[-3000:] + stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def dry_runs(request, tmp_path_factory) -> Iterator[dict[str, tuple[Path, subprocess.Popen]]]:
+    """The whole dry run and one of a single step, those of the selected tests started at once."""
+    selected = {item.originalname for item in request.session.items}
+    runs = {}
+    for name, test, args in (
+        ("whole", test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step, ()),
+        ("only", test_gpu_check_only_runs_the_named_step, ("--only", "generation_bench")),
+    ):
+        if test.__name__ in selected:
+            out = tmp_path_factory.mktemp(name)
+            runs[name] = (out, _check(out, *args))
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # past _check's own 2100 s, so that its TimeoutExpired names the command
-def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(tmp_path):
+@pytest.mark.timeout(2400)  # past _summary's own 2100 s, so that its TimeoutExpired names the command
+def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(dry_runs):
+    out, proc = dry_runs["whole"]
     real_model = (ROOT / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file()  # .ci/run builds it
-    summary, _ = _check("--out", str(tmp_path), ok=real_model)  # a skipped step fails the check
+    summary = _summary(proc, ok=real_model)  # a skipped step fails the check
     assert summary["ok"] == real_model and summary["dry_run"] and STEPS <= set(summary)
-    preflight = json.loads((tmp_path / "preflight.json").read_text())
+    preflight = json.loads((out / "preflight.json").read_text())
     assert preflight == summary["preflight"] and preflight["exit"] == 0 and preflight["versions"]["torch"]
     assert sum(summary[name]["limit_s"] for name in STEPS) <= 8 * 60
     for name in STEPS:  # each step's file, written as it ended, holds the summary's entry and the output's tail
-        written = json.loads((tmp_path / f"{name}.json").read_text())
+        written = json.loads((out / f"{name}.json").read_text())
         assert {k: v for k, v in written.items() if k != "output_tail"} == summary[name]
     assert summary["pytest_gpu"]["tests"].get("failed", 0) == 0
     assert set(summary["generation_bench"]["modes"]) == {"torchtune", "eager"}
@@ -55,12 +86,13 @@ def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_ste
 
 
 @pytest.mark.timeout(2400)
-def test_gpu_check_only_runs_the_named_step(tmp_path):
-    summary, _ = _check("--out", str(tmp_path), "--only", "generation_bench")
+def test_gpu_check_only_runs_the_named_step(dry_runs):
+    out, proc = dry_runs["only"]
+    summary = _summary(proc)
     assert summary["ok"] and set(summary) & STEPS == {"generation_bench"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["generation_bench.json", "preflight.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["generation_bench.json", "preflight.json"]
     # the bench printed its figures after each batch size (what a step killed at its limit keeps), then all of them
-    entry = json.loads((tmp_path / "generation_bench.json").read_text())
+    entry = json.loads((out / "generation_bench.json").read_text())
     partial = [
         json.loads(line) for line in entry["output_tail"].splitlines() if line.startswith('{"') and '"partial": true' in line
     ]
@@ -107,10 +139,13 @@ def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels(
     """Every fusedrl module, test module and the check itself import when only the GPU image's distributions (and,
     for the image packages' newer versions here, their dependencies) and scripts/gpu_wheels.txt's are importable."""
     wheels = sorted(read_names(ROOT / "scripts" / "gpu_wheels.txt"))
-    report = run_check(ROOT / "scripts" / "gpu_image_packages.txt", wheels)
+    image = ROOT / "scripts" / "gpu_image_packages.txt"
+    with ThreadPoolExecutor(2) as pool:  # two processes that import on one core each
+        checked = pool.submit(run_check, image, wheels)
+        without_torchtune = pool.submit(run_check, image, [w for w in wheels if w != "torchtune"])
+    report, without = checked.result(), without_torchtune.result()
     assert report["failed"] == {} and report["missing"] == [], report
     assert "torchtune" in wheels and "torch" not in wheels  # what the image lacks, and not what it has
-    without = run_check(ROOT / "scripts" / "gpu_image_packages.txt", [w for w in wheels if w != "torchtune"])
     assert without["missing"] == ["torchtune"] and "fusedrl.train" in without["failed"]  # the check can fail
 
 

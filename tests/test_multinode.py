@@ -4,7 +4,8 @@ node checks that refuse a generation instance or a TP group spanning nodes.
 The launch test runs the debug config (``TINY`` of tests/test_train.py, one generation instance of gen_tp = 2 per
 node) as 2 agents x 2 processes and as 1 agent x 4 processes at the same seed: the rendezvous must place node n's
 workers at global ranks 2n, 2n+1 (what the node checks assume), the trainer must log the same layout, and the
-deterministic figures of metrics.jsonl must be equal.
+deterministic figures of metrics.jsonl must be equal. The one-agent launch is also the check of the plain
+``torchrun ... -m fusedrl.train`` entry point: it trains, logs, and exports the Actor as an HF folder.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CONFIG = str(ROOT / "train_configs" / "debug_ppo.toml")
 NODES, PER_NODE = 2, 2
 # pp=2 x dp_shard=2 x tp=1 (the debug config) with gen_tp=2: each node holds one generation instance, and the two
 # pipeline stages lie on different nodes (stage s on global ranks 2s, 2s+1).
-LAYOUT = ["--parallelism.gen_tp=2"]
+LAYOUT = ["--parallelism.gen_tp=2", "--checkpoint.export_hf=true"]
 LAUNCH_TIMEOUT_S = 240.0
 LAYOUT_LINE = "fusedrl: debug_ppo: 4 ranks ("
 
@@ -107,7 +108,8 @@ def _layout_line(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> tuple[list[Agent], list[dict]]:
+def one_node(tmp_path_factory) -> tuple[list[Agent], list[dict], Path]:
+    """One agent of 4 workers: the reference of the two-agent launch, and what a user's plain ``torchrun`` runs."""
     out = tmp_path_factory.mktemp("one_node")
     agents = _run_agents(
         out,
@@ -122,7 +124,18 @@ def one_node(tmp_path_factory) -> tuple[list[Agent], list[dict]]:
         ],
     )
     assert agents[0].proc.returncode == 0, _report(agents)
-    return agents, read_jsonl(out / "run" / "metrics.jsonl")
+    return agents, read_jsonl(out / "run" / "metrics.jsonl"), out / "run"
+
+
+@pytest.mark.slow
+def test_torchrun_entry_point_trains_and_exports_the_actor(one_node):
+    from fusedrl.models import build_model, load_hf_checkpoint
+
+    (agent,), records, run = one_node
+    assert "step 1: true_score=" in agent.output and "step 2: true_score=" in agent.output, _report([agent])
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["policy_loss"]) and r["samples_per_s"] > 0 for r in records)
+    load_hf_checkpoint(build_model("debug", "policy"), run / "actor_hf", "debug", "policy")
 
 
 @pytest.mark.slow
@@ -158,7 +171,7 @@ def test_two_agents_place_ranks_by_node_and_train_as_one_agent_does(tmp_path, on
     # no progress lines.
     first = next(a for a in agents if 0 in a.workers)
     second = next(a for a in agents if a is not first)
-    single, reference = one_node
+    single, reference, _ = one_node
     assert _layout_line(first.output) == _layout_line(single[0].output), report
     assert "2 generation instances of gen_tp=2" in _layout_line(first.output), report
     assert LAYOUT_LINE not in second.output, report

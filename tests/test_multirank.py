@@ -79,8 +79,9 @@ def test_ranks_over_the_open_file_budget_are_replaced_before_the_next_call():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hang_is_killed_at_timeout(tmp_path):
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 10s \(ranks \[0\] returned"):
-        run_multirank(_hang_on_rank_one, 2, str(tmp_path), timeout_s=10)
+    # the ranks fork from the fork server that imported fusedrl: rank 0's call returns within a fraction of the limit
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5s \(ranks \[0\] returned"):
+        run_multirank(_hang_on_rank_one, 2, str(tmp_path), timeout_s=5)
     pid = int((tmp_path / "1.pid").read_text())
     with pytest.raises(ProcessLookupError):  # the hanging rank was killed and reaped
         os.kill(pid, 0)

@@ -187,43 +187,6 @@ def test_critic_replicas_train_like_one_critic_pipeline(histories, train_dir):
         assert stored == math.prod(meta.size), f"{name}: {stored} elements stored for a tensor of {math.prod(meta.size)}"
 
 
-@pytest.mark.slow
-def test_torchrun_entry_point_trains_and_exports_the_actor(tmp_path):
-    from fusedrl.components import read_jsonl
-    from fusedrl.models import build_model, load_hf_checkpoint
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "4",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "fusedrl.train",
-            "--job.config_file",
-            CONFIG,
-            *TINY,
-            "--training.steps=1",
-            "--checkpoint.export_hf=true",
-            f"--job.output_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "step 1: true_score=" in proc.stdout
-    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
-    assert record["step"] == 1 and math.isfinite(record["policy_loss"]) and record["samples_per_s"] > 0
-    load_hf_checkpoint(build_model("debug", "policy"), tmp_path / "actor_hf", "debug", "policy")
-
-
 # ------------------------------------------------------------------------------------------- bad configs
 
 
@@ -436,27 +399,29 @@ def test_unnamed_models_without_paths_and_a_foreign_reference(tmp_path, monkeypa
         prepare([*base, f"--model.reference_path={qwen}"])
 
 
-@pytest.mark.parametrize(
-    ("given", "args", "expected"),
-    [
-        (None, ["--job.config_file", "train_configs/debug_ppo.toml"], "active"),  # device = "cpu" in the file
-        ("passive", ["--job.config_file", "train_configs/debug_ppo.toml"], "passive"),
-        (None, ["--job.config_file", "train_configs/debug_ppo.toml", "--training.device=cuda"], "unset"),
-        (None, ["--job.config_file", "train_configs/llama3_1_8b_ppo.toml"], "unset"),  # device = "cuda" in the file
-    ],
-)
-def test_the_training_command_keeps_openmp_threads_awake_on_cpu_ranks_unless_told_otherwise(given, args, expected):
+def test_the_training_command_keeps_openmp_threads_awake_on_cpu_ranks_unless_told_otherwise():
     """``fusedrl.train`` sets OMP_WAIT_POLICY before torch loads OpenMP (docs/ppo.md, "Threads") where its ranks compute
     on the CPU, leaves a GPU job's host threads to OpenMP's default, and leaves a value the environment gives alone."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given is not None:
-        env["OMP_WAIT_POLICY"] = given
-    code = (
-        f"import os, sys; sys.argv = ['fusedrl.train', *{args!r}]; import fusedrl.train; "
-        "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY', 'unset'))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.split()[-2:] == ["True", expected]
+    ppo = ["--job.config_file", "train_configs/debug_ppo.toml"]
+    cases = [  # (OMP_WAIT_POLICY given, command line, OMP_WAIT_POLICY expected)
+        (None, ppo, "active"),  # device = "cpu" in the file
+        ("passive", ppo, "passive"),
+        (None, [*ppo, "--training.device=cuda"], "unset"),
+        (None, ["--job.config_file", "train_configs/llama3_1_8b_ppo.toml"], "unset"),  # device = "cuda" in the file
+    ]
+    procs = []
+    for given, args, _ in cases:  # each a fresh interpreter, started together: one core each, mostly importing
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given is not None:
+            env["OMP_WAIT_POLICY"] = given
+        code = (
+            f"import os, sys; sys.argv = ['fusedrl.train', *{args!r}]; import fusedrl.train; "
+            "print('torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY', 'unset'))"
+        )
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True))
+    for proc, (given, args, expected) in zip(procs, cases):
+        stdout, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0 and stdout.split()[-2:] == ["True", expected], (given, args, stdout)
 
 
 def test_runs_on_cpu_reads_the_device_from_the_command_line_then_the_file_then_the_machine(tmp_path):

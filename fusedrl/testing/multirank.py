@@ -1,6 +1,6 @@
 """Run functions on N real processes that share a gloo process group (multi-rank tests).
 
-``run_multirank`` spawns the processes for one call. ``MultiRankPool`` keeps them alive across
+``run_multirank`` starts the processes for one call. ``MultiRankPool`` keeps them alive across
 calls (one process start-up per pool instead of per call: starting Python + torch dominates the
 cost of small multi-rank tests).
 """
@@ -32,6 +32,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What a rank imports before its first task: a spawned rank spent ~5 s of CPU on them (torch, torchtune with torchao,
+# the trainer); a rank forked from the fork server that imported them once starts in well under a second.
+PRELOAD = ("fusedrl.testing.multirank", "fusedrl.train")
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server (its modules ``PRELOAD``) where the platform has
+    one, else spawn. Like spawn, a forked rank gets the parent's ``sys.path`` and working directory when it starts, and
+    imports its task's module afresh; unlike spawn, its environment is the fork server's, the parent's when the first
+    rank of the process started."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any, results: Any) -> None:
@@ -84,7 +101,7 @@ def _pickle_task(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 
 class MultiRankPool:
-    """``world_size`` spawned processes with a gloo group on 127.0.0.1, reused across ``run`` calls.
+    """``world_size`` processes (:func:`rank_context`) with a gloo group on 127.0.0.1, reused across ``run`` calls.
 
     After a failure or a timeout the processes are killed (other ranks may be stuck in a
     collective) and the next ``run`` starts fresh ones. Functions must not destroy the default
@@ -107,7 +124,7 @@ class MultiRankPool:
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.max_open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 if max_open_files is None else max_open_files
-        self._ctx = mp.get_context("spawn")
+        self._ctx = rank_context()
         self._procs: list = []
         self._tasks: list = []
         self._results: Any = None
@@ -163,7 +180,7 @@ class MultiRankPool:
         self._kill()
 
     def _start(self) -> None:
-        # The spawn context hands the parent's sys.path to each child before it unpickles anything,
+        # The context hands the parent's sys.path to each child before it unpickles anything,
         # so a function defined in a test module that pytest put on sys.path (tests/) imports there too.
         port = free_port()
         self._results = self._ctx.Queue()
@@ -244,7 +261,7 @@ class MultiRankPool:
 
 
 def run_multirank(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh spawned processes sharing a gloo group.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes (:func:`rank_context`) sharing a gloo group.
 
     Each rank gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK in its environment, one
     intra-op thread and an initialised default group; after ``fn`` returns it barriers, and the
