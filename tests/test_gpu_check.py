@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,53 +20,59 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = {"pytest_gpu", "smollm2_recipe", "generation_bench"}
 
 
-def _check(out: Path, *args: str) -> subprocess.Popen:
-    """``gpu_check.sh --dry-run`` started (not waited for): each run takes one core, so the two below run side by side."""
-    return subprocess.Popen(
+def _dry_run(out: Path, *args: str) -> tuple[int, str, str]:
+    """``gpu_check.sh --dry-run``: its exit status, stdout and stderr."""
+    proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out), *args],
         cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         text=True,
+        timeout=2100,  # a hang guard past the dry run's own (4x the 480 s of step limits)
         env={**os.environ, "PYTHON": sys.executable},
     )
+    return proc.returncode, proc.stdout, proc.stderr
 
 
-def _summary(proc: subprocess.Popen, ok: bool = True) -> dict:
-    try:
-        stdout, stderr = proc.communicate(timeout=2100)  # a hang guard past the dry run's own (4x the 480 s of step limits)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert (proc.returncode == 0) == ok, stdout[-3000:] + stderr[-3000:]
+def _summary(run: Future, ok: bool = True) -> dict:
+    returncode, stdout, stderr = run.result()
+    assert (returncode == 0) == ok, stdout[-3000:] + stderr[-3000:]
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+IMAGE = ROOT / "scripts" / "gpu_image_packages.txt"
+WHEELS = sorted(read_names(ROOT / "scripts" / "gpu_wheels.txt"))
+
+
 @pytest.fixture(scope="module")
-def dry_runs(request, tmp_path_factory) -> Iterator[dict[str, tuple[Path, subprocess.Popen]]]:
-    """The whole dry run and one of a single step, those of the selected tests started at once."""
+def started(request, tmp_path_factory) -> Iterator[dict[str, tuple[Path | None, Future]]]:
+    """The module's long commands that the selected tests need, started together at the module's first test: two dry
+    runs of the check and two import checks, each a process on one core, so they run side by side."""
     selected = {item.originalname for item in request.session.items}
-    runs = {}
-    for name, test, args in (
-        ("whole", test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step, ()),
-        ("only", test_gpu_check_only_runs_the_named_step, ("--only", "generation_bench")),
-    ):
-        if test.__name__ in selected:
-            out = tmp_path_factory.mktemp(name)
-            runs[name] = (out, _check(out, *args))
-    yield runs
-    for _, proc in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    commands = {
+        "whole": (test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step, _dry_run, ()),
+        "only": (test_gpu_check_only_runs_the_named_step, _dry_run, ("--only", "generation_bench")),
+        "image": (test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels, run_check, (IMAGE, WHEELS)),
+        "image_without_torchtune": (
+            test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels,
+            run_check,
+            (IMAGE, [w for w in WHEELS if w != "torchtune"]),
+        ),
+    }
+    with ThreadPoolExecutor(len(commands)) as pool:
+        runs: dict[str, tuple[Path | None, Future]] = {}
+        for name, (test, command, args) in commands.items():
+            if test.__name__ in selected:
+                out = tmp_path_factory.mktemp(name) if command is _dry_run else None
+                runs[name] = (out, pool.submit(command, *((out, *args) if out is not None else args)))
+        yield runs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # past _summary's own 2100 s, so that its TimeoutExpired names the command
-def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(dry_runs):
-    out, proc = dry_runs["whole"]
+@pytest.mark.timeout(2400)  # past _dry_run's own 2100 s, so that its TimeoutExpired names the command
+def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step(started):
+    out, run = started["whole"]
     real_model = (ROOT / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file()  # .ci/run builds it
-    summary = _summary(proc, ok=real_model)  # a skipped step fails the check
+    summary = _summary(run, ok=real_model)  # a skipped step fails the check
     assert summary["ok"] == real_model and summary["dry_run"] and STEPS <= set(summary)
     preflight = json.loads((out / "preflight.json").read_text())
     assert preflight == summary["preflight"] and preflight["exit"] == 0 and preflight["versions"]["torch"]
@@ -86,9 +92,9 @@ def test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_ste
 
 
 @pytest.mark.timeout(2400)
-def test_gpu_check_only_runs_the_named_step(dry_runs):
-    out, proc = dry_runs["only"]
-    summary = _summary(proc)
+def test_gpu_check_only_runs_the_named_step(started):
+    out, run = started["only"]
+    summary = _summary(run)
     assert summary["ok"] and set(summary) & STEPS == {"generation_bench"}
     assert sorted(p.name for p in out.iterdir()) == ["generation_bench.json", "preflight.json"]
     # the bench printed its figures after each batch size (what a step killed at its limit keeps), then all of them
@@ -135,17 +141,12 @@ def test_gpu_check_refuses_to_start_without_the_carried_wheels_or_with_wheels_fo
 
 
 @pytest.mark.slow
-def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels():
+def test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels(started):
     """Every fusedrl module, test module and the check itself import when only the GPU image's distributions (and,
     for the image packages' newer versions here, their dependencies) and scripts/gpu_wheels.txt's are importable."""
-    wheels = sorted(read_names(ROOT / "scripts" / "gpu_wheels.txt"))
-    image = ROOT / "scripts" / "gpu_image_packages.txt"
-    with ThreadPoolExecutor(2) as pool:  # two processes that import on one core each
-        checked = pool.submit(run_check, image, wheels)
-        without_torchtune = pool.submit(run_check, image, [w for w in wheels if w != "torchtune"])
-    report, without = checked.result(), without_torchtune.result()
+    report, without = started["image"][1].result(), started["image_without_torchtune"][1].result()
     assert report["failed"] == {} and report["missing"] == [], report
-    assert "torchtune" in wheels and "torch" not in wheels  # what the image lacks, and not what it has
+    assert "torchtune" in WHEELS and "torch" not in WHEELS  # what the image lacks, and not what it has
     assert without["missing"] == ["torchtune"] and "fusedrl.train" in without["failed"]  # the check can fail
 
 

@@ -1,9 +1,10 @@
 """The SmolLM2 recipes at a reduced size survive a killed rank: under ``torchrun --max-restarts=1`` with
 ``checkpoint.resume = "auto"``, rank 1 SIGKILLed inside iteration 2 (GRPO: after the update's first minibatch; PPO:
 after the rollout's first decode step) restarts the workers, which resume from the step-1 checkpoint and end with every
-iteration's figures equal to an uninterrupted run's (which writes no checkpoint). Both run SmolLM2's first 4 of 30
-layers (the PPO case: four models, and the Actor's and the Critic's optimizer states in its checkpoints): what they
-check does not depend on the depth, and the full depth took them 68 s (GRPO) and 112 s (PPO) of the suite."""
+iteration's figures equal to an uninterrupted run's (the trainer on the session's pooled ranks, no checkpoint). Both
+run SmolLM2's first 4 of 30 layers (the PPO case: four models, and the Actor's and the Critic's optimizer states in its
+checkpoints): what they check does not depend on the depth, and the full depth took them 68 s (GRPO) and 112 s (PPO)
+of the suite."""
 
 from __future__ import annotations
 
@@ -64,17 +65,10 @@ JOB_TIMEOUT_S = 280  # a hang guard, several times a job's time on a loaded 2-co
 
 @pytest.fixture
 def out(tmp_path) -> Iterator[Path]:
-    """The test's run folders, removed afterwards: each SmolLM2 checkpoint (float32 weights and AdamW state) is
-    3.4 GB, and pytest keeps the folders of its last three sessions."""
+    """The test's run folders, removed afterwards: each checkpoint holds float32 weights and AdamW state (0.5 GB a
+    trained model at 4 layers), and pytest keeps the folders of its last three sessions."""
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def idle_ranks_stopped(rank_pools) -> None:
-    """The session's pooled ranks stopped: two SmolLM2 ranks and their 3.4 GB checkpoints need the machine's memory
-    (idle pools made these jobs ~15% slower)."""
-    rank_pools.close()
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +99,11 @@ def prompts(tmp_path_factory) -> Path:
     return write_prompts(tmp_path_factory.mktemp("data") / "arithmetic.jsonl", 4096)
 
 
-def _job(
-    out: Path, config: str, extra: tuple[str, ...] = (), fault: tuple[str, int] | None = None
-) -> subprocess.CompletedProcess:
+def _job(out: Path, config: str, extra: tuple[str, ...], fault: tuple[str, int]) -> subprocess.CompletedProcess:
     """The recipe under torchrun on 2 ranks, one restart allowed (the c10d rendezvous with a fresh store per round:
-    docs/multinode.md); ``fault``: (phase, step) at which rank 1 kills itself in the first attempt."""
-    env = job_env(ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    if fault is not None:
-        env.update(FAULT_RANK="1", FAULT_PHASE=fault[0], FAULT_STEP=str(fault[1]))
-    checkpoints = "--checkpoint.interval=0" if fault is None else "--checkpoint.interval=1"
-    program = [str(ROOT / "tests" / "_fault_worker.py"), "--job.config_file", config, *REDUCED, checkpoints, *extra]
+    docs/multinode.md), where rank 1 kills itself in the first attempt at ``fault`` (phase, step)."""
+    env = job_env(ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", FAULT_RANK="1", FAULT_PHASE=fault[0], FAULT_STEP=str(fault[1]))
+    program = [str(ROOT / "tests" / "_fault_worker.py"), "--job.config_file", config, *REDUCED, "--checkpoint.interval=1", *extra]
     cmd = torchrun_command(*program, f"--job.output_dir={out}", max_restarts=1)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
     try:
@@ -123,6 +112,14 @@ def _job(
         kill_job(proc)  # torchrun and its workers (each in its own session)
         pytest.fail(f"the job did not end within {JOB_TIMEOUT_S} s")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _uninterrupted_run(argv: list[str]) -> None:
+    """The reference on pooled ranks: the trainer the job's workers run, without torchrun, a fault or a checkpoint."""
+    from fusedrl.config import load_config
+    from fusedrl.trainer import Trainer
+
+    Trainer(load_config(argv)).train()
 
 
 def _figures(out: Path) -> dict[int, dict]:
@@ -138,12 +135,11 @@ def _figures(out: Path) -> dict[int, dict]:
     ids=["grpo-killed-mid-update", "ppo-killed-mid-rollout"],
 )
 def test_a_rank_killed_mid_iteration_restarts_and_ends_as_the_uninterrupted_run(
-    out, prompts, shallow_smollm2, config, extra, phase, folders
+    out, prompts, shallow_smollm2, two_ranks, config, extra, phase, folders
 ):
     extra = (*extra, f"--data.path={prompts}", *(f"--model.{key}={shallow_smollm2}" for key in folders))
-    whole = _job(out / "whole", config, extra)
-    assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
-    assert "exitcode" not in whole.stderr, whole.stderr[-4000:]  # one attempt: no worker failed and was restarted
+    reference = ["--job.config_file", str(ROOT / config), *REDUCED, "--checkpoint.interval=0", *extra]
+    two_ranks.run(_uninterrupted_run, [*reference, f"--job.output_dir={out / 'whole'}"], timeout_s=JOB_TIMEOUT_S)
     job = _job(out / "killed", config, extra, fault=(phase, STEPS))
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-6000:]
