@@ -48,22 +48,20 @@ def started(request, tmp_path_factory) -> Iterator[dict[str, tuple[Path | None, 
     """The module's long commands that the selected tests need, started together at the module's first test: two dry
     runs of the check and two import checks, each a process on one core, so they run side by side."""
     selected = {item.originalname for item in request.session.items}
-    commands = {
-        "whole": (test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step, _dry_run, ()),
-        "only": (test_gpu_check_only_runs_the_named_step, _dry_run, ("--only", "generation_bench")),
-        "image": (test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels, run_check, (IMAGE, WHEELS)),
-        "image_without_torchtune": (
-            test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels,
-            run_check,
-            (IMAGE, [w for w in WHEELS if w != "torchtune"]),
-        ),
+    dry_runs = {
+        "whole": (test_gpu_check_dry_run_passes_within_8_minutes_of_limits_and_writes_each_step, ()),
+        "only": (test_gpu_check_only_runs_the_named_step, ("--only", "generation_bench")),
     }
-    with ThreadPoolExecutor(len(commands)) as pool:
+    image_checks = {"image": WHEELS, "image_without_torchtune": [w for w in WHEELS if w != "torchtune"]}
+    with ThreadPoolExecutor(len(dry_runs) + len(image_checks)) as pool:
         runs: dict[str, tuple[Path | None, Future]] = {}
-        for name, (test, command, args) in commands.items():
+        for name, (test, args) in dry_runs.items():
             if test.__name__ in selected:
-                out = tmp_path_factory.mktemp(name) if command is _dry_run else None
-                runs[name] = (out, pool.submit(command, *((out, *args) if out is not None else args)))
+                out = tmp_path_factory.mktemp(name)
+                runs[name] = (out, pool.submit(_dry_run, out, *args))
+        if test_library_and_check_import_with_only_the_gpu_image_and_the_listed_wheels.__name__ in selected:
+            for name, wheels in image_checks.items():
+                runs[name] = (None, pool.submit(run_check, IMAGE, wheels))
         yield runs
 
 
