@@ -8,7 +8,16 @@ import threading
 import pytest
 
 from fusedrl.bench import e2e
-from fusedrl.bench.e2e import LAYOUTS, ROOT, main, migration_summary, pick_cores, pin_process, rank_cores
+from fusedrl.bench.e2e import (
+    LAYOUTS,
+    ROOT,
+    main,
+    migration_summary,
+    pick_cores,
+    pin_process,
+    pinned_dp_shard,
+    rank_cores,
+)
 from fusedrl.config import ConfigError
 from fusedrl.train import prepare
 
@@ -32,6 +41,17 @@ def test_too_few_cores_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, caps
 def test_rank_cores_per_layout() -> None:
     assert rank_cores([2, 5], 1) == [[2], [5]]
     assert rank_cores([2, 5], 2) == [[2, 5]] * 4
+
+
+def test_one_rank_per_core_keeps_the_configs_data_parallel_degree_where_the_cores_hold_it(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert pinned_dp_shard(pp=2, tp=1, dp_shard=2) == 1  # the debug config on 2 cores: 2 pipeline ranks
+    assert pinned_dp_shard(pp=1, tp=1, dp_shard=2) == 2  # the GRPO recipes: 2 data-parallel ranks, not 1
+    assert pinned_dp_shard(pp=1, tp=1, dp_shard=1) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert pinned_dp_shard(pp=2, tp=1, dp_shard=2) == 2 and pinned_dp_shard(pp=1, tp=2, dp_shard=4) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert pinned_dp_shard(pp=2, tp=1, dp_shard=2) == 1  # too few cores even for pp: pick_cores says so
 
 
 def test_both_layouts_of_the_debug_config_are_valid_with_its_batch() -> None:

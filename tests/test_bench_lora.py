@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedrl.bench.lora import main, run_figures
+from fusedrl.bench.jobs import run_figures
+from fusedrl.bench.lora import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,7 @@ def test_a_config_without_lora_models_is_refused_before_running(capsys, monkeypa
 
 
 def test_a_base_reference_job_also_runs_the_reference_copy_and_unmerged_adapters_and_reports_each_ratio(capsys, monkeypatch):
+    import fusedrl.bench.jobs as jobs
     import fusedrl.bench.lora as bench
 
     monkeypatch.chdir(ROOT)
@@ -50,7 +52,7 @@ def test_a_base_reference_job_also_runs_the_reference_copy_and_unmerged_adapters
             for s in (1, 2, 3)
         ]
 
-    monkeypatch.setattr(bench, "_run", fake_run)
+    monkeypatch.setattr(jobs, "run_job", fake_run)
     monkeypatch.setattr(bench, "estimated_peak_gib", lambda argv: 1.0)
     args = ["--steps", "3", "--warmup", "1", "--json", "--", '--lora.models=["actor"]', "--ppo.kl_loss_coef=0.01"]
     assert bench.main(["--config", "train_configs/debug_grpo.toml", *args]) == 0

@@ -227,3 +227,13 @@ def test_run_checks_stops_at_the_first_refusal(tmp_path, monkeypatch):
         registry.run_checks(cfg, 4, 2)
     with pytest.raises(ConfigError, match=r"^model.actor = 'nonesuch': unknown model flavor"):
         registry.run_checks(load_config(["--job.config_file", CONFIG, "--model.actor=nonesuch"]), 4)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "train_configs").glob("smollm2_135m_*.toml")))
+def test_each_smollm2_recipe_fits_the_ranks_its_header_launches(recipe: str) -> None:
+    from fusedrl.distributed.parallel_dims import check_parallelism
+
+    path = ROOT / "train_configs" / recipe
+    assert "torchrun --nproc_per_node 2 " in path.read_text()  # the header's command (README: the recipes' table)
+    cfg = load_config(["--job.config_file", str(path)])
+    check_parallelism(Startup(cfg, world_size=2))  # the loader refused already a micro-batch that splits no shard

@@ -2,10 +2,10 @@
 tree vs another one.
 
 Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core``
-(dp_shard = 1: pp x tp ranks, rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in
-a pipeline bubble leaves its core idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2: twice as many ranks
-on the same cores, each allowed on all of them, so that an idle rank hands its core to another). The config's own
-dp_shard is not used; the global batch is the config's in both layouts. Each layout spawns its CPU processes with
+(pp x tp x dp ranks, dp the config's dp_shard lowered to what this process's cores hold (:func:`pinned_dp_shard`),
+rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in a pipeline bubble leaves its core
+idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2 dp: twice as many ranks on the same cores, each allowed
+on all of them, so that an idle rank hands its core to another). The global batch is the config's in both layouts. Each layout spawns its CPU processes with
 one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
 iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
 of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer per
@@ -30,7 +30,7 @@ messages (see :mod:`fusedrl.bench.tree_worker`).
 
 Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--fusion-layouts NAMES]
 [--apart] [--baseline TREE] [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
-(fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at dp_shard = 2,
+(fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at twice the ranks,
 "layouts": {"one_rank_per_core": {"samples_per_s": {"on": .., "off": ..}, "phases": {...}, ...}, ...}, ...}``;
 trees: per layout the samples/s and overhead figures of both trees and their ratios).
 """
@@ -60,7 +60,7 @@ MODES: dict[str, tuple[str, ...]] = {"off": ("--fusion.inter_stage=false", "--fu
 """The fusions benchmark's modes: their config overrides ("on": the fusions as the config and the command line set
 them, "auto" by default; ``--fusion.inter_stage=true --fusion.intra_stage=true`` forces them on)."""
 LAYOUTS = {"one_rank_per_core": 1, "oversubscribed": 2}
-"""The fusions benchmark's layouts, both on the same pp x tp cores, by their dp_shard."""
+"""The fusions benchmark's layouts, both on the same pp x tp x dp cores, by their ranks per core."""
 
 
 # ---------------------------------------------------------------------------------------------- fusions on/off
@@ -77,12 +77,19 @@ def pick_cores(ranks: int) -> list[int]:
     return cores[:ranks]
 
 
-def rank_cores(cores: list[int], dp_shard: int) -> list[list[int]]:
-    """Per rank, the cores it may run on: at dp_shard = 1 rank r alone on ``cores[r]``, else every rank on all of
-    them (``len(cores) * dp_shard`` ranks)."""
-    if dp_shard == 1:
+def pinned_dp_shard(pp: int, tp: int, dp_shard: int) -> int:
+    """The data-parallel degree of one rank per core: the config's ``dp_shard``, lowered to what this process's cores
+    hold (pp x tp x dp ranks), at least 1 (:func:`pick_cores` then says how many cores pp x tp needs)."""
+    free = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    return max(1, min(dp_shard, free // (pp * tp)))
+
+
+def rank_cores(cores: list[int], per_core: int) -> list[list[int]]:
+    """Per rank, the cores it may run on: at one rank per core rank r alone on ``cores[r]``, else every rank on all
+    of them (``len(cores) * per_core`` ranks)."""
+    if per_core == 1:
         return [[c] for c in cores]
-    return [list(cores) for _ in range(len(cores) * dp_shard)]
+    return [list(cores) for _ in range(len(cores) * per_core)]
 
 
 def pin_process(cores: list[int]) -> None:
@@ -210,6 +217,7 @@ def _fusions(
     config_argv: list[str],
     cores: list[int],
     pp: int,
+    dp: int,
     warmup: int,
     steps: int,
     config: str,
@@ -229,8 +237,9 @@ def _fusions(
         flush=True,
     )
     result: dict = {"config": config, "batch_size": batch, "measured_steps_per_run": steps, "cores": cores, "layouts": {}}
-    for name, dp_shard in layouts.items():
-        per_rank = rank_cores(cores, dp_shard)
+    for name, per_core in layouts.items():
+        per_rank = rank_cores(cores, per_core)
+        dp_shard = dp * per_core
         argv = [*config_argv, f"--parallelism.dp_shard={dp_shard}"]
         with tempfile.TemporaryDirectory() as out:
             if apart_rounds:
@@ -243,7 +252,7 @@ def _fusions(
         layout = summarize(histories)
         layout.update(world_size=len(per_rank), dp_shard=dp_shard, rank_cores=per_rank, runs_per_mode=apart_rounds or 1)
         result["layouts"][name] = layout
-        pinning = f"rank r alone on core r of {cores}" if dp_shard == 1 else f"every rank on all of {cores}"
+        pinning = f"rank r alone on core r of {cores}" if per_core == 1 else f"every rank on all of {cores}"
         print(f"\n{name}: {len(per_rank)} CPU ranks (pp={pp} x dp_shard={dp_shard}), {pinning}")
         print(f"{'phase (s / iteration)':<24}{'fusions off':>14}{'fusions on':>14}{'on/off':>10}")
         for p in PHASES:
@@ -420,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         par = load_config(config_argv).parallelism
         if args.baseline is None:
-            cores = pick_cores(par.pp * par.tp)
-            for dp_shard in layouts.values():  # check every layout before any rank starts
-                cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp_shard}"], len(cores) * dp_shard)
+            dp = pinned_dp_shard(par.pp, par.tp, par.dp_shard)
+            cores = pick_cores(par.pp * par.tp * dp)
+            for per_core in layouts.values():  # check every layout before any rank starts
+                cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp * per_core}"], len(cores) * per_core)
         else:
             prepare(config_argv, par.pp * par.dp_shard * par.tp)
     except ConfigError as e:
@@ -434,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             config_argv,
             cores,
             par.pp,
+            dp,
             args.warmup,
             args.steps,
             args.config,

@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 
-from fusedrl.bench.e2e import alternating_runs, migration_summary, pick_cores, samples_per_s_of
+from fusedrl.bench.e2e import alternating_runs, migration_summary, pick_cores, pinned_dp_shard, samples_per_s_of
 from fusedrl.config import ConfigError, load_config
 from fusedrl.testing import run_multirank
 from fusedrl.train import prepare
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     total = args.warmup + args.steps
-    config_argv = ["--job.config_file", args.config, *overrides, "--training.device=cpu", "--parallelism.dp_shard=1"]
+    config_argv = ["--job.config_file", args.config, *overrides, "--training.device=cpu"]
     config_argv.append("--eval.at_start=false")
     # two trainers per rank that each keep their freed memory's high-water mark outgrew 24 GiB with the reasoning
     # recipe (one rank at 15.8 GiB after 7 iterations); returned to the system, each rank stays near 7 GiB
@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         par = load_config(config_argv).parallelism
-        cores = pick_cores(par.pp * par.tp)
+        dp = pinned_dp_shard(par.pp, par.tp, par.dp_shard)
+        config_argv.append(f"--parallelism.dp_shard={dp}")
+        cores = pick_cores(par.pp * par.tp * dp)
         for overrides_of_mode in chosen.values():  # every mode's checks, and the task's assets, before any rank starts
             prepare([*config_argv, *overrides_of_mode], len(cores))
     except ConfigError as e:

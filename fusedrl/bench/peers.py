@@ -12,8 +12,8 @@ threads (2), in float32 or bfloat16 (``--dtypes``).
 - TRL: ``GRPOConfig(use_cpu=True, per_device_train_batch_size=P*G, gradient_accumulation_steps=1,
   num_generations=G, num_iterations=1, beta=0.04, ...)``, ``bf16=True`` for bfloat16 (the weights stay float32,
   as TRL loads them by default: bf16 autocast); no vLLM.
-- fusedrl: ``python -m fusedrl.train --job.config_file train_configs/smollm2_135m_grpo.toml --parallelism.pp=1``
-  with the workload's overrides (``ppo.batch_size = minibatch_size = P*G``, ``epochs = 1``, ``kl_loss_coef = 0.04``,
+- fusedrl: ``python -m fusedrl.train --job.config_file train_configs/smollm2_135m_grpo.toml --parallelism.pp=1
+  --parallelism.dp_shard=1`` with the workload's overrides (``ppo.batch_size = minibatch_size = P*G``, ``epochs = 1``, ``kl_loss_coef = 0.04``,
   ``kl_coef = 0``, both fusions off, no checkpoints, the batch packed in one row: ``ppo.microbatch_tokens``); bfloat16 sets the parameter, frozen, rollout and KV-cache
   dtypes to bfloat16, float32 all four to float32. ``--fusedrl-args "..."`` appends overrides to every fusedrl run
   and ``--fusedrl-nproc N`` runs it on N ranks (torchrun; ``--threads`` are shared among them).
@@ -137,6 +137,7 @@ def fusedrl_argv(
         "--job.config_file",
         str(CONFIG),
         "--parallelism.pp=1",
+        "--parallelism.dp_shard=1",  # one process; --fusedrl-nproc runs pass their layout in --fusedrl-args
         f"--job.output_dir={out}",
         f"--model.actor_path={model}",
         f"--model.tokenizer_path={model}",
