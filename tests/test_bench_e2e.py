@@ -38,6 +38,15 @@ def test_too_few_cores_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch, caps
     assert err.startswith("error: one rank per core needs parallelism.pp * parallelism.tp = 2 cores") and err.count("\n") == 1
 
 
+def test_a_layout_the_batch_cannot_split_is_named_in_one_line(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    data_parallel = ["--parallelism.pp=1", "--parallelism.dp_shard=2", "--ppo.microbatch_size=16"]  # 32 / 2 shards: 16
+    assert main(["--config", CONFIG, "--steps", "1", *data_parallel]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: layout oversubscribed (dp_shard = 4): ppo.microbatch_size = 16") and err.count("\n") == 1
+    assert err.rstrip().endswith("or --fusion-layouts one_rank_per_core")
+
+
 def test_rank_cores_per_layout() -> None:
     assert rank_cores([2, 5], 1) == [[2], [5]]
     assert rank_cores([2, 5], 2) == [[2, 5]] * 4

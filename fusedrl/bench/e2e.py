@@ -4,11 +4,11 @@ tree vs another one.
 Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core``
 (pp x tp x dp ranks, dp the config's dp_shard lowered to what this process's cores hold (:func:`pinned_dp_shard`),
 rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in a pipeline bubble leaves its core
-idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2 dp: twice as many ranks on the same cores, each allowed
-on all of them, so that an idle rank hands its core to another). The global batch is the config's in both layouts. Each layout spawns its CPU processes with
-one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup`` + ``--steps``
-iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that the load
-of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer per
+idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2 x dp: twice as many ranks on the same cores, each allowed
+on all of them, so that an idle rank hands its core to another). The global batch is the config's in both layouts.
+Each layout spawns its CPU processes with one torch thread each, builds a trainer per mode from the same initial
+weights, and runs ``--warmup`` + ``--steps`` iterations per mode with the modes taking turns iteration by iteration
+(off, on, on, off, ...), so that the load of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer per
 rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
 rank (a real model's two trainers per rank may not fit at 2 ranks per core), at the price of slower drifts in the
 machine's load hitting the modes unevenly. Reports per layout samples/s over the measured iterations, the
@@ -431,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline is None:
             dp = pinned_dp_shard(par.pp, par.tp, par.dp_shard)
             cores = pick_cores(par.pp * par.tp * dp)
-            for per_core in layouts.values():  # check every layout before any rank starts
-                cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp * per_core}"], len(cores) * per_core)
+            for name, per_core in layouts.items():  # check every layout before any rank starts
+                try:
+                    cfg = prepare([*config_argv, f"--parallelism.dp_shard={dp * per_core}"], len(cores) * per_core)
+                except ConfigError as e:
+                    others = ",".join(n for n in LAYOUTS if n != name)
+                    raise ConfigError(f"layout {name} (dp_shard = {dp * per_core}): {e}; or --fusion-layouts {others}") from e
         else:
             prepare(config_argv, par.pp * par.dp_shard * par.tp)
     except ConfigError as e:
