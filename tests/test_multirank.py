@@ -1,6 +1,9 @@
 """The multi-rank harness: results come back, a rank's failure surfaces with its rank, a hang is killed."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -94,3 +97,36 @@ def _return_lambda():
 def test_unpicklable_result_is_reported():
     with pytest.raises(AssertionError, match=r"rank \d failed(.|\n)*(pickle|lambda)"):
         run_multirank(_return_lambda, 1)
+
+
+OWNER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from fusedrl.testing import MultiRankPool
+import test_multirank
+pool = MultiRankPool(2)
+print(*pool.run(test_multirank._pid), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no cleanup runs: the ranks must notice by themselves
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited rank its fork server has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_ranks_end_when_their_owner_is_killed():
+    script = OWNER.format(tests=os.path.dirname(__file__))
+    owner = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert owner.returncode == -signal.SIGKILL, owner.stderr
+    pids = [int(p) for p in owner.stdout.split()]
+    assert len(set(pids)) == 2
+    deadline = time.monotonic() + 60  # a generous bound: they end within a second, on a loaded machine too
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)]

@@ -24,8 +24,6 @@ OFF = ("--eval.interval=0", "--checkpoint.export_hf=false", "--checkpoint.interv
 # A learning rate too small to change any sample: every variant then generates, scores and trains the same tokens
 # (with the recipes' rates the responses' lengths drift apart between variants, and the lengths decide the speed).
 SAME_SAMPLES = ("--optimizer.actor_lr=1e-12",)
-
-
 TIMES = (
     "response_len_mean",
     "time_weight_sync",
@@ -36,6 +34,7 @@ TIMES = (
     "time_training",
     "time_step",
 )
+"""The phase times and response length a run reports (means over its measured iterations)."""
 
 
 def same_samples_job(config: str, steps: int, overrides: Sequence[str]) -> list[str]:

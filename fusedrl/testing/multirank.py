@@ -15,6 +15,7 @@ import pickle
 import queue
 import resource
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -51,7 +52,23 @@ def rank_context() -> Any:
     return ctx
 
 
+def _exit_with_owner() -> None:
+    """End this rank as soon as the process that started it dies: a pool owner killed by a signal (a CI timeout, a
+    killed benchmark) runs no cleanup, and its ranks, children of the fork server, would wait on their task queues
+    (spinning OpenMP threads included) until someone kills them by hand."""
+    owner = mp.parent_process()
+    if owner is None:
+        return
+
+    def watch() -> None:
+        owner.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="multirank-owner-watch", daemon=True).start()
+
+
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any, results: Any) -> None:
+    _exit_with_owner()
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
