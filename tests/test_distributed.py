@@ -413,3 +413,90 @@ def _fsdp_bf16_cuda_step() -> None:
 @pytest.mark.gpu
 def test_fsdp_bf16_mixed_precision_step_on_cuda():
     run_multirank(_fsdp_bf16_cuda_step, min(2, torch.cuda.device_count()))
+
+
+# ----------------------------------------------------------------------------- one update, any layout
+
+
+def _one_update(pp: int, dp_shard: int, tp: int, actor: str) -> dict[str, object]:
+    """One PPO update (``train_minibatch``: fused Actor + Critic program, gradient sums over stages and shards, global
+    clipping, both AdamW steps) of the float32 debug config from the same random weights. Returns this rank's trained
+    parameters by role and name (whole tensors): after the step, their change and AdamW's first moment (0.1 x the
+    clipped gradient); the global gradient norms and the loss stats."""
+    from test_packing import _minibatch, debug_update_layout
+
+    from fusedrl.rlhf.update import build_optimizers, train_minibatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same random initial weights in every layout
+    cfg, layout, executor, _ = debug_update_layout(
+        f"--parallelism.pp={pp}", f"--parallelism.dp_shard={dp_shard}", f"--parallelism.tp={tp}", f"--model.actor={actor}"
+    )
+    named = {
+        f"{role}.{name}": p
+        for role, stage in (("actor", layout.actor_stage), ("critic", layout.critic_stage))
+        for name, p in stage.named_parameters()
+    }
+    before = {name: _full(p.detach()).clone() for name, p in named.items()}
+    opt = build_optimizers(cfg, layout, 1)
+    result = train_minibatch(cfg, layout, executor, opt, _minibatch(cfg.ppo.minibatch_size, 500), step=1)
+    state = {**opt.actor.state, **opt.critic.state}
+    stats = {k: v.clone() for k, v in result.stats.items()}
+    for v in stats.values():
+        dist.all_reduce(v)  # a figure's minibatch mean is the sum over ranks / (dp * tp)
+    out = {
+        "params": {name: _full(p.detach()).clone() for name, p in named.items()},
+        "moments": {name: _full(state[p]["exp_avg"]).clone() for name, p in named.items()},
+        "norms": (float(result.grad_norm_actor), float(result.grad_norm_critic)),
+        "stats": {k: float(v) / (layout.dp * tp) for k, v in stats.items()},
+        "skipped": result.skipped,
+    }
+    out["changed"] = {name: float((out["params"][name] - p).abs().max()) for name, p in before.items()}
+    dist.barrier()
+    return out
+
+
+def _merged(ranks: list[dict[str, object]]) -> dict[str, object]:
+    """One layout's ranks as one model: the union of the stages' tensors (one that several ranks hold: equal on all),
+    the norms and stats every rank agrees on."""
+    merged: dict[str, object] = {**ranks[0]}
+    for key in ("params", "moments", "changed"):
+        union: dict[str, object] = {}
+        for r in ranks:
+            for name, t in r[key].items():
+                if name in union:
+                    torch.testing.assert_close(t, union[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+                union[name] = t
+        merged[key] = union
+    for r in ranks:
+        assert r["norms"] == ranks[0]["norms"] and r["stats"] == ranks[0]["stats"] and not r["skipped"]
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp_shard", "tp", "actor"),
+    [(1, 2, 1, "debug"), (2, 1, 1, "debug"), (1, 1, 2, "debug"), (2, 1, 1, "debug_qwen")],
+    ids=["dp_shard2", "pp2", "tp2", "pp2_tied_embeddings"],
+)
+def test_one_update_gives_the_same_weights_on_every_layout(rank_pools, pp, dp_shard, tp, actor):
+    """The recipes switch layouts (data parallel on 2 cores, pp = 2 with a Critic): an update of the same minibatch
+    must not depend on it. Two ranks against one, float32, the whole update: losses, gradient norms, the clipped
+    gradients (AdamW's first moments) and the stepped weights. ``debug_qwen``: an embedding tied to the head, split
+    over the two stages."""
+    (one,) = rank_pools(1).run(_one_update, 1, 1, 1, actor)
+    two = _merged(rank_pools(2).run(_one_update, pp, dp_shard, tp, actor))
+    # a tied embedding split over pipeline stages: the last stage's head is a copy of the one model's embedding
+    same = {"actor.output.weight": "actor.tok_embeddings.weight"} if actor == "debug_qwen" and pp == 2 else {}
+    assert {same.get(n, n) for n in two["params"]} == one["params"].keys() and len(one["params"]) > 20
+    assert all(change > 0 for change in one["changed"].values()), "the update moved no weight: nothing compared"
+    assert two["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert two["stats"].keys() == one["stats"].keys()
+    for k, v in one["stats"].items():
+        assert two["stats"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    for name in two["params"]:
+        for key in ("moments", "params"):
+            expected = one[key][same.get(name, name)]
+            atol = 1e-5 * float(expected.abs().max())
+            torch.testing.assert_close(
+                two[key][name], expected, rtol=1e-4, atol=atol, msg=lambda m, n=name, k=key: f"{k} {n}: {m}"
+            )
