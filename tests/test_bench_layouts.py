@@ -59,3 +59,18 @@ def test_a_misspelt_layout_key_is_refused_in_one_line_before_any_run(capsys, mon
             ["--config", "train_configs/smollm2_135m_grpo.toml", "--layout", "--parallelism.ppp=2 --ppo.microbatch_size=4"]
         )
     assert "parallelism.ppp (command line): unknown key in [parallelism]; did you mean pp?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench_name", ["layouts", "lora"])
+def test_runs_with_no_iteration_after_the_warmup_are_refused_before_any_run(capsys, monkeypatch, bench_name):
+    import importlib
+
+    import fusedrl.bench.jobs as jobs
+
+    bench = importlib.import_module(f"fusedrl.bench.{bench_name}")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(jobs, "run_job", lambda *a: pytest.fail("a run started"))
+    argv = ["--config", "train_configs/smollm2_135m_grpo_lora.toml", "--steps", "2", "--warmup", "2"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, *(["--layout", PP2] if bench_name == "layouts" else [])])
+    assert "--steps 2 must exceed --warmup 2" in capsys.readouterr().err

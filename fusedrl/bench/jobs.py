@@ -55,6 +55,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line last")
 
 
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser``'s arguments (with :func:`add_run_arguments`'), refusing runs too short to leave a measured iteration."""
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
 def split_overrides(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
     """(the benchmark's own arguments, the job overrides after ``--``)."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -21,7 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from fusedrl.bench.jobs import add_run_arguments, medians, run_variants, same_samples_job, split_overrides
+from fusedrl.bench.jobs import add_run_arguments, medians, parse_run_arguments, run_variants, same_samples_job, split_overrides
 from fusedrl.config import ConfigError, load_config
 
 BASELINE = "config"
@@ -45,9 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="TOML job config (its layout is the baseline)")
     parser.add_argument("--layout", action="append", required=True, help="another layout: overrides in one string (repeatable)")
     add_run_arguments(parser, steps=5)
-    args = parser.parse_args(own)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    args = parse_run_arguments(parser, own)
     try:
         variants = variants_of(args.config, args.layout, args.steps, overrides)
     except ConfigError as err:

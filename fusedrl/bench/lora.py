@@ -23,7 +23,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from fusedrl.bench.jobs import add_run_arguments, medians, run_variants, same_samples_job, split_overrides
+from fusedrl.bench.jobs import add_run_arguments, medians, parse_run_arguments, run_variants, same_samples_job, split_overrides
 from fusedrl.config import load_config
 from fusedrl.models import reference_from_base
 
@@ -49,9 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusedrl.bench.lora", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="train_configs/smollm2_135m_grpo_lora.toml")
     add_run_arguments(parser, steps=8)
-    args = parser.parse_args(own)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    args = parse_run_arguments(parser, own)
     job = same_samples_job(args.config, args.steps, overrides)
     if not load_config(job).lora.enabled:
         parser.error(f"{args.config} (with the overrides) has no [lora] models: nothing to compare; add --lora.models")
