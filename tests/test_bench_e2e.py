@@ -129,3 +129,22 @@ def test_apart_with_a_baseline_is_refused(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         main(["--config", CONFIG, "--apart", "--baseline", str(ROOT)])
     assert "--apart runs the fusion modes apart" in capsys.readouterr().err
+
+
+def test_tree_figures_report_the_phases_and_the_executor_overhead_only_where_a_pipeline_ran() -> None:
+    from fusedrl.bench.e2e import _tree_figures
+
+    records = [
+        {"step": s, "samples_per_s": 2.0, "time_step": 10.0, "time_weight_sync": 0.5 + s, "time_training": 4.0} for s in (2, 3)
+    ]
+    data_parallel = _tree_figures([{"records": records, "executor_s": 0.0, "compute_s": 0.0, "wait_s": 0.0, "actions": 0}] * 2)
+    assert "overhead_us_per_action" not in data_parallel  # pp = 1 runs no pipeline program: nothing to divide by
+    assert data_parallel["time_weight_sync"] == 3.0 and data_parallel["time_training"] == 4.0
+    pipelined = _tree_figures(
+        [
+            {"records": records, "executor_s": 3.0, "compute_s": 2.0, "wait_s": 0.5, "actions": 1000},
+            {"records": records, "executor_s": 3.0, "compute_s": 2.5, "wait_s": 0.1, "actions": 500},
+        ]
+    )
+    assert pipelined["overhead_us_per_action"] == pytest.approx(1000.0)  # (1 ms + 1 ms) / 2
+    assert pipelined["overhead_us_per_action_without_waits"] == pytest.approx((500.0 + 800.0) / 2)

@@ -23,16 +23,16 @@ pp x tp cores.
 
 Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
 this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and
-dp_shard = world / pp), the runs alternating A B B A ... over ``--rounds``. Reports samples/s and the executor's
-overhead per pipeline action: (time inside ``FusedPipelineSchedule.step`` - time inside the stages'
-forward/backward and the losses) / program entries executed, and the same without the time spent waiting for
+dp_shard = world / pp), the runs alternating A B B A ... over ``--rounds``. Reports samples/s, each phase's time and,
+at pp > 1, the executor's overhead per pipeline action: (time inside ``FusedPipelineSchedule.step`` - time inside the
+stages' forward/backward and the losses) / program entries executed, and the same without the time spent waiting for
 messages (see :mod:`fusedrl.bench.tree_worker`).
 
 Run: ``python -m fusedrl.bench.e2e [--json] [--config FILE] [--steps N] [--warmup N] [--fusion-layouts NAMES]
 [--apart] [--baseline TREE] [--layouts 4,2] [--rounds R] [--section.key=value ...]``. With ``--json`` the last stdout line is one JSON object
 (fusions: ``{"speedup": on/off samples/s one rank per core, "speedup_oversubscribed": the same at twice the ranks,
 "layouts": {"one_rank_per_core": {"samples_per_s": {"on": .., "off": ..}, "phases": {...}, ...}, ...}, ...}``;
-trees: per layout the samples/s and overhead figures of both trees and their ratios).
+trees: per layout the samples/s, phase and overhead figures of both trees and their ratios).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -317,17 +318,19 @@ def _run_tree(tree: Path, config: str, overrides: list[str], world: int, warmup:
 
 
 def _tree_figures(ranks: list[dict]) -> dict[str, float]:
-    """samples/s of the run and, averaged over ranks, the executor's overhead per program entry."""
-    per_rank = [
-        ((r["executor_s"] - r["compute_s"]) / r["actions"], (r["executor_s"] - r["compute_s"] - r["wait_s"]) / r["actions"])
-        for r in ranks
-    ]
-    return {
-        "samples_per_s": samples_per_s_of(ranks[0]["records"]),
-        "overhead_us_per_action": 1e6 * statistics.fmean(o for o, _ in per_rank),
-        "overhead_us_per_action_without_waits": 1e6 * statistics.fmean(o for _, o in per_rank),
-        "time_training": statistics.fmean(r["time_training"] for r in ranks[0]["records"]),
-    }
+    """samples/s of the run, its phase times (means over its iterations) and, where every rank ran a pipeline program
+    (pp > 1; pp = 1 runs none), the executor's overhead per program entry averaged over ranks."""
+    records = ranks[0]["records"]
+    figures = {"samples_per_s": samples_per_s_of(records)}
+    figures.update({k: statistics.fmean(r[k] for r in records) for k in records[0] if k.startswith("time_")})
+    if all(r["actions"] for r in ranks):
+        figures["overhead_us_per_action"] = 1e6 * statistics.fmean(
+            (r["executor_s"] - r["compute_s"]) / r["actions"] for r in ranks
+        )
+        figures["overhead_us_per_action_without_waits"] = 1e6 * statistics.fmean(
+            (r["executor_s"] - r["compute_s"] - r["wait_s"]) / r["actions"] for r in ranks
+        )
+    return figures
 
 
 def _trees(
@@ -366,11 +369,12 @@ def _trees(
     print(f"{'layout':<22}{'figure':<36}{'baseline':>12}{'this':>12}{'this/base':>11}")
     for world in layouts:
         row = {}
-        for key in ("samples_per_s", "overhead_us_per_action", "overhead_us_per_action_without_waits", "time_training"):
+        for key in (k for k in runs[world]["baseline"][0] if all(k in x for x in runs[world]["this"])):
             base = statistics.median(x[key] for x in runs[world]["baseline"])
             this = statistics.median(x[key] for x in runs[world]["this"])
-            row[key] = {"baseline": base, "this": this, "ratio": this / base}
-            print(f"{f'{world} ranks (pp={pp})':<22}{key:<36}{base:>12.2f}{this:>12.2f}{this / base:>10.3f}x")
+            row[key] = {"baseline": base, "this": this, "ratio": this / base if base else math.nan}
+            shown = f"{this / base:>10.3f}x" if base else f"{'-':>11}"  # a phase neither tree ran
+            print(f"{f'{world} ranks (pp={pp})':<22}{key:<36}{base:>12.3f}{this:>12.3f}{shown}")
         result["layouts"][str(world)] = row
     if as_json:
         print(json.dumps(result))
