@@ -107,3 +107,50 @@ def test_weight_sync_from_pp2_dp_shard2_training_layout(rank_pools):
         assert out["tokens"] == ref_tokens
         # each rank receives every block of the model it does not hold itself, once
         assert 0 < out["bytes"] < full_bytes and out["seconds"] > 0
+
+
+def _whole_tensors_batched() -> list[int]:
+    """``whole_tensors`` on a 2-rank mesh: each tensor as its own ``full_tensor`` gives it (float32), with one gather
+    per group of alike DTensors. Returns the number of gathers."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from fusedrl.generation.weight_sync import whole_tensors
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(0)
+    spec = [  # (shape, placement, dtype)
+        ((8, 5), Shard(0), torch.float32),  # LoRA A-like: one gather along dim 1 ...
+        ((8, 7), Shard(0), torch.float32),  # ... with this one
+        ((5, 8), Shard(0), torch.float32),  # B-like, 5 rows over 2 ranks (uneven): one gather along dim 1 ...
+        ((5, 3), Shard(0), torch.float32),  # ... with this one
+        ((6, 3), Shard(1), torch.float32),  # one gather along dim 0 ...
+        ((4, 3), Shard(1), torch.float32),  # ... with this one
+        ((8, 5), Shard(0), torch.bfloat16),  # another dtype: a gather of its own
+        ((7,), Shard(0), torch.float32),  # no dimension left unsharded: a gather of its own
+        ((3, 3), Replicate(), torch.float32),  # a gather of its own (no communication)
+        ((8, 5), Shard(0), torch.float32),  # back in the first group
+    ]
+    full = [torch.randn(shape, generator=g).to(dtype) for shape, _, dtype in spec]
+    tensors: list[torch.Tensor] = [distribute_tensor(t, mesh, [p]) for t, (_, p, _) in zip(full, spec)]
+    tensors.append(full[0].clone())  # a plain tensor: itself
+    gathers = []
+    real = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        gathers.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    with mock.patch.object(DTensor, "full_tensor", counted):
+        whole = whole_tensors(tensors)
+    for got, expected in zip(whole, [*full, full[0]]):
+        assert got.dtype == torch.float32 and torch.equal(got, expected.float()), (got.shape, expected.shape)
+    dist.barrier()
+    return [len(gathers)]
+
+
+def test_whole_tensors_gathers_alike_dtensors_together_and_each_whole(two_ranks):
+    assert two_ranks.run(_whole_tensors_batched) == [[6], [6]]

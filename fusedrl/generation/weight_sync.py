@@ -9,7 +9,8 @@ block sent once in the rollout copy's dtype; no rank gathers a full model.
 
 A LoRA stage (``[lora]``) whose rollout copy is a plain model (``lora.rollout_weights = "merged"``) syncs merged
 weights: each adapted projection's weight is sent as ``W + scale B A``. Each sync first brings the stage's adapters
-whole to every rank that holds a shard of them (they are small: rank x (in + out) per projection); each rank then
+whole to every rank that holds a shard of them (they are small: rank x (in + out) per projection; alike ones share one
+gather, :func:`whole_tensors`); each rank then
 merges its own block of ``W``, one projection at a time, as the plan reads it. A rollout copy that carries the
 adapters itself (``"adapters"``) gets every tensor as it is: the first sync sends all of them, later ones only those
 that train (the adapters, a value head), the frozen base being unchanged since.
@@ -20,11 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fusedrl.distributed import ReshardPlan, plan_reshard, reshard
 from fusedrl.generation.engine import GenerationEngine
@@ -49,8 +51,9 @@ class MergedSources(Mapping[str, torch.Tensor]):
     @torch.no_grad()
     def gather(self) -> None:
         """Every adapter of the stages whole (collective over the meshes of their shards, in the stages' order)."""
-        full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).float()  # noqa: E731
-        self.whole = {n: (full(m.lora_a), full(m.lora_b), m.scale) for n, m in self.adapted.items()}
+        names = list(self.adapted)
+        whole = whole_tensors([t for n in names for t in (self.adapted[n].lora_a, self.adapted[n].lora_b)])
+        self.whole = {n: (whole[2 * i], whole[2 * i + 1], self.adapted[n].scale) for i, n in enumerate(names)}
 
     def release(self) -> None:
         self.whole, self.layer = {}, {}
@@ -73,6 +76,44 @@ class MergedSources(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.params)
+
+
+def whole_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` whole, in float32 (DTensors gathered; collective over their meshes, in the list's order).
+
+    DTensors of one mesh and placements whose sizes agree in every dimension but one that no placement shards go in
+    one collective: concatenated along that dimension, each rank's shard of the concatenation is the concatenation of
+    its shards. One gather per tensor cost ~0.8 ms each on gloo (a data parallel LoRA SmolLM2: 420, 0.34 s a sync)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            out[i] = t.float()
+            continue
+        sharded = {p.dim for p in t.placements if isinstance(p, Shard)}
+        free = [d for d in range(t.ndim) if d not in sharded]
+        if not free or not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
+            out[i] = t.full_tensor().float()
+            continue
+        sizes = tuple(n if d != free[0] else -1 for d, n in enumerate(t.shape))
+        groups.setdefault((t.device_mesh, t.placements, t.dtype, free[0], sizes), []).append(i)
+    for (mesh, placements, _, dim, _), members in groups.items():
+        widths = [tensors[i].shape[dim] for i in members]
+        shape = list(tensors[members[0]].shape)
+        shape[dim] = sum(widths)
+        local = torch.cat([cast(DTensor, tensors[i]).to_local() for i in members], dim=dim)
+        joined = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=_strides(shape))
+        for i, part in zip(members, joined.full_tensor().float().split(widths, dim=dim)):
+            out[i] = part
+    return [cast(torch.Tensor, t) for t in out]
+
+
+def _strides(shape: list[int]) -> tuple[int, ...]:
+    """A contiguous tensor's strides."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
 
 
 @dataclass(frozen=True)
