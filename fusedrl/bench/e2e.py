@@ -373,7 +373,7 @@ def _trees(
             base = statistics.median(x[key] for x in runs[world]["baseline"])
             this = statistics.median(x[key] for x in runs[world]["this"])
             row[key] = {"baseline": base, "this": this, "ratio": this / base if base else math.nan}
-            shown = f"{this / base:>10.3f}x" if base else f"{'-':>11}"  # a phase neither tree ran
+            shown = f"{this / base:>10.3f}x" if base else f"{'-':>11}"  # a phase the baseline did not run
             print(f"{f'{world} ranks (pp={pp})':<22}{key:<36}{base:>12.3f}{this:>12.3f}{shown}")
         result["layouts"][str(world)] = row
     if as_json:
