@@ -63,8 +63,32 @@ def test_pool_reuses_processes_and_recovers_after_a_failure():
 
 
 def _open_a_group() -> int:
-    dist.new_group(backend="gloo")  # never destroyed, as a trainer's meshes are not: its sockets stay open
+    dist.new_group(backend="gloo")  # left to the pool to destroy, as a trainer's meshes are
     return os.getpid()
+
+
+def _groups_and_gloo_threads() -> tuple[int, int]:
+    """This rank's process groups besides the default one, and its gloo transport threads."""
+    from torch.distributed import distributed_c10d
+
+    groups = sum(pg is not distributed_c10d.GroupMember.WORLD for pg in distributed_c10d._world.pg_map)
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return groups, names.count("gloo_tcp_loop")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_groups_a_call_leaves_behind_are_destroyed_after_it():
+    """Each leaked gloo group kept a transport thread that wakes up periodically: ranks of a session's pools ended up
+    with 100+ of them, taking a third of a core each while idle."""
+    with MultiRankPool(2) as pool:
+        before = pool.run(_groups_and_gloo_threads)
+        first = pool.run(_open_a_group)
+        for _ in range(3):
+            pool.run(_open_a_group)
+        assert pool.run(_pid) == first  # the same processes, not fresh ones
+        after = pool.run(_groups_and_gloo_threads)
+        assert [groups for groups, _ in after] == [0, 0]
+        assert after == before, (before, after)
 
 
 @pytest.mark.slow

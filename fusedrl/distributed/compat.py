@@ -90,6 +90,18 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def destroy_subgroups() -> int:
+    """Destroy every process group of this process but the default one; returns how many. Each gloo group keeps a
+    transport thread that wakes up periodically, so a long-lived process that leaves its groups behind (a multi-rank
+    test pool: a trainer's meshes per test) spends more CPU on them with every group."""
+    from torch.distributed import distributed_c10d
+
+    groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not distributed_c10d.GroupMember.WORLD]
+    for pg in groups:
+        dist.destroy_process_group(pg)
+    return len(groups)
+
+
 def version_counter(tensor: torch.Tensor) -> int:
     """How many in-place writes autograd has seen to ``tensor`` (and its views): ``Tensor._version``, which has no
     public name."""

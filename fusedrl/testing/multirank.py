@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedrl.distributed.compat import destroy_subgroups
 from fusedrl.hardware import release_host_memory
 
 
@@ -88,7 +89,9 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks: Any,
         task_id, payload = task
         _run_task(rank, task_id, payload, results)
         # an idle rank holds only what lives: a trainer run keeps its freed memory (reuse_host_memory), and idle
-        # pools holding gigabytes slowed a session's later real-model jobs by a fifth
+        # pools holding gigabytes slowed a session's later real-model jobs by a fifth; the groups a call created
+        # go too (after its barrier: every rank is done with them)
+        destroy_subgroups()
         gc.collect()
         release_host_memory()
     dist.barrier()
@@ -127,9 +130,10 @@ class MultiRankPool:
     ``timeout_s`` bounds each call; starting the processes and the group is bounded separately by
     ``startup_timeout_s`` so that a loaded machine does not eat into a test's time.
 
-    Process groups a function creates and does not destroy (a trainer's meshes) keep their sockets and threads open in
-    the ranks: before a call, ranks holding more than ``max_open_files`` file descriptors (default: half the soft
-    ``RLIMIT_NOFILE``, often 1024) are replaced by fresh ones. Counted on Linux only (``/proc``).
+    Process groups a function creates (a trainer's meshes) are destroyed after its call: each gloo group keeps a
+    transport thread that wakes up periodically. Before a call, ranks holding more than ``max_open_files`` file
+    descriptors (what else a function left open; default: half the soft ``RLIMIT_NOFILE``, often 1024) are replaced by
+    fresh ones. Counted on Linux only (``/proc``).
     """
 
     def __init__(
