@@ -82,11 +82,9 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 
     DTensor's sharding-propagation caches are emptied first: their keys ignore the rank, so a cached output spec
     would carry the previous rank's mesh (and mesh coordinate) into this rank's FSDP2 parameters."""
-    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    _clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
@@ -99,7 +97,16 @@ def destroy_subgroups() -> int:
     groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not distributed_c10d.GroupMember.WORLD]
     for pg in groups:
         dist.destroy_process_group(pg)
+    if groups:  # DTensor's cached output specs hold the meshes of those groups (their keys compare meshes by value)
+        _clear_dtensor_caches()
     return len(groups)
+
+
+def _clear_dtensor_caches() -> None:
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def version_counter(tensor: torch.Tensor) -> int:
