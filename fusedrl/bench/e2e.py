@@ -8,8 +8,8 @@ idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2 x dp: twice as many r
 on all of them, so that an idle rank hands its core to another). The global batch is the config's in both layouts.
 Each layout spawns its CPU processes with one torch thread each, builds a trainer per mode from the same initial
 weights, and runs ``--warmup`` + ``--steps`` iterations per mode with the modes taking turns iteration by iteration
-(off, on, on, off, ...), so that the load of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer per
-rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
+(off, on, on, off, ...), so that the load of other processes on the machine hits both alike. With ``--apart`` each
+mode runs alone instead, one trainer per rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
 rank (a real model's two trainers per rank may not fit at 2 ranks per core), at the price of slower drifts in the
 machine's load hitting the modes unevenly. Reports per layout samples/s over the measured iterations, the
 mean seconds per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the

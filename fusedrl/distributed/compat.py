@@ -88,18 +88,22 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def destroy_subgroups() -> int:
-    """Destroy every process group of this process but the default one; returns how many. Each gloo group keeps a
-    transport thread that wakes up periodically, so a long-lived process that leaves its groups behind (a multi-rank
-    test pool: a trainer's meshes per test) spends more CPU on them with every group."""
+def subgroups() -> list[dist.ProcessGroup]:
+    """Every process group this process belongs to but the default one."""
     from torch.distributed import distributed_c10d
 
-    groups = [pg for pg in list(distributed_c10d._world.pg_map) if pg is not distributed_c10d.GroupMember.WORLD]
+    return [pg for pg in list(distributed_c10d._world.pg_map) if pg is not distributed_c10d.GroupMember.WORLD]
+
+
+def destroy_subgroups() -> None:
+    """Destroy every process group of this process but the default one. Each gloo group keeps a transport thread that
+    wakes up periodically, so a long-lived process that leaves its groups behind (a multi-rank test pool: a trainer's
+    meshes per test) spends more CPU on them with every group."""
+    groups = subgroups()
     for pg in groups:
         dist.destroy_process_group(pg)
     if groups:  # DTensor's cached output specs hold the meshes of those groups (their keys compare meshes by value)
         _clear_dtensor_caches()
-    return len(groups)
 
 
 def _clear_dtensor_caches() -> None:
