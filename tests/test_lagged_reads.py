@@ -7,7 +7,7 @@ import torch
 from test_generation import _prompt
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.engine import reads_lag_a_step
+from fusedrl.generation.slots import reads_lag_a_step
 from fusedrl.models import build_model
 
 STOPS = list(range(0, 512, 9))  # ~1 in 9 of the debug model's ids: some requests stop early, some run to their limit

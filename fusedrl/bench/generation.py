@@ -19,7 +19,7 @@ from the model's load): whatever compiling costs, a run cut at its limit has the
 partial JSON line after each batch size of each pass and each batch size left out).
 
 On a device where the engine reads each decode step's tokens one step late by default (CUDA:
-``fusedrl.generation.engine.reads_lag_a_step``), the eager engine that reads every step at once is timed beside it
+``fusedrl.generation.slots.reads_lag_a_step``), the eager engine that reads every step at once is timed beside it
 (``eager_reads_each_step``): what the late read gains.
 
 Prefill sharing (``--prefill-groups 4,8,16``): the eager engine's prefill (and one sampled token) of 16 prompts, all
@@ -62,7 +62,8 @@ from torchtune.generation import generate as torchtune_generate
 from torchtune.modules import TransformerDecoder
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
-from fusedrl.generation.engine import CompileScope, reads_lag_a_step
+from fusedrl.generation.engine import CompileScope
+from fusedrl.generation.slots import reads_lag_a_step
 from fusedrl.hardware import accelerator_named, cached_peak
 from fusedrl.models import ModelFlavor, build_model, from_pretrained, resolve_flavor
 from fusedrl.models.figures import kv_bytes_per_token

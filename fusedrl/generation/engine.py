@@ -1,5 +1,6 @@
 """GenerationEngine: requests, slots of a KV cache, continuous batching, prefill and the (compiled) decode step over a
-torchtune decoder. The model's forward over the cache is :mod:`.slot_forward`, its CPU projections :mod:`.cpu_kernels`."""
+torchtune decoder. The model's forward over the cache is :mod:`.slot_forward`, its CPU projections :mod:`.cpu_kernels`;
+a request in a slot and the host's read of a step's tokens :mod:`.slots`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Literal, TypeVar, get_args
 
 import torch
@@ -24,10 +24,11 @@ from fusedrl.config.loader import source_of
 from fusedrl.distributed import compat
 from fusedrl.generation import cpu_kernels, freshness, quantized
 from fusedrl.generation.quantized import QUANTIZE_MODES, Quantize
-from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, SamplingParams, request_seed
+from fusedrl.generation.request import FinishReason, Request, RequestId, RequestResult, request_error, request_seed
 from fusedrl.generation.slot_forward import SlotForward, SlotState, layer_region, sample_rows
+from fusedrl.generation.slots import Launched, Slot, copy_out, reads_lag_a_step, sampling_flags
 from fusedrl.generation.speculation import Speculator, VerifyRow
-from fusedrl.generation.state import RequestState, sampled_count
+from fusedrl.generation.state import RequestState
 from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
 
 _T = TypeVar("_T")
@@ -41,14 +42,6 @@ BACKENDS: tuple[str, ...] = ("inductor", "tensorrt", "eager", "aot_eager")
 def _tensor_parallel(model: TransformerDecoder) -> bool:
     """Whether ``model``'s weights are DTensors (``fusedrl.distributed.apply_tp`` over a generation instance)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def reads_lag_a_step(device: torch.device) -> bool:
-    """Whether an engine on ``device`` reads a decode step's sampled tokens one step late by default: on a CUDA device
-    the host launches step t+1 (its inputs are on the device already) before it waits for step t's tokens, so the device
-    never idles while the host copies them and updates its slots. On a CPU every operation runs in the caller's thread:
-    a late read would only decode finished rows once more."""
-    return device.type == "cuda"
 
 
 def check_compile(startup: Startup) -> None:
@@ -67,45 +60,6 @@ def check_compile(startup: Startup) -> None:
             f"generation.compile_mode = reduce-overhead ({source_of(startup.cfg, 'generation.compile_mode')}) records CUDA "
             "graphs of the whole decode step, but generation.compile_scope = layer compiles one layer: set "
             "--generation.compile_scope=step, or compile_mode = default"
-        )
-
-
-@dataclass(eq=False)
-class _Launched:
-    """A decode step's sampled tokens and log-probs ([2, rows] float64) on their way to the host, for ``slots`` (rows
-    in order); ``done``: the CUDA event after the copy (None: already on the host)."""
-
-    slots: list[_Slot]
-    values: torch.Tensor
-    done: torch.cuda.Event | None
-
-
-@dataclass(eq=False)
-class _Slot:
-    request: Request
-    seed: int  # request_seed(seed, id): the key of the request's random stream
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    observations: list[tuple[int, int]] = field(default_factory=list)  # spans of generated an environment appended
-    turn_start: int = 0  # where the current turn began in generated (its token budget counts from there)
-
-    @property
-    def cache_len(self) -> int:
-        return len(self.request.prompt) + len(self.generated) - 1
-
-    @property
-    def sampled(self) -> int:
-        return sampled_count(self.generated, self.observations)
-
-    def state(self, reason: FinishReason | None = None) -> RequestState:
-        """This slot's request as a state without KV (``reason``: its turn ended)."""
-        return RequestState(
-            self.request,
-            list(self.generated),
-            list(self.logprobs),
-            observations=list(self.observations),
-            turn_start=self.turn_start,
-            finish_reason=reason,
         )
 
 
@@ -148,7 +102,7 @@ class GenerationEngine:
             that differs is kept. The tokens are those of decoding without it; log-probs are the verify forward's.
 
         lagged_reads: read each decode step's tokens while the next step runs (None: on CUDA devices,
-            :func:`reads_lag_a_step`). A request that finished is then found one step later (its row decodes once
+            :func:`.slots.reads_lag_a_step`). A request that finished is then found one step later (its row decodes once
             more, discarded); every request's tokens and log-probs are the same.
 
     The model may be tensor-parallel over a generation instance (``fusedrl.distributed.apply_tp``): every rank
@@ -223,10 +177,10 @@ class GenerationEngine:
         self.lagged_reads = reads_lag_a_step(self.device) if lagged_reads is None else lagged_reads
         # a decode step whose tokens the host has not read (lagged_reads); only while some slot is active: a read that
         # leaves none drops it (its rows all finished before it)
-        self._in_flight: _Launched | None = None
+        self._in_flight: Launched | None = None
         self._build()
         self._state = SlotState(max_slots, self.device)
-        self._active: list[_Slot] = []
+        self._active: list[Slot] = []
         self._waiting: deque[RequestState] = deque()
         self._ready: list[RequestResult] = []
         self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
@@ -338,35 +292,18 @@ class GenerationEngine:
             request = dataclasses.replace(request, seed=self.seed)
         if request.id in self._ids:
             raise ValueError(f"request id {request.id!r} is already in this engine; ids must be unique")
-        error = self._validate(request)
+        error = request_error(request, self.max_len, self.vocab_size)
         if error is not None:
             self._ready.append(RequestResult(request, [], [], "error", error))
             return
         self._ids.add(request.id)
         self._waiting.append(RequestState(request, [], []))
 
-    def _validate(self, request: Request) -> str | None:
-        prompt = request.prompt
-        if not prompt:
-            return "empty prompt: give at least one token"
-        if len(prompt) >= self.max_len:
-            return (
-                f"prompt has {len(prompt)} tokens but the engine's max_len is {self.max_len}: "
-                f"shorten it to at most {self.max_len - 1} tokens or raise max_len"
-            )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}): fix the tokenizer/prompt"
-        target = request.sampling.target_len
-        if target is not None and len(prompt) + target > self.max_len:
-            return f"prompt ({len(prompt)}) + target_len ({target}) exceeds max_len {self.max_len}"
-        return None
-
     def import_request(self, state: RequestState) -> None:
         """Continue a request exported by another engine (with its KV, or re-prefilled from its tokens)."""
         if state.id in self._ids:
             raise ValueError(f"request id {state.id!r} is already in this engine; ids must be unique")
-        error = self._validate(state.request)
+        error = request_error(state.request, self.max_len, self.vocab_size)
         if error is not None:
             raise ValueError(f"cannot import request {state.id!r}: {error}")
         if state.k is not None:
@@ -420,32 +357,10 @@ class GenerationEngine:
         multi-turn request whose turn ended (``awaiting``), and queue its next turn: its earlier KV is kept and only
         the observation (with the stop token before it) is computed when it takes a slot again."""
         state = self._awaiting(request_id)
-        ids = [int(t) for t in observation]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: an empty observation; end the request instead (end_request)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: observation token id {bad[0]} is outside [0, {self.vocab_size})")
-        total = len(state.request.prompt) + len(state.generated) + len(ids)
-        if total >= self.max_len:
-            raise ValueError(
-                f"request {request_id!r}: the observation of {len(ids)} tokens takes it to {total} tokens, past the "
-                f"engine's max_len {self.max_len} less one for its next turn: end the episode (end_request), shorten "
-                "the observation or raise max_len"
-            )
-        if state.request.turn_budget(len(state.generated) + len(ids)) == 0:
-            raise ValueError(
-                f"request {request_id!r}: the observation of {len(ids)} tokens takes it to its max_tokens "
-                f"{state.request.max_tokens}, leaving no token for its next turn: end the episode (end_request)"
-            )
+        state.observe(observation, self.max_len, self.vocab_size)
         del self._parked[request_id]
-        start = len(state.generated)
-        state.generated += ids
-        state.logprobs += [0.0] * len(ids)
-        state.observations.append((start, start + len(ids)))
-        state.turn_start, state.awaiting, state.finish_reason = len(state.generated), False, None
         if self.speculator is not None:
-            self.speculator.extend(request_id, ids)
+            self.speculator.extend(request_id, state.generated[state.observations[-1][0] :])
         self._waiting.appendleft(state)  # an episode under way goes before fresh requests
 
     def end_request(self, request_id: RequestId) -> RequestResult:
@@ -557,11 +472,11 @@ class GenerationEngine:
         if not free or not self._waiting:
             return
         taken = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        to_prefill: list[_Slot] = []
+        to_prefill: list[Slot] = []
         to_extend: list[tuple[int, int]] = []  # (row, cached positions) of requests whose KV ends before cache_len
         for state in taken:
             seed = self.seed if state.request.seed is None else state.request.seed  # imported without one
-            slot = _Slot(
+            slot = Slot(
                 state.request,
                 request_seed(seed, state.id),
                 list(state.generated),
@@ -587,7 +502,7 @@ class GenerationEngine:
         if to_extend:
             self._extend(to_extend)
 
-    def _prefill(self, slots: list[_Slot]) -> None:
+    def _prefill(self, slots: list[Slot]) -> None:
         """Prefill ``slots`` (fresh or resumed from tokens). Slots whose tokens are identical (a GRPO group's samples
         of one prompt) share one prefill: it runs once, into the first one's cache row, whose filled positions are
         then copied to the others', and they sample from the same logits, each with its own random stream."""
@@ -619,7 +534,7 @@ class GenerationEngine:
             rows = torch.tensor([index[r] for r in fresh], device=self.device)
             sampled_slots = [slots[r] for r in fresh]
             ints, floats = self._state.ints[rows], self._state.floats[rows]
-            flags = self._sampling_flags(sampled_slots)
+            flags = sampling_flags(sampled_slots)
             tokens, logprobs = sample_rows(logits[fresh], ints, floats, *flags)
             self._state.ints[rows] = SlotState.advanced(ints, tokens)
             self._record(sampled_slots, tokens, logprobs)
@@ -663,9 +578,9 @@ class GenerationEngine:
                 compat.mark_dim_dynamic(ints, 0)
                 compat.mark_dim_dynamic(floats, 0)
         # rows past n: free slots (token 0 at position 0, cleared when their request left)
-        tokens, logprobs, ints = self._call(self._decode, ints, floats, columns, *self._sampling_flags(self._active))
+        tokens, logprobs, ints = self._call(self._decode, ints, floats, columns, *sampling_flags(self._active))
         self._state.ints[:b] = ints  # copied at once: a CUDA graph's outputs are overwritten by its next replay
-        launched = self._copy_out(list(self._active), tokens[:n], logprobs[:n])
+        launched = copy_out(list(self._active), tokens[:n], logprobs[:n])
         if not self.lagged_reads:
             self._read(launched)
             return
@@ -685,7 +600,7 @@ class GenerationEngine:
             room = self.max_len - 1 - slot.cache_len
             # a verify step produces one token after its accepted drafts
             rows.append(VerifyRow(slot.request.id, i, slot.generated[-1], slot.cache_len, min(budget - 1, room)))
-        produced = self.speculator.verify(self._forward, self._state, rows, *self._sampling_flags(slots))
+        produced = self.speculator.verify(self._forward, self._state, rows, *sampling_flags(slots))
         if produced is None:
             return False
         tokens, logprobs = [t for t, _ in produced], [lp for _, lp in produced]
@@ -706,36 +621,17 @@ class GenerationEngine:
             self.compile_stats.seconds += time.perf_counter() - start
         return out
 
-    @staticmethod
-    def _sampling_flags(slots: list[_Slot]) -> tuple[bool, bool]:
-        """(some slot samples at temperature > 0, some slot sets top-k or top-p): False skips that work."""
-        params = [s.request.sampling for s in slots]
-        return any(p.temperature > 0 for p in params), any(p.top_k > 0 or p.top_p < 1.0 for p in params)
-
-    def _record(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def _record(self, slots: list[Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append each slot's sampled token and log-prob (one device-to-host copy) and retire finished slots."""
-        self._read(self._copy_out(slots, tokens, logprobs))
+        self._read(copy_out(slots, tokens, logprobs))
 
-    def _copy_out(self, slots: list[_Slot], tokens: torch.Tensor, logprobs: torch.Tensor) -> _Launched:
-        """Start copying the sampled ``tokens`` and ``logprobs`` of ``slots`` to the host (one copy)."""
-        values = torch.stack([tokens.double(), logprobs.double()])  # token ids are exact in float64
-        if values.device.type != "cuda":
-            return _Launched(slots, values, None)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)  # an asynchronous copy needs pinned memory
-        host.copy_(values, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Launched(slots, host, done)
-
-    def _read(self, launched: _Launched) -> None:
+    def _read(self, launched: Launched) -> None:
         """Append a step's tokens to its slots that are still active (a row that finished in the step before a lagged
         read decoded once more: its token is dropped) and retire the slots that finished."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        tokens, logprobs = launched.values.tolist()
+        tokens, logprobs = launched.read()
         live = {id(s) for s in self._active}
         rows = [r for r, s in enumerate(launched.slots) if id(s) in live]
-        self._append([launched.slots[r] for r in rows], [[int(tokens[r])] for r in rows], [[logprobs[r]] for r in rows])
+        self._append([launched.slots[r] for r in rows], [[tokens[r]] for r in rows], [[logprobs[r]] for r in rows])
 
     def _read_in_flight(self) -> None:
         """Read the decode step still in flight (``lagged_reads``): every slot's tokens on the host are then current."""
@@ -743,7 +639,7 @@ class GenerationEngine:
             launched, self._in_flight = self._in_flight, None
             self._read(launched)
 
-    def _append(self, slots: list[_Slot], tokens: list[list[int]], logprobs: list[list[float]]) -> list[_Slot]:
+    def _append(self, slots: list[Slot], tokens: list[list[int]], logprobs: list[list[float]]) -> list[Slot]:
         """Append each slot's sampled tokens in order, up to the one that ends it (a verify step produces several),
         and retire the slots that ended: a multi-turn request whose turn ended leaves its slot with its KV and waits
         (``continue_request``). Returns the slots that go on decoding."""
@@ -754,7 +650,7 @@ class GenerationEngine:
                 slot.logprobs.append(lp)
                 if self.speculator is not None:
                     self.speculator.extend(slot.request.id, [tok])
-                reason = self._finish_reason(slot, tok)
+                reason = slot.finish_reason(tok, self.max_len)
                 if reason is not None:
                     finished.append((self._active.index(slot), reason))
                     break
@@ -778,22 +674,6 @@ class GenerationEngine:
         self._ids.discard(request_id)
         if self.speculator is not None:
             self.speculator.finish(request_id, keep=keep)
-
-    def _finish_reason(self, slot: _Slot, token: int) -> FinishReason | None:
-        """Why the slot's request (its turn, for a multi-turn request) ends after sampling ``token``, if it does."""
-        p: SamplingParams = slot.request.sampling
-        n = len(slot.generated) - slot.turn_start
-        if p.target_len is not None:
-            if n >= p.target_len:
-                return "length"
-        elif token in p.stop_token_ids:
-            return "stop"
-        elif n >= p.max_new_tokens:
-            return "length"
-        room = self.max_len - len(slot.request.prompt)
-        if slot.request.max_tokens is not None:  # a request's own cap over every turn
-            room = min(room, slot.request.max_tokens)
-        return "max_len" if len(slot.generated) >= room else None
 
     def _remove_slot(self, i: int) -> None:
         """Free slot i, keeping active slots contiguous: the last active slot moves into i (with the position a step

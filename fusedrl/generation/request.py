@@ -128,6 +128,25 @@ class RequestResult:
 _MASK64 = (1 << 64) - 1
 
 
+def request_error(request: Request, max_len: int, vocab_size: int) -> str | None:
+    """Why an engine of ``max_len`` positions over ``vocab_size`` token ids cannot run ``request``, if it cannot."""
+    prompt = request.prompt
+    if not prompt:
+        return "empty prompt: give at least one token"
+    if len(prompt) >= max_len:
+        return (
+            f"prompt has {len(prompt)} tokens but the engine's max_len is {max_len}: "
+            f"shorten it to at most {max_len - 1} tokens or raise max_len"
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size}): fix the tokenizer/prompt"
+    target = request.sampling.target_len
+    if target is not None and len(prompt) + target > max_len:
+        return f"prompt ({len(prompt)}) + target_len ({target}) exceeds max_len {max_len}"
+    return None
+
+
 def request_seed(seed: int, request_id: RequestId) -> int:
     """A 63-bit seed mixed from (seed, request id), stable across processes and Python runs."""
     if isinstance(request_id, str):

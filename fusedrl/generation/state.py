@@ -76,6 +76,35 @@ class RequestState:
     def without_kv(self) -> RequestState:
         return dataclasses.replace(self, k=None, v=None)
 
+    def observe(self, observation: Sequence[int], max_len: int, vocab_size: int) -> None:
+        """Append an environment's ``observation`` (token ids, not sampled: log-prob 0, a span of ``observations``) to
+        this request whose turn ended, and start its next turn. Raises ValueError, the state unchanged, where the
+        observation is empty, holds an id outside ``[0, vocab_size)``, or leaves no position of ``max_len`` or token of
+        the request's ``max_tokens`` for a next turn."""
+        ids = [int(t) for t in observation]
+        if not ids:
+            raise ValueError(f"request {self.id!r}: an empty observation; end the request instead (end_request)")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {self.id!r}: observation token id {bad[0]} is outside [0, {vocab_size})")
+        total = len(self.request.prompt) + len(self.generated) + len(ids)
+        if total >= max_len:
+            raise ValueError(
+                f"request {self.id!r}: the observation of {len(ids)} tokens takes it to {total} tokens, past the "
+                f"engine's max_len {max_len} less one for its next turn: end the episode (end_request), shorten the "
+                "observation or raise max_len"
+            )
+        if self.request.turn_budget(len(self.generated) + len(ids)) == 0:
+            raise ValueError(
+                f"request {self.id!r}: the observation of {len(ids)} tokens takes it to its max_tokens "
+                f"{self.request.max_tokens}, leaving no token for its next turn: end the episode (end_request)"
+            )
+        start = len(self.generated)
+        self.generated += ids
+        self.logprobs += [0.0] * len(ids)
+        self.observations.append((start, start + len(ids)))
+        self.turn_start, self.awaiting, self.finish_reason = len(self.generated), False, None
+
     @classmethod
     def of_result(cls, result: RequestResult) -> RequestState:
         """The finished state of an engine's result (to send it to the rank that scores it)."""
