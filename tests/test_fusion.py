@@ -451,6 +451,31 @@ def test_two_ranks_threshold_never_reached(two_ranks):
     assert on["migration"] is None and on["exp"]["sample_ids"].tolist() == list(range(8))
 
 
+def _lengths_of_two_rollouts() -> tuple[list, list]:
+    import torch.distributed as dist
+
+    actor, _ = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = GenerationEngine(actor, max_slots=8, max_len=64, seed=3)
+    ctl = MigrationController(engine, lambda samples: [(s.num_tokens - len(s.prompt), s.finish_reason) for s in samples])
+    seen = []
+    for rollout in range(2):
+        g = torch.Generator().manual_seed(rollout)
+        prompts = [torch.randint(0, 512, (4,), generator=g).tolist() for _ in range(8)]
+        # stop tokens a sampled response meets at varied lengths; some run to their budget of 12
+        sampling = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 512, 9)), **SAMPLED)
+        r = ctl.run([Request(i, p, sampling) for i, p in enumerate(prompts) if i % world == rank], gather=True)
+        seen.append(sorted((n, reason == "length") for part in r.scored for n, reason in part))
+    return seen, ctl._last_lengths
+
+
+@pytest.mark.slow
+def test_a_rollout_leaves_every_ranks_lengths_for_the_next_ones_estimate(rank_pools):
+    seen, last = rank_pools(2).run(_lengths_of_two_rollouts, timeout_s=120)[0]
+    assert sorted(last) == seen[1] != seen[0]  # the last rollout's, not the first's, from both ranks
+    assert {cut for _, cut in last} == {True, False}  # stopped and cut samples, told apart
+
+
 LENGTHS_4 = tuple(lmsys_lengths(24, seed=5, max_len=48)[:4]) + (40, 36, 30, 24) + tuple(lmsys_lengths(24, seed=5, max_len=48)[8:])
 SCENARIOS_4 = {
     "auto_kv": Scenario(LENGTHS_4, "auto", "kv", costs=SIM_COSTS),

@@ -3,8 +3,8 @@ few instances and score finished samples on the freed ones at once.
 
 Read it top to bottom: :mod:`.plan` (which instances keep decoding, where each request goes, a verifier),
 :mod:`.controller` (runs a rollout with the plan; scoring arrives as a callable), :mod:`.simulator` (the same
-rollout under a cost model: the ``auto`` threshold and paper-scale estimates), :mod:`.workload` (long-tailed
-response lengths for benchmarks).
+rollout under a cost model: the ``auto`` threshold and paper-scale estimates), :mod:`.remaining` (the tokens the
+unfinished requests have left, for the simulator), :mod:`.workload` (long-tailed response lengths for benchmarks).
 """
 
 from fusedrl.rollout_fusion.controller import (

@@ -11,7 +11,7 @@ same all-gathered statistics, and move their own KV shards to the same TP index 
   remaining work and free KV capacity, and decide on the one started ``STATS_LAG`` checks earlier (so a rank
   does not wait for the slowest one at every check). When that global unfinished count is at most the threshold
   (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
-  simulating the rest of the rollout with the lengths observed so far, see :mod:`.simulator`), the plan, made
+  simulating the rest of the rollout with lengths estimated from those finished, :mod:`.simulator`, :mod:`.remaining`), the plan, made
   from statistics gathered then, keeps the fewest instances that hold the tail (``auto`` may keep more; most
   remaining work first), moves every other instance's unfinished requests to them (KV + tokens over
   point-to-point, or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the
@@ -71,6 +71,7 @@ from fusedrl.generation import (
     send_states,
 )
 from fusedrl.rollout_fusion.plan import InstanceStats, MigrationPlan, MovedRequest, build_plan, choose_kept, verify_plan
+from fusedrl.rollout_fusion.remaining import remaining_lengths
 from fusedrl.rollout_fusion.simulator import (
     DEFAULT_FRACTIONS,
     STATS_LAG,
@@ -257,6 +258,7 @@ class MigrationController(Generic[T]):
         # request-state buffers on the engine's device when the group carries it (NCCL), else through the host
         self.device = engine.device if engine.device.type in served else torch.device("cpu")
         self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
+        self._last_lengths: list[tuple[int, bool]] = []  # the previous rollout's (length, censored), every rank's
 
     @classmethod
     def from_config(
@@ -338,19 +340,21 @@ class MigrationController(Generic[T]):
         if gather:
             scored = [part for parts in self._all_gather(scored) for part in parts]
         tail = run.decode_end - run.tail_start if run.tail_start is not None else 0.0
-        times = self._all_gather((end, run.decode_end, run.spans, tail))
+        lengths = run.lengths + [(len(s.generated), True) for s in run.carried]  # carried: unfinished at that length
+        times = self._all_gather((end, run.decode_end, run.spans, tail, lengths))
         trace = ChromeTrace()
-        for i, (_, _, spans, _) in enumerate(times):
+        for i, (_, _, spans, _, _) in enumerate(times):
             trace.name_process(i, f"rank {i}")
             for kind, start, end, args in spans:
                 trace.complete(kind, start, end - start, pid=i, tid=0, **args)
         self._history.decode += run.measurements.decode
         self._history.score += run.measurements.score
+        self._last_lengths = [x for *_, rank_lengths in times for x in rank_lengths]
         return RolloutResult(
             scored=scored,
-            rollout_s=max(t for t, _, _, _ in times),
-            decode_end_s=max(d for _, d, _, _ in times),
-            tail_s=max(t for _, _, _, t in times),
+            rollout_s=max(t[0] for t in times),
+            decode_end_s=max(t[1] for t in times),
+            tail_s=max(t[3] for t in times),
             scoring_s=run.scoring_s,
             migration=run.migration,
             trace=trace,
@@ -435,8 +439,11 @@ class _Rollout:
         self.scoring_s = 0.0
         self.decode_end = 0.0
         self.steps = 0
-        self.observed_lengths: list[int] = []  # generated lengths of finished samples (all ranks'; for "auto")
-        self.new_lengths: list[int] = []  # this rank's, not yet shared
+        # (length, censored: cut at its budget) of finished samples: every rank's as of the last simulation ("auto"),
+        # this rank's not yet shared, and all of this rank's
+        self.observed_lengths: list[tuple[int, bool]] = list(ctl._last_lengths)  # the previous rollout's first
+        self.new_lengths: list[tuple[int, bool]] = []
+        self.lengths: list[tuple[int, bool]] = []
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
         self.auto_decision: AutoDecision | None = None  # the last simulation's choice and prediction
         self.auto_evaluated_at: int | None = None
@@ -502,7 +509,9 @@ class _Rollout:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
             self.unreported.append(int(res.id))
-            self.new_lengths.append(len(res.tokens))
+            length = (len(res.tokens), res.finish_reason in ("length", "max_len"))
+            self.new_lengths.append(length)
+            self.lengths.append(length)
         end = self.clock()
         self.ended += len(results)
         if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
@@ -670,10 +679,15 @@ class _Rollout:
                 )
                 self.auto_fallback_logged = True
             return fallback, 1, None
-        observed = sorted(self.observed_lengths)
+        estimates = remaining_lengths(
+            [[(gen, budget) for _, gen, _, budget in progress] for progress, _ in details], self.observed_lengths
+        )
         instances = [
-            [SimRequest(ctx, _estimate_remaining(gen, forced, budget, observed)) for ctx, gen, forced, budget in progress]
-            for progress, _ in details
+            [
+                SimRequest(ctx, max(1, forced - gen) if forced is not None else left)  # a forced length is exact
+                for (ctx, gen, forced, _), left in zip(progress, lefts)
+            ]
+            for (progress, _), lefts in zip(details, estimates)
         ]
         config = RolloutConfig(
             max_slots=self.engine.max_slots,
@@ -890,13 +904,3 @@ class _Rollout:
 def _progress_summary(progress: list[RequestProgress]) -> list[tuple[int, int, int | None, int]]:
     """(context tokens, generated, forced length or None, token budget) per unfinished request."""
     return [(p.seq_len, p.generated, p.budget if p.forced else None, p.budget) for p in progress]
-
-
-def _estimate_remaining(generated: int, forced: int | None, budget: int, observed: list[int]) -> int:
-    """Tokens left: exact for a forced length, else the median observed length beyond what it has (or its budget)."""
-    if forced is not None:
-        return max(1, forced - generated)
-    longer = [n for n in observed if n > generated]
-    if longer:
-        return max(1, min(budget, longer[len(longer) // 2]) - generated)
-    return max(1, budget - generated)
