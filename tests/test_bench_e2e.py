@@ -93,10 +93,12 @@ def test_pin_process_pins_threads_started_before_and_after() -> None:
 
 
 def test_migration_summary_counts_migrations_and_the_simulators_error() -> None:
-    common = {"rollout_s": 10.0, "rollout_predicted_never_s": 13.0}
+    common = {"rollout_s": 10.0, "rollout_predicted_never_s": 13.0, "decode_end_s": 8.0}
     records = [
-        {"migration_kept": 1, "migration_moved": 6, "auto_threshold": 8, "rollout_predicted_s": 9.0, **common},
-        {"migration_kept": 0, "migration_moved": 0, "auto_threshold": 0, "rollout_predicted_s": 12.0, **common},
+        {"migration_kept": 1, "migration_moved": 6, "auto_threshold": 8, "rollout_predicted_s": 9.0, **common}
+        | {"decode_end_predicted_s": 9.0},
+        {"migration_kept": 0, "migration_moved": 0, "auto_threshold": 0, "rollout_predicted_s": 12.0, **common}
+        | {"decode_end_predicted_s": 8.4},
         {"migration_kept": 0, "migration_moved": 0},  # decided before any scoring cost: no simulation
     ]
     summary = migration_summary(records)
@@ -105,8 +107,10 @@ def test_migration_summary_counts_migrations_and_the_simulators_error() -> None:
     assert summary["prediction_error"] == pytest.approx(0.15)
     assert summary["predicted_rollout_s"] == 10.5 and summary["predicted_never_s"] == 13.0
     assert summary["measured_rollout_s"] == 10.0
+    assert summary["decode_end_error"] == pytest.approx((1.0 / 8 + 0.4 / 8) / 2)
+    assert summary["predicted_decode_end_s"] == pytest.approx(8.7) and summary["measured_decode_end_s"] == 8.0
     fixed = migration_summary([{"migration_kept": 1, "migration_moved": 3}])
-    assert fixed["auto_threshold"] is None and fixed["prediction_error"] is None
+    assert fixed["auto_threshold"] is None and fixed["prediction_error"] is None and fixed["decode_end_error"] is None
 
 
 def test_runs_apart_give_each_mode_its_own_runs_in_alternating_order(monkeypatch: pytest.MonkeyPatch) -> None:

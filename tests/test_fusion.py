@@ -9,6 +9,7 @@ from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.models import build_model
 from fusedrl.rlhf import Experience, Scorer, ScoringModels
 from fusedrl.rollout_fusion import MigrationController
+from fusedrl.rollout_fusion.controller import PROBE_ROWS
 from fusedrl.rollout_fusion.plan import (
     InstanceStats,
     MigrationPlan,
@@ -474,6 +475,26 @@ def test_a_rollout_leaves_every_ranks_lengths_for_the_next_ones_estimate(rank_po
     seen, last = rank_pools(2).run(_lengths_of_two_rollouts, timeout_s=120)[0]
     assert sorted(last) == seen[1] != seen[0]  # the last rollout's, not the first's, from both ranks
     assert {cut for _, cut in last} == {True, False}  # stopped and cut samples, told apart
+
+
+def _first_scoring_measurements() -> list[int]:
+    import torch.distributed as dist
+
+    actor, scoring = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = GenerationEngine(actor, max_slots=8, max_len=160, seed=3)
+    ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=8, check_interval=2)  # "auto", no costs
+    lengths = (3, 120, 4, 120, 5, 120, 6, 120, 7, 120, 8, 120, 110, 120)  # rank 0's short ones end 100+ steps early
+    r = ctl.run(_requests(lengths, rank, world))
+    return [rows for rows, _, _ in r.measurements.score]
+
+
+@pytest.mark.slow
+def test_auto_measures_scoring_on_one_sample_then_on_a_micro_batch(rank_pools):
+    # the first rollout knows no scoring cost: rank 0 scores one of its 6 short samples at once, then PROBE_ROWS of
+    # the other 5 (without that second measurement it would score all 5 together, later)
+    rank0, _ = rank_pools(2).run(_first_scoring_measurements, timeout_s=120)
+    assert rank0[:2] == [1, PROBE_ROWS]
 
 
 LENGTHS_4 = tuple(lmsys_lengths(24, seed=5, max_len=48)[:4]) + (40, 36, 30, 24) + tuple(lmsys_lengths(24, seed=5, max_len=48)[8:])

@@ -18,8 +18,8 @@ memory). Both modes sample the same responses (fusion changes when work runs, no
 computed): the first iteration of every run compares the same work, checked by the iterations' sample digests
 (``samples_digest``); later ones may not (bf16 updates under two schedules round differently). The iteration-1
 protocol: ``--apart --warm-cache --warmup 0 --steps 1``. Where the "auto" threshold simulated a rollout, the
-simulator's prediction is printed beside the measured rollout. Needs Linux (``os.sched_setaffinity``) and at least
-pp x tp cores.
+simulator's predictions of the rollout and of its last decode step are printed beside the measured ones. Needs Linux
+(``os.sched_setaffinity``) and at least pp x tp cores.
 
 Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
 this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and
@@ -185,27 +185,30 @@ def summarize(histories: dict[str, list[dict]]) -> dict:
 
 
 def migration_summary(records: list[dict]) -> dict[str, float | None]:
-    """Migrations over ``records`` (iteration metrics) and the rollout simulator's prediction error (mean of
-    |predicted - measured| / measured over the iterations it predicted; None when it predicted none)."""
+    """Migrations over ``records`` (iteration metrics) and the rollout simulator's prediction errors of the rollout
+    and of its last decode step's end (means of |predicted - measured| / measured over the iterations it predicted;
+    None when it predicted none)."""
     predicted = [r for r in records if "rollout_predicted_s" in r]
     thresholds = [r["auto_threshold"] for r in records if "auto_threshold" in r]
 
     def mean(key: str) -> float | None:
         return statistics.fmean(r[key] for r in predicted) if predicted else None
 
+    def error(key: str, measured: str) -> float | None:
+        return statistics.fmean(abs(r[key] - r[measured]) / r[measured] for r in predicted) if predicted else None
+
     return {
         "iterations_migrated": sum(r["migration_kept"] > 0 for r in records),
         "moved_per_iteration": statistics.fmean(r["migration_moved"] for r in records),
         "auto_threshold": statistics.fmean(thresholds) if thresholds else None,
         "predicted_iterations": len(predicted),
-        "prediction_error": (
-            statistics.fmean(abs(r["rollout_predicted_s"] - r["rollout_s"]) / r["rollout_s"] for r in predicted)
-            if predicted
-            else None
-        ),
+        "prediction_error": error("rollout_predicted_s", "rollout_s"),
+        "decode_end_error": error("decode_end_predicted_s", "decode_end_s"),
         "measured_rollout_s": mean("rollout_s"),
         "predicted_rollout_s": mean("rollout_predicted_s"),
         "predicted_never_s": mean("rollout_predicted_never_s"),
+        "measured_decode_end_s": mean("decode_end_s"),
+        "predicted_decode_end_s": mean("decode_end_predicted_s"),
     }
 
 
@@ -272,14 +275,17 @@ def _fusions(
             line += f", auto threshold {moves['auto_threshold']:.1f} requests (mean; 0: never migrate)"
         if moves["prediction_error"] is not None:
             line += (
-                f"; the simulator's rollout length off by {100 * moves['prediction_error']:.1f}% "
-                f"(mean over {moves['predicted_iterations']} iterations)"
+                f"; the simulator's rollout length off by {100 * moves['prediction_error']:.1f}%, its last decode "
+                f"step's end by {100 * moves['decode_end_error']:.1f}% (means over {moves['predicted_iterations']} "
+                "iterations)"
             )
         print(line)
         if moves["predicted_rollout_s"] is not None:
             print(
                 f"rollout, fusions on: {moves['measured_rollout_s']:.2f} s measured, the simulator's prediction "
-                f"{moves['predicted_rollout_s']:.2f} s, without migrating {moves['predicted_never_s']:.2f} s (means)"
+                f"{moves['predicted_rollout_s']:.2f} s, without migrating {moves['predicted_never_s']:.2f} s; its last "
+                f"decode step ends at {moves['measured_decode_end_s']:.2f} s, predicted {moves['predicted_decode_end_s']:.2f}"
+                " s (means, from the rollout's start)"
             )
         same, compared = layout["samples_identical"], layout["samples_compared"]
         verdict = "identical" if same == compared else f"identical in {same} only (the others compare different work)"

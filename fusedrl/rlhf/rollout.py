@@ -144,7 +144,8 @@ def migration_metrics(result: RolloutResult) -> dict[str, float]:
     """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank), and where the
         "auto" threshold simulated the rollout, its last choice (``auto_threshold``: 0 = never migrate), when it chose
         (``auto_at_s``) and the simulated rollout's length with that choice and without migrating (``rollout_predicted_s``,
-    ``rollout_predicted_never_s``, beside the measured ``rollout_s``)."""
+    ``rollout_predicted_never_s``, beside the measured ``rollout_s``) and its last decode step's end with that choice
+    (``decode_end_predicted_s``, beside the measured ``decode_end_s``)."""
     auto = {}
     if result.auto is not None:
         a = result.auto
@@ -155,6 +156,8 @@ def migration_metrics(result: RolloutResult) -> dict[str, float]:
             "rollout_predicted_s": a.predicted_s,
             "rollout_predicted_never_s": a.never_s,
             "rollout_s": result.rollout_s,
+            "decode_end_predicted_s": a.predicted_decode_end_s,
+            "decode_end_s": result.decode_end_s,
         }
     return _migration_figures(result) | auto
 

@@ -88,6 +88,7 @@ MigrationMode = Literal["kv", "reprefill"]
 AUTO_FALLBACK_FRACTION = 0.1  # an "auto" threshold before costs are known, where no gain is required
 AUTO_MIN_GAIN = 0.05  # inter_stage = "auto": a migration must be predicted to shorten the rollout this much
 PROBE_MIN_STEPS = 64  # "auto" measures scoring mid-rollout only with at least this many decode steps left to gain in
+PROBE_ROWS = 4  # the second measurement's rows: with the first (one sample) it separates a micro-batch's fixed cost
 ENV_WAIT_S = 0.05  # an instance with nothing to decode waits this long for an environment's answer between checks
 GAP_SAMPLES = 4  # most samples scored at a time while every request waits for its environment (answers wait that long)
 TAIL_SHARE = 0.9  # a rollout's tail: its decoding after this share of an instance's requests ended
@@ -170,6 +171,7 @@ class AutoDecision:
     at_s: float  # seconds into the rollout when it was simulated
     predicted_s: float  # the simulated rollout's end with that choice, seconds from the rollout's start
     never_s: float  # the simulated rollout's end without migrating
+    predicted_decode_end_s: float  # the simulated last decode step's end with that choice
 
 
 @dataclass
@@ -208,7 +210,8 @@ class MigrationController(Generic[T]):
         min_gain: with ``"auto"``, migrate only where the simulated rollout ends at least this fraction sooner than
             without migrating (until costs are known: never). Before any scoring was measured (the first rollout) and
             with :data:`PROBE_MIN_STEPS` decode steps or more left, ``"auto"`` scores rank 0's first finished sample
-            at once: its cost per token stands for scoring's until more is measured.
+            at once (its cost per token stands for scoring's until more is measured), then a micro-batch of its next
+            :data:`PROBE_ROWS` (the two give a micro-batch's fixed cost and its cost per token).
         mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
         check_interval: decode steps between statistics all-gathers.
         costs: rollout costs for ``auto``; default: fitted from this controller's own earlier measurements.
@@ -575,10 +578,9 @@ class _Rollout:
             self.steps += k
             if not self._has_work() and self.finished and self.target is None:
                 self._score_while_idle()
-            elif self._probe_due():
-                first = min(self.finished, key=lambda s: s.num_tokens)  # a first measurement of scoring's cost
-                self.finished.remove(first)
-                self._score([first])
+            elif probe := self._probe():
+                self.finished = [s for s in self.finished if all(s is not p for p in probe)]
+                self._score(probe)
             if self.target is not None and self._check_target()[0]:
                 for wait in posted:  # every rank posted them before this check: they complete
                     wait()
@@ -703,7 +705,11 @@ class _Rollout:
             instances, costs, config, backlog=backlog, batch_size=self.batch, min_gain=self.ctl.min_gain
         )
         never = simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog)
-        return threshold, min_kept, AutoDecision(threshold, min_kept, now, now + times.total_s, now + never.total_s)
+        return (
+            threshold,
+            min_kept,
+            AutoDecision(threshold, min_kept, now, now + times.total_s, now + never.total_s, now + times.decode_end_s),
+        )
 
     # -------------------------------------------------------------------------------------- migration
     def _migrate(self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int) -> MigrationPlan:
@@ -832,15 +838,20 @@ class _Rollout:
                 return
             self._score(batch)
 
-    def _probe_due(self) -> bool:
-        """Whether the deciding rank (rank 0) of an "auto" threshold should score a finished sample now: no scoring
-        cost is known yet (the first rollout) and at least :data:`PROBE_MIN_STEPS` decode steps remain, so that what
-        the measurement lets it decide can gain more than the measurement costs."""
-        ctl = self.ctl
-        if ctl.threshold != "auto" or self.rank != 0 or not self.finished or ctl._history.score or self.measurements.score:
-            return False
-        left = max((p.budget - p.generated for p in self.engine.progress()), default=0)
-        return left >= PROBE_MIN_STEPS
+    def _probe(self) -> list[RequestResult]:
+        """The finished samples the deciding rank (rank 0) of an "auto" threshold should score now to measure
+        scoring's cost, while no earlier rollout measured it: its first finished sample, then a micro-batch of
+        :data:`PROBE_ROWS` (one sample alone costs more per token than a micro-batch: its fixed cost is spread over
+        fewer tokens, which made the first rollout's scoring ~3.5x dearer than measured on the reasoning recipe).
+        Only with at least :data:`PROBE_MIN_STEPS` decode steps left, so that what the measurements let it decide
+        can gain more than they cost."""
+        ctl, measured = self.ctl, len(self.measurements.score)
+        rows = 1 if measured == 0 else PROBE_ROWS
+        if ctl.threshold != "auto" or self.rank != 0 or ctl._history.score or measured > 1 or len(self.finished) < rows:
+            return []
+        if max((p.budget - p.generated for p in self.engine.progress()), default=0) < PROBE_MIN_STEPS:
+            return []
+        return sorted(self.finished, key=lambda s: s.num_tokens)[:rows]
 
     def _score_while_idle(self) -> None:
         """This instance's requests are done while others decode: score its finished samples in a thread (in full
