@@ -26,13 +26,12 @@ def _survival(events: Sequence[int], censored: Sequence[int], horizon: int) -> t
     """``S[t]`` = P(length > t) for t in [0, horizon], float64: Kaplan-Meier up to the longest observed length, then
     the mean hazard over the observed range (stops per token at risk; 0 where none stopped)."""
     size = horizon + 2
-    stops = torch.zeros(size, dtype=torch.float64)
-    leaves = torch.zeros(size, dtype=torch.float64)  # at risk through t, gone after it (stopped or censored)
-    for t in events:
-        stops[min(t, size - 1)] += 1
-        leaves[min(t, size - 1)] += 1
-    for t in censored:
-        leaves[min(t, size - 1)] += 1
+
+    def counts(lengths: Sequence[int]) -> torch.Tensor:
+        return torch.bincount(torch.tensor(lengths, dtype=torch.int64).clamp(max=size - 1), minlength=size).double()
+
+    stops = counts(events)
+    leaves = stops + counts(censored)  # at risk through t, gone after it (stopped or censored)
     at_risk = len(events) + len(censored) - torch.cumsum(leaves, 0) + leaves  # still running at length t
     hazard = stops / at_risk.clamp(min=1)
     observed = min(max([*events, *censored, 0]), horizon)
