@@ -1,25 +1,24 @@
 """End-to-end PPO iterations on the debug config: the fusions as configured ("auto" by default) vs both off, or this
 tree vs another one.
 
-Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core``
-(pp x tp x dp ranks, dp the config's dp_shard lowered to what this process's cores hold (:func:`pinned_dp_shard`),
-rank r pinned to the r-th core of ``os.sched_getaffinity``, so that a rank idle in a pipeline bubble leaves its core
-idle, as a GPU would) and ``oversubscribed`` (dp_shard = 2 x dp: twice as many ranks on the same cores, each allowed
-on all of them, so that an idle rank hands its core to another). The global batch is the config's in both layouts.
-Each layout spawns its CPU processes with one torch thread each, builds a trainer per mode from the same initial
-weights, and runs ``--warmup`` + ``--steps`` iterations per mode with the modes taking turns iteration by iteration
-(off, on, on, off, ...), so that the load of other processes on the machine hits both alike. With ``--apart`` each
-mode runs alone instead, one trainer per rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
+Fusions (default): runs the config on two layouts of the same cores, one after the other: ``one_rank_per_core`` (pp x tp
+x dp ranks, dp the config's dp_shard lowered to what this process's cores hold (:func:`pinned_dp_shard`), rank r pinned
+to the r-th core of ``os.sched_getaffinity``, so that a rank idle in a pipeline bubble leaves its core idle, as a GPU
+would) and ``oversubscribed`` (dp_shard = 2 x dp: twice as many ranks on the same cores, each allowed on all of them, so
+that an idle rank hands its core to another). The global batch is the config's in both layouts. Each layout spawns its
+CPU processes with one torch thread each, builds a trainer per mode from the same initial weights, and runs ``--warmup``
++ ``--steps`` iterations per mode with the modes taking turns iteration by iteration (off, on, on, off, ...), so that
+the load of other processes on the machine hits both alike. With ``--apart`` each mode runs alone instead, one trainer
+per rank in processes of its own, the runs alternating (off, on, on, off, ...) over ``--rounds``: half the memory per
 rank (a real model's two trainers per rank may not fit at 2 ranks per core), at the price of slower drifts in the
-machine's load hitting the modes unevenly. Reports per layout samples/s over the measured iterations, the
-mean seconds per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the
-longest). ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks'
-memory). Both modes sample the same responses (fusion changes when work runs, not what is
-computed): the first iteration of every run compares the same work, checked by the iterations' sample digests
-(``samples_digest``); later ones may not (bf16 updates under two schedules round differently). The iteration-1
-protocol: ``--apart --warm-cache --warmup 0 --steps 1``. Where the "auto" threshold simulated a rollout, the
-simulator's predictions of the rollout and of its last decode step are printed beside the measured ones. Needs Linux
-(``os.sched_setaffinity``) and at least pp x tp cores.
+machine's load hitting the modes unevenly. Reports per layout samples/s over the measured iterations, the mean seconds
+per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 per iteration, the longest).
+``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks' memory). Both modes
+sample the same responses (fusion changes when work runs, not what is computed): the first iteration of every run
+compares the same work, checked by the iterations' sample digests (``samples_digest``); later ones may not (bf16 updates
+under two schedules round differently). The iteration-1 protocol: ``--apart --warm-cache --warmup 0 --steps 1``. Where
+the "auto" threshold simulated a rollout, the simulator's predictions of the rollout and of its last decode step are
+printed beside the measured ones. Needs Linux (``os.sched_setaffinity``) and at least pp x tp cores.
 
 Trees (``--baseline TREE``, e.g. a ``git worktree`` of the commit a change started from): the same config with
 this tree's code and with TREE's, one trainer run per tree and layout (``--layouts``: world sizes; pp stays, and

@@ -7,17 +7,16 @@ controllers of one TP index see the instances as a group of single ranks, take t
 same all-gathered statistics, and move their own KV shards to the same TP index of another instance:
 
 - fusion off: decode until every instance is done (a barrier), then every rank scores its own samples;
-- fusion on: every ``check_interval`` decode steps the ranks start an all-gather of their unfinished count,
-  remaining work and free KV capacity, and decide on the one started ``STATS_LAG`` checks earlier (so a rank
-  does not wait for the slowest one at every check). When that global unfinished count is at most the threshold
-  (a fraction of the batch, or ``"auto"``: the best threshold and number of kept instances found by
-  simulating the rest of the rollout with lengths estimated from those finished, :mod:`.simulator`, :mod:`.remaining`), the plan, made
-  from statistics gathered then, keeps the fewest instances that hold the tail (``auto`` may keep more; most
-  remaining work first), moves every other instance's unfinished requests to them (KV + tokens over
-  point-to-point, or tokens only in ``reprefill`` mode), and sends the kept instances' finished samples to the
-  freed ones. The plan is verified (:func:`.plan.verify_plan`) before it runs. Freed instances then score while
-  the tail decodes; each batch of tail samples that finishes is streamed to a freed instance and scored there,
-  except a kept instance's share of its last step's samples, which it scores itself.
+- fusion on: every ``check_interval`` decode steps the ranks start an all-gather of their unfinished count, remaining
+  work and free KV capacity, and decide on the one started ``STATS_LAG`` checks earlier (so a rank does not wait for the
+  slowest one at every check). When that global unfinished count is at most the threshold (a fraction of the batch, or
+  ``"auto"``: the best threshold and number of kept instances found by simulating the rest of the rollout with lengths
+  estimated from those finished, :mod:`.simulator`, :mod:`.remaining`), the plan, made from statistics gathered then,
+  keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first), moves every other
+  instance's unfinished requests to them (KV + tokens over point-to-point, or tokens only in ``reprefill`` mode), and
+  sends the kept instances' finished samples to the freed ones. The plan is verified (:func:`.plan.verify_plan`) before
+  it runs. Freed instances then score while the tail decodes; each batch of tail samples that finishes is streamed to a
+  freed instance and scored there, except a kept instance's share of its last step's samples, which it scores itself.
 
 With a :class:`GroupTarget` (over-provisioned rollouts, :class:`fusedrl.rlhf.PartialRollouts`) the ranks also
 all-gather the ids finished since the last check at every check (every ``check_interval`` decode steps, fusion on or
@@ -442,11 +441,11 @@ class _Rollout:
         self.scoring_s = 0.0
         self.decode_end = 0.0
         self.steps = 0
-        # (length, censored: cut at its budget) of finished samples: every rank's as of the last simulation ("auto"),
-        # this rank's not yet shared, and all of this rank's
-        self.observed_lengths: list[tuple[int, bool]] = list(ctl._last_lengths)  # the previous rollout's first
-        self.new_lengths: list[tuple[int, bool]] = []
+        # (length, censored: cut at its budget) of finished samples: this rank's, and every rank's as of the last
+        # simulation ("auto"; the previous rollout's first), which holds this rank's up to lengths[shared_lengths:]
         self.lengths: list[tuple[int, bool]] = []
+        self.shared_lengths = 0
+        self.observed_lengths: list[tuple[int, bool]] = list(ctl._last_lengths)
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
         self.auto_decision: AutoDecision | None = None  # the last simulation's choice and prediction
         self.auto_evaluated_at: int | None = None
@@ -512,9 +511,7 @@ class _Rollout:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
             self.unreported.append(int(res.id))
-            length = (len(res.tokens), res.finish_reason in ("length", "max_len"))
-            self.new_lengths.append(length)
-            self.lengths.append(length)
+            self.lengths.append((len(res.tokens), res.finish_reason in ("length", "max_len")))
         end = self.clock()
         self.ended += len(results)
         if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
@@ -652,9 +649,13 @@ class _Rollout:
         # requests and finished samples now (gathered here) and the lengths finished so far.
         if self.auto_evaluated_at is None or unfinished <= 0.9 * self.auto_evaluated_at:
             details = ctl._all_gather(
-                (_progress_summary(self.engine.progress()), [s.num_tokens for s in self.finished], self.new_lengths)
+                (
+                    _progress_summary(self.engine.progress()),
+                    [s.num_tokens for s in self.finished],
+                    self.lengths[self.shared_lengths :],
+                )
             )
-            self.new_lengths = []
+            self.shared_lengths = len(self.lengths)
             for _, _, lengths in details:
                 self.observed_lengths += lengths
             choice: list[tuple[int, int, AutoDecision | None] | None] = [None]

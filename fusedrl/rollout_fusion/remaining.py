@@ -2,12 +2,13 @@
 
 The rollout's lengths so far are survival data: a finished request is an event at its length (one cut at its token
 budget is censored there, it did not choose to stop), an unfinished one is censored at what it has generated. The
-Kaplan-Meier estimate gives the per-token hazard of stopping wherever requests were at risk; past the longest
-observed length it is held at its mean over the observed range (stops per token at risk; its mean over the upper half alone,
-where a reasoning task's responses end most, left out 18-38% of the tokens left on the reasoning recipe). The previous rollout's lengths,
-where the caller has them, join the data: they reach past what this rollout has seen. The unfinished requests
-of one (generated, budget) take the quantiles ``(i + 0.5) / n`` of their length given that they are still running, cut
-at their budget, dealt to the instances in turn (a snake order: each instance gets a similar share of the long ones).
+Kaplan-Meier estimate gives the per-token hazard of stopping wherever requests were at risk; past the longest observed
+length it is held at its mean over the observed range (stops per token at risk; its mean over the upper half alone,
+where a reasoning task's responses end most, left out 18-38% of the tokens left on the reasoning recipe). The previous
+rollout's lengths, where the caller has them, join the data: they reach past what this rollout has seen. The unfinished
+requests of one (generated, budget) take the quantiles ``(i + 0.5) / n`` of their length given that they are still
+running, cut at their budget, dealt to the instances in turn (a snake order: each instance gets a similar share of the
+long ones).
 
 Why not one figure for all: every fresh request of a rollout starts at once, so the unfinished ones have all generated
 the same count and no finished request is longer; a single estimate (a median of longer lengths, or the budget) has
@@ -65,9 +66,8 @@ def remaining_lengths(instances: Sequence[Sequence[tuple[int, int]]], finished: 
         for i, j in members:
             by_instance[i].append(j)
         order = _snake(by_instance)
-        for rank, (i, j) in enumerate(order):
-            q = (rank + 0.5) / len(order)
-            k = int(torch.searchsorted(ended, torch.tensor([q], dtype=torch.float64))) + 1
+        quantiles = (torch.arange(len(order), dtype=torch.float64) + 0.5) / len(order)
+        for (i, j), k in zip(order, (torch.searchsorted(ended, quantiles) + 1).tolist()):
             out[i][j] = min(cap, k)
     return out
 
