@@ -1,6 +1,7 @@
 """fusedrl.envs: the environment interface's checks, EnvRunner (threads, limits, errors, stats), the word-problem tool
 environment and its prompt, and the TextArena adapter played offline."""
 
+import dataclasses
 import math
 import random
 import socket
@@ -13,7 +14,8 @@ import pytest
 
 from fusedrl.envs import EnvError, Environment, EnvRunner, EnvStep, check_opening, check_step, load_env_factory
 from fusedrl.envs.calculator import calculate, extract_call
-from fusedrl.envs.sandbox import run_python
+from fusedrl.envs.sandbox import SandboxLimits, run_python
+from fusedrl.envs.tools import PYTHON_LIMITS
 from fusedrl.tasks import word_problems
 from fusedrl.tasks.word_problems_tools import (
     EXAMPLE_ANSWER,
@@ -361,8 +363,13 @@ def test_word_problem_final_answer_gets_the_checkers_reward():
         WordProblemToolEnv({"answer": "7"})
 
 
+# What these tests check is the tools' results, not their limits (tests/test_tools.py): a wall clock generous enough
+# for a loaded machine, where starting the sandbox's interpreter alone passed the tool's 3 s.
+UNHURRIED = dataclasses.replace(PYTHON_LIMITS, timeout_s=60.0)
+
+
 def test_word_problem_python_tool():
-    env = word_problems_python(_row()[2])
+    env = word_problems_python(_row()[2], python_limits=UNHURRIED)
     assert env.step("<python>print(6 * 7)</python>") == EnvStep(observation="42\n", info={"tool": "python"})
     step = env.step("<python>1/0</python>")
     assert step.info == {"tool": "python", "tool_error": "error"} and "ZeroDivisionError" in step.observation
@@ -390,7 +397,11 @@ def test_tool_prompt_has_one_worked_example_then_the_problem(tools):
     # problem's, however the prompt is read
     assert word_problems.answer_of(EXAMPLE_PROBLEM) == EXAMPLE_ANSWER
     source = extract_call(messages[1]["content"], tools[0])
-    result = calculate(source) if tools[0] == "calc" else run_python(source).observation
+    result = (
+        calculate(source)
+        if tools[0] == "calc"
+        else run_python(source, dataclasses.replace(SandboxLimits(), timeout_s=60.0)).observation
+    )
     assert result == EXAMPLE_RESULT[tools[0]] == messages[2]["content"]
     assert problem_answer(messages[-1]["content"]) == answer == WordProblemToolEnv({"messages": messages}).answer
 
