@@ -452,29 +452,54 @@ def test_two_ranks_threshold_never_reached(two_ranks):
     assert on["migration"] is None and on["exp"]["sample_ids"].tolist() == list(range(8))
 
 
-def _lengths_of_two_rollouts() -> tuple[list, list]:
+def _lengths_of_two_rollouts() -> tuple[list, list, list]:
     import torch.distributed as dist
+
+    from fusedrl.rollout_fusion import controller
 
     actor, _ = _models()
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = GenerationEngine(actor, max_slots=8, max_len=64, seed=3)
-    ctl = MigrationController(engine, lambda samples: [(s.num_tokens - len(s.prompt), s.finish_reason) for s in samples])
-    seen = []
-    for rollout in range(2):
-        g = torch.Generator().manual_seed(rollout)
-        prompts = [torch.randint(0, 512, (4,), generator=g).tolist() for _ in range(8)]
-        # stop tokens a sampled response meets at varied lengths; some run to their budget of 12
-        sampling = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 512, 9)), **SAMPLED)
-        r = ctl.run([Request(i, p, sampling) for i, p in enumerate(prompts) if i % world == rank], gather=True)
-        seen.append(sorted((n, reason == "length") for part in r.scored for n, reason in part))
-    return seen, ctl._last_lengths
+    # "auto" with known costs, checked every 2 steps: the tail's remaining lengths are estimated in both rollouts
+    ctl = MigrationController(
+        engine,
+        lambda samples: [(s.num_tokens - len(s.prompt), s.finish_reason) for s in samples],
+        check_interval=2,
+        costs=SIM_COSTS,
+    )
+    estimate, observed = controller.remaining_lengths, []
+
+    def recording(instances, finished):
+        observed.append(list(finished))
+        return estimate(instances, finished)
+
+    controller.remaining_lengths = recording  # this worker process serves later tests: restored below
+    try:
+        seen, before = [], []
+        for rollout in range(2):
+            g = torch.Generator().manual_seed(rollout)
+            prompts = [torch.randint(0, 512, (4,), generator=g).tolist() for _ in range(8)]
+            # stop tokens a sampled response meets at varied lengths; some run to their budget of 12
+            sampling = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 512, 9)), **SAMPLED)
+            before.append((list(ctl._last_lengths), len(observed)))
+            r = ctl.run([Request(i, p, sampling) for i, p in enumerate(prompts) if i % world == rank], gather=True)
+            seen.append(sorted((n, reason == "length") for part in r.scored for n, reason in part))
+    finally:
+        controller.remaining_lengths = estimate
+    # the lengths the second rollout's first estimate started from (rank 0 simulates), and the first rollout's
+    seeded = observed[before[1][1]] if rank == 0 and len(observed) > before[1][1] else None
+    return seen, ctl._last_lengths, [before[1][0], seeded]
 
 
 @pytest.mark.slow
 def test_a_rollout_leaves_every_ranks_lengths_for_the_next_ones_estimate(rank_pools):
-    seen, last = rank_pools(2).run(_lengths_of_two_rollouts, timeout_s=120)[0]
+    seen, last, (first_rollouts, seeded) = rank_pools(2).run(_lengths_of_two_rollouts, timeout_s=120)[0]
     assert sorted(last) == seen[1] != seen[0]  # the last rollout's, not the first's, from both ranks
     assert {cut for _, cut in last} == {True, False}  # stopped and cut samples, told apart
+    # the second rollout's estimate starts from the first rollout's lengths, then adds its own
+    assert sorted(first_rollouts) == seen[0]
+    assert seeded is not None, "the second rollout estimated no remaining lengths"
+    assert seeded[: len(first_rollouts)] == first_rollouts
 
 
 def _first_scoring_measurements() -> list[int]:
