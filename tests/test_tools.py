@@ -151,23 +151,22 @@ def test_a_syntax_error_and_an_exception_show_the_last_line_of_the_traceback():
     assert result.observation.endswith("ZeroDivisionError: division by zero") and "_sandbox_child" not in result.observation
 
 
-def test_an_infinite_loop_times_out_near_the_limit():
+def test_an_infinite_loop_times_out_at_its_limit():
     result = run("while True:\n    pass", limits=SandboxLimits(timeout_s=1, cpu_s=5))
     assert result.status == "timeout" and result.observation == "error: timed out after 1 s"
-    assert 0.9 < result.seconds < 2.5
+    assert result.seconds >= 0.9  # never before its limit (how long after it depends on the machine's load)
     assert sandbox_processes() == []
 
 
 def test_cpu_time_is_limited_apart_from_the_wall_clock():
     result = run("while True:\n    pass", limits=SandboxLimits(timeout_s=5, cpu_s=1))
-    assert (result.status, result.observation) == ("killed", "error: killed (CPU time limit)")
-    assert result.seconds < 3
+    assert (result.status, result.observation) == ("killed", "error: killed (CPU time limit)")  # not the wall clock
 
 
 @pytest.mark.parametrize("layers", [ALL, NAMESPACES, HOOK])
 def test_a_fork_bomb_is_contained_and_leaves_no_process(layers):
     result = run("import os\nwhile True:\n    os.fork()", layers)
-    assert result.status in ("error", "killed", "timeout", "output_limit") and result.seconds < 5
+    assert result.status in ("error", "killed", "timeout", "output_limit")
     if layers == NAMESPACES:  # RLIMIT_NPROC binds: the sandbox's root is an unprivileged uid outside
         assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in result.observation
     else:
@@ -180,9 +179,12 @@ def test_a_fork_bomb_is_contained_and_leaves_no_process(layers):
 
 def test_the_process_limit_counts_the_program_and_its_children():
     # In namespaces nothing else refuses a fork: this is RLIMIT_NPROC binding, i.e. the program's uid is not root outside.
-    code = "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)"
+    # The children sleep past the wall clock: the program ends normally (no timeout) and none of them outlives it,
+    # since they die with the namespace.
+    code = "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)"
     result = run(code, NAMESPACES, SandboxLimits(timeout_s=5, processes=4))
-    assert result.observation == "3 11\n" and result.seconds < 2  # the children die with the namespace
+    assert (result.status, result.observation) == ("ok", "3 11\n")
+    assert sandbox_processes() == []
 
 
 @pytest.mark.parametrize("code", ["x = bytearray(10**10)", "x = []\nwhile True:\n    x.append(' ' * 10**6)"])
@@ -194,7 +196,7 @@ def test_a_memory_blowup_hits_the_address_space_limit(code):
 
 def test_huge_output_is_cut_at_the_limit_and_the_program_stopped():
     result = run("while True:\n    print('x' * 10**6)", limits=SandboxLimits(timeout_s=5, output_bytes=1000))
-    assert result.status == "output_limit" and result.truncated and result.seconds < 2
+    assert result.status == "output_limit" and result.truncated  # stopped by the output limit, not the wall clock
     text, note = result.observation.rsplit("\n", 1)
     assert text == "x" * 1000 and note.startswith("[output truncated")
 
