@@ -9,6 +9,7 @@ from torchtune.models import llama3_1, llama3_2, qwen2_5
 from torchtune.modules import TiedLinear
 
 import fusedrl.models.hf as hf_module
+from fusedrl.components.tokenizer import _TOKENIZER_COMPANIONS as TOKENIZER_COMPANIONS  # what Tokenizer.save copies
 from fusedrl.models import (
     FLAVORS,
     CheckpointError,
@@ -331,10 +332,13 @@ def test_checkpoint_error_is_a_value_error_with_problem_list(good_folder):
 
 def test_save_replaces_checkpoint_and_keeps_tokenizer_files(tmp_path):
     folder = save_hf_checkpoint(_random_model("debug", "policy", 11), tmp_path / "c", "debug", max_shard_bytes=40_000)
-    (folder / "tokenizer.json").write_text("{}")
+    # what an export's Tokenizer.save wrote there (a run that exports to the same folder again keeps them)
+    tokenizer_files = ["tokenizer.json", *TOKENIZER_COMPANIONS]
+    for name in tokenizer_files:
+        (folder / name).write_text("{}")
     model = _random_model("debug", "policy", 12)
     save_hf_checkpoint(model, folder, "debug")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", "model.safetensors", *tokenizer_files])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary folders left behind
     loaded = build_model("debug")
     load_hf_checkpoint(loaded, folder, "debug")

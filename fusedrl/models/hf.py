@@ -76,6 +76,7 @@ _TOKENIZER_FILES = {
     "merges.txt",
     "generation_config.json",
     "added_tokens.json",
+    "chat_template.jinja",  # HF's file of the chat template; fusedrl's Tokenizer.save copies it too
 }
 
 _SAFETENSORS_DTYPES = {
