@@ -47,6 +47,11 @@ def runs_on_cpu(argv: list[str], environ: Mapping[str, str] = os.environ) -> boo
 # still sleeps.
 if runs_on_cpu(sys.argv[1:]):
     os.environ.setdefault("OMP_WAIT_POLICY", "active")
+    # before any thread starts (gloo's, the trainer's), so that all of them allocate from the heap that the trainer's
+    # training.reuse_host_memory keeps for reuse (fusedrl.hardware.share_one_heap); imports torch, after the line above
+    from fusedrl.hardware import share_one_heap
+
+    share_one_heap()
 
 import torch.distributed as dist  # noqa: E402
 

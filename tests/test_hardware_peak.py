@@ -54,6 +54,13 @@ def test_cli_json_last_line(monkeypatch, capsys):
     assert any("TFLOP/s" in line for line in lines[:-1])
 
 
+def _took_and_faults(script: str, mode: str) -> tuple[str, int]:
+    """What ``script`` printed last, run in a fresh interpreter: whether reuse_host_memory took effect, page faults."""
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+    took, faults = out.stdout.split()[-2:]
+    return took, int(faults)
+
+
 _FAULTS_SCRIPT = """
 import resource, sys, torch
 from fusedrl.hardware import reuse_host_memory
@@ -73,15 +80,42 @@ def test_reuse_host_memory_ends_the_page_faults_of_fresh_tensors():
     """Freed 64 MiB tensors' pages are reused by the next ones (no page faults once the heap has grown) after
     reuse_host_memory(); without it every fresh tensor faults in all of its pages (8 tensors: 8 x 16384)."""
 
-    def last_round(mode: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True)
-        took, faults = out.stdout.split()[-2:]
-        return took, int(faults)
-
-    took, reused = last_round("reuse")
-    _, system = last_round("system")
+    took, reused = _took_and_faults(_FAULTS_SCRIPT, "reuse")
+    _, system = _took_and_faults(_FAULTS_SCRIPT, "system")
     # transparent huge pages (THP "always") fault a 64 MiB tensor in 32 pages of 2 MiB instead of 16384
     assert took == "True" and system >= 8 * 32 and reused * 10 < system, (took, reused, system)
+
+
+_THREAD_FAULTS_SCRIPT = """
+import ctypes, resource, sys, threading, torch
+from fusedrl.hardware import reuse_host_memory
+took = reuse_host_memory()
+if sys.argv[1] == "arenas":  # glibc's default again: a thread allocates from an arena of its own
+    ctypes.CDLL("libc.so.6").mallopt(-8, 64)  # M_ARENA_MAX
+def held_tensors():
+    xs = [torch.ones(4 << 20) for _ in range(16)]  # 16 x 16 MiB held together, then freed
+    del xs
+def faults(work):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    work()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+worker = threading.Thread(target=held_tensors)  # e.g. the fused rollout's scoring while its instance idles
+worker.start()
+worker.join()
+print(took, faults(held_tensors))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and page-fault counts are Linux's")
+def test_memory_a_thread_freed_is_reused_by_the_main_thread_without_page_faults():
+    """After reuse_host_memory() every thread allocates from one heap: the 256 MiB a worker thread held and freed
+    serve the main thread's next tensors; with an arena per thread (glibc's default) the worker's arena keeps them
+    and the main thread faults its pages in again."""
+
+    took, one_heap = _took_and_faults(_THREAD_FAULTS_SCRIPT, "one_heap")
+    _, arenas = _took_and_faults(_THREAD_FAULTS_SCRIPT, "arenas")
+    # transparent huge pages (THP "always") fault 256 MiB in 128 pages of 2 MiB instead of 65536
+    assert took == "True" and arenas >= 128 and one_heap * 10 < arenas, (took, one_heap, arenas)
 
 
 @pytest.mark.parametrize(
