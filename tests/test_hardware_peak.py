@@ -92,30 +92,31 @@ from fusedrl.hardware import reuse_host_memory
 took = reuse_host_memory()
 if sys.argv[1] == "arenas":  # glibc's default again: a thread allocates from an arena of its own
     ctypes.CDLL("libc.so.6").mallopt(-8, 64)  # M_ARENA_MAX
-def held_tensors():
-    xs = [torch.ones(4 << 20) for _ in range(16)]  # 16 x 16 MiB held together, then freed
+def held_tensors(count):
+    xs = [torch.ones(4 << 20) for _ in range(count)]  # count x 16 MiB held together, then freed
     del xs
 def faults(work):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     work()
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-worker = threading.Thread(target=held_tensors)  # e.g. the fused rollout's scoring while its instance idles
+worker = threading.Thread(target=held_tensors, args=(16,))  # e.g. the fused rollout's scoring while its instance idles
 worker.start()
 worker.join()
-print(took, faults(held_tensors))
+print(took, faults(lambda: held_tensors(12)))  # less than the worker freed: it fits whatever the small blocks between
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and page-fault counts are Linux's")
 def test_memory_a_thread_freed_is_reused_by_the_main_thread_without_page_faults():
     """After reuse_host_memory() every thread allocates from one heap: the 256 MiB a worker thread held and freed
-    serve the main thread's next tensors; with an arena per thread (glibc's default) the worker's arena keeps them
-    and the main thread faults its pages in again."""
+    serve the main thread's next 192 MiB of tensors; with an arena per thread (glibc's default) the worker's arena
+    keeps them and the main thread faults its pages in again."""
 
     took, one_heap = _took_and_faults(_THREAD_FAULTS_SCRIPT, "one_heap")
     _, arenas = _took_and_faults(_THREAD_FAULTS_SCRIPT, "arenas")
-    # transparent huge pages (THP "always") fault 256 MiB in 128 pages of 2 MiB instead of 65536
-    assert took == "True" and arenas >= 128 and one_heap * 10 < arenas, (took, one_heap, arenas)
+    # transparent huge pages (THP "always") fault 192 MiB in 96 pages of 2 MiB instead of 49152; with one heap, a run
+    # now and then puts one of the 12 tensors in fresh pages (4105 faults in 1 of 16 runs here), never most of them
+    assert took == "True" and arenas >= 96 and one_heap * 3 < arenas, (took, one_heap, arenas)
 
 
 @pytest.mark.parametrize(
