@@ -14,28 +14,42 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
+def _training_setting(argv: list[str], key: str) -> object:
+    """``training.<key>`` as this command sets it, read before torch loads: from the command line (its text), else
+    from the config file (its TOML value), else None. :func:`fusedrl.config.load_config` checks it later."""
+    given: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in (f"--training.{key}", "--job.config_file"):
+            given[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if f"--training.{key}" in given:
+        return given[f"--training.{key}"]
+    if "--job.config_file" in given:
+        try:
+            with open(given["--job.config_file"], "rb") as f:
+                training = tomllib.load(f).get("training")
+            return training.get(key) if isinstance(training, dict) else None
+        except (OSError, ValueError):  # unreadable, not UTF-8, not TOML: load_config names the problem
+            pass
+    return None
+
+
 def runs_on_cpu(argv: list[str], environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this command's ranks compute on the CPU, told before torch loads: ``training.device`` from the command
     line, else from the config file, and for "auto" whether an NVIDIA GPU is visible (the driver lists one and
     CUDA_VISIBLE_DEVICES does not hide them). :func:`fusedrl.distributed.select_device` decides the device itself once
     torch is up; this only chooses settings that must precede torch's import."""
-    given: dict[str, str] = {}
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key in ("--training.device", "--job.config_file"):
-            given[key] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    device = given.get("--training.device")
-    if device is None and "--job.config_file" in given:
-        try:
-            with open(given["--job.config_file"], "rb") as f:
-                training = tomllib.load(f).get("training")
-            device = training.get("device") if isinstance(training, dict) else None
-        except (OSError, ValueError):  # unreadable, not UTF-8, not TOML: load_config names the problem
-            pass
+    device = _training_setting(argv, "device")
     if device in ("cpu", "cuda"):
         return device == "cpu"
     gpus = Path("/proc/driver/nvidia/gpus")
     return environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not (gpus.is_dir() and any(gpus.iterdir()))
+
+
+def reuses_host_memory(argv: list[str]) -> bool:
+    """Whether ``training.reuse_host_memory`` is on (its default) for this command, told before any thread starts."""
+    value = _training_setting(argv, "reuse_host_memory")
+    return not (value is False or (isinstance(value, str) and value.lower() == "false"))
 
 
 # Read once, when torch loads GNU OpenMP: so before the first torch import, and on CPU ranks only (a GPU rank's host
@@ -47,11 +61,12 @@ def runs_on_cpu(argv: list[str], environ: Mapping[str, str] = os.environ) -> boo
 # still sleeps.
 if runs_on_cpu(sys.argv[1:]):
     os.environ.setdefault("OMP_WAIT_POLICY", "active")
-    # before any thread starts (gloo's, the trainer's), so that all of them allocate from the heap that the trainer's
-    # training.reuse_host_memory keeps for reuse (fusedrl.hardware.share_one_heap); imports torch, after the line above
-    from fusedrl.hardware import share_one_heap
+    if reuses_host_memory(sys.argv[1:]):
+        # before any thread starts (gloo's, the trainer's), so that all of them allocate from the heap that the
+        # trainer keeps for reuse (fusedrl.hardware.share_one_heap); imports torch, after the line above
+        from fusedrl.hardware import share_one_heap
 
-    share_one_heap()
+        share_one_heap()
 
 import torch.distributed as dist  # noqa: E402
 

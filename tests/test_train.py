@@ -443,3 +443,15 @@ def test_runs_on_cpu_reads_the_device_from_the_command_line_then_the_file_then_t
         assert runs_on_cpu(["--job.config_file", str(bad)], no_gpus)
     if not Path("/proc/driver/nvidia/gpus").is_dir():  # this machine has no NVIDIA driver: "auto" is the CPU
         assert runs_on_cpu([], {})
+
+
+def test_reuses_host_memory_reads_the_command_line_then_the_file_and_is_on_by_default(tmp_path):
+    from fusedrl.train import reuses_host_memory
+
+    off_file, plain_file = tmp_path / "off.toml", tmp_path / "plain.toml"
+    off_file.write_text("[training]\nreuse_host_memory = false\n")
+    plain_file.write_text("[training]\nsteps = 2\n")
+    assert reuses_host_memory([]) and reuses_host_memory(["--job.config_file", str(plain_file)])
+    assert not reuses_host_memory(["--job.config_file", str(off_file)])
+    assert reuses_host_memory([f"--job.config_file={off_file}", "--training.reuse_host_memory=true"])  # the command line wins
+    assert not reuses_host_memory(["--job.config_file", str(plain_file), "--training.reuse_host_memory=False"])
