@@ -225,8 +225,7 @@ def share_one_heap() -> bool:
     faulted ~36 thousand pages in again at every rollout (SmolLM2 GRPO recipe, iteration 2: 0.4 s of system time,
     its scoring 1.4x the main thread's). Takes full effect before the process starts threads (``fusedrl.train`` calls
     it, with ``training.reuse_host_memory`` on, before gloo starts its threads); later, a thread that holds an arena
-    keeps it. Returns whether it took
-    effect (False off glibc)."""
+    keeps it. Returns whether it took effect (False off glibc)."""
     libc = _glibc()
     return libc is not None and libc.mallopt(_M_ARENA_MAX, 1) == 1
 
