@@ -1,5 +1,6 @@
 """Inter-stage fusion: migration plans, the rollout simulator, and fused vs unfused rollouts on 2 and 4 ranks."""
 
+import time
 from dataclasses import asdict, dataclass
 
 import pytest
@@ -172,6 +173,23 @@ def test_kept_instance_scores_its_share_of_its_last_step():
     assert [s for s in t.spans if s[:2] == (0, "score")] == [(0, "score", t.decode_end_s, t.total_s)]
 
 
+def test_tail_samples_are_scored_by_whoever_is_free_first():
+    # Instance 0 keeps a tail of three requests ending at different steps; instance 1's request is done by the
+    # migration. Free at once, instance 1 scores the tail samples as they finish (two before the tail ends); busy with
+    # a long backlog, it leaves them all to instance 0, which scores them once its tail has ended.
+    config = RolloutConfig(max_slots=8, kv_capacity_tokens=10_000, check_interval=2, micro_batch_size=8)
+    instances = [[SimRequest(10, n) for n in (20, 30, 40)], [SimRequest(10, 2)]]
+    idle = simulate_rollout(instances, SIM_COSTS, config, fused=True, threshold=3)
+    assert idle.kept == (0,)
+    scored = [s for s in idle.spans if s[:2] == (1, "score") and s[2] < s[3]]
+    assert len(scored) == 3 and all(s[2] < idle.decode_end_s for s in scored)  # its own sample + 2 of the tail
+    assert len([s for s in idle.spans if s[:2] == (0, "score")]) == 1  # the last, free at its end as instance 1 is
+    busy = simulate_rollout(instances, SIM_COSTS, config, fused=True, threshold=3, backlog=[[], [50] * 40])
+    kept_scores = [s for s in busy.spans if s[:2] == (0, "score")]
+    assert len(kept_scores) == 3 and all(s[2] >= busy.decode_end_s for s in kept_scores)
+    assert busy.total_s == pytest.approx(max(s[3] for s in busy.spans if s[:2] == (1, "score")))
+
+
 def test_more_instances_decode_faster_and_threshold_zero_never_migrates():
     lengths = lmsys_lengths(256, seed=1)
     t = [simulate_rollout(split_round_robin(lengths, 70, n), PAPER_COSTS, PAPER_CONFIG, fused=False).total_s for n in (2, 4, 8)]
@@ -316,6 +334,10 @@ class Scenario:
     costs: RolloutCosts | None = None
     max_slots: int | None = None  # default: the whole batch fits
     own_group: bool = False  # the controller on a separate gloo group (what the trainer does under NCCL)
+    slow_rank: int | None = None  # fused, this rank's scoring of several samples at once takes SLOW_BATCH_S longer
+
+
+SLOW_BATCH_S = 1.0  # ~10x a debug tail's decoding on a loaded machine (~40 steps of a few ms)
 
 
 def _models():
@@ -333,6 +355,15 @@ def _requests(lengths, rank, world):
     return [Request(i, prompts[i], SamplingParams(target_len=n, **SAMPLED)) for i, n in enumerate(lengths) if i % world == rank]
 
 
+def _slowed(score):
+    def slow_score(batch):
+        if len(batch) > 1:  # a backlog's micro-batch; the tail's samples are scored one at a time
+            time.sleep(SLOW_BATCH_S)
+        return score(batch)
+
+    return slow_score
+
+
 def _run_scenarios(scenarios: dict) -> dict:
     import torch.distributed as dist
 
@@ -344,9 +375,12 @@ def _run_scenarios(scenarios: dict) -> dict:
         for fusion in (False, True):
             engine = GenerationEngine(actor, max_slots=sc.max_slots or len(sc.lengths), max_len=64, seed=11)
             group = dist.new_group(backend="gloo") if sc.own_group else None
+            score = Scorer(scoring).score
+            if fusion and sc.slow_rank == rank:
+                score = _slowed(score)
             ctl = MigrationController(
                 engine,
-                Scorer(scoring).score,
+                score,
                 micro_batch_size=3,
                 fusion=fusion,
                 threshold=sc.threshold,
@@ -400,6 +434,8 @@ SCENARIOS_2 = {
     "last_step": Scenario(TAIL_LAST_STEP, 0.25, "kv"),
     "nothing_to_move": Scenario(TAIL_ON_ONE_RANK, 0.25, "kv"),
     "never_reached": Scenario((5,) * 8, 0.1, "kv"),
+    # the freed rank (0) still scores its backlog when the tail ends: the kept rank scores the tail's samples itself
+    "slow_backlog": Scenario(LENGTHS_2, 0.3, "kv", slow_rank=0),
     # 2 slots per rank: at the first deciding check each rank holds 3 unfinished requests (one queued), at most the
     # threshold of 6, but neither rank has a free slot for the other's, so migration is skipped.
     "no_room": Scenario((8, 8, 8, 8, 3, 3), 0.99, "kv", max_slots=2),
@@ -421,7 +457,15 @@ def test_two_ranks_fusion_changes_no_output(two_ranks, name):
     assert m["moved"] > 0 and m["moved_bytes"] > 0 and len(m["kept"]) == 1
     assert m["unfinished"] <= m["threshold"] == round(0.3 * 16)
     assert {"decode", "migrate", "score"} <= on["spans"]
-    assert on["scored_after"].get(m["kept"][0], 0) >= 1  # the kept rank's share of its last step
+
+
+def test_two_ranks_a_kept_rank_scores_its_tail_while_the_freed_one_is_busy(two_ranks):
+    off, on = two_ranks["slow_backlog"][False], two_ranks["slow_backlog"][True]
+    _check_same_outputs(off, on)
+    m = on["migration"]
+    assert m["kept"] == [1] and m["moved"] > 0
+    # the freed rank asks for tail samples only once its backlog (a micro-batch or more, SLOW_BATCH_S each) is scored
+    assert on["scored_after"].get(1, 0) >= 1 and on["scored_after"][0] > 1
 
 
 def test_two_ranks_migration_at_the_last_step(two_ranks):

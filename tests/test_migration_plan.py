@@ -92,10 +92,3 @@ def test_tail_streams_deal_the_freed_ranks_over_the_kept_ones():
     assert plan.tail_streams(1) == (0, 4) and plan.tail_streams(3) == (2,)
     fewer_freed = MigrationPlan(kept=(0, 1, 2), freed=(3,), transfers=())
     assert [fewer_freed.tail_streams(k) for k in (0, 1, 2)] == [(3,), (3,), (3,)]
-    # Before its last step a kept rank sends every sample, in turn over its streams, continuing from `index`.
-    assert plan.step_destinations(1, 0, 3, last=False) == [0, 4, 0]
-    assert plan.step_destinations(1, 1, 2, last=False) == [4, 0]
-    # At its last step it scores the first (longest) sample itself and every third after it (itself + 2 streams).
-    assert plan.step_destinations(1, 1, 4, last=True) == [1, 4, 0, 1]
-    assert plan.step_destinations(3, 5, 2, last=True) == [3, 2]
-    assert plan.step_destinations(3, 5, 0, last=True) == []

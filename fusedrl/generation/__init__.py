@@ -4,7 +4,7 @@ request-state export/import and its wire format, and loading training weights in
 from fusedrl.generation.engine import GenerationEngine
 from fusedrl.generation.request import FinishReason, Request, RequestResult, SamplingParams, request_seed
 from fusedrl.generation.sampling import check_sampling
-from fusedrl.generation.state import PendingSend, RequestState, isend_states, pack_states, recv_states, send_states
+from fusedrl.generation.state import PendingSend, RequestState, pack_states, recv_states, send_states
 from fusedrl.generation.stats import CompileStats, EngineStats, PrefillStats, RequestProgress
 from fusedrl.generation.weight_sync import WeightSync, WeightSyncStats
 
@@ -23,7 +23,6 @@ __all__ = [
     "WeightSync",
     "WeightSyncStats",
     "check_sampling",
-    "isend_states",
     "pack_states",
     "recv_states",
     "request_seed",

@@ -3,7 +3,7 @@
 A state is in flight (``finish_reason`` None: the unit of migration, with its KV slice) or finished
 (a sample on its way to be scored). Both travel between ranks the same way: :func:`pack_states` turns a
 batch of states into a few flat tensors (one header of fixed size first), :func:`send_states` /
-:func:`isend_states` / :func:`recv_states` move them point to point; a batch of zero states is an
+:func:`recv_states` move them point to point; a batch of zero states is an
 end-of-stream marker.
 """
 
@@ -228,7 +228,7 @@ def _global(rank: int, group: dist.ProcessGroup | None) -> int:
 
 
 class PendingSend:
-    """Handles of an :func:`isend_states` batch; keeps its tensors alive until :meth:`wait`."""
+    """Handles of non-blocking sends; keeps their tensors alive until :meth:`wait`."""
 
     def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]) -> None:
         self._works, self._tensors = works, tensors
@@ -259,20 +259,10 @@ def send_states(
     return sent
 
 
-def isend_states(
-    states: Sequence[RequestState], dst: int, *, group: dist.ProcessGroup | None = None, tag: int = 0
-) -> PendingSend:
-    """Non-blocking :func:`send_states` of CPU tensors; ``wait()`` the result before reusing anything."""
-    tensors = [t.contiguous() for t in _nonempty(pack_states(states))]
-    # isend returns None only on a rank outside ``group``, and the sender is in it
-    works = cast(list[dist.Work], [dist.isend(t, _global(dst, group), group=group, tag=tag) for t in tensors])
-    return PendingSend(works, tensors)
-
-
 def recv_states(
     src: int | None, *, group: dist.ProcessGroup | None = None, tag: int = 0, device: torch.device | str = "cpu"
 ) -> tuple[int, list[RequestState]]:
-    """Receive a batch sent by :func:`send_states` / :func:`isend_states`: ``(sender, states)``.
+    """Receive a batch sent by :func:`send_states`: ``(sender, states)``.
 
     ``src`` is a rank of ``group``, or None for whichever sender's batch comes first (gloo only); the
     returned sender is a rank of ``group``. An empty list is the sender's end-of-stream marker.

@@ -15,8 +15,11 @@ same all-gathered statistics, and move their own KV shards to the same TP index 
   keeps the fewest instances that hold the tail (``auto`` may keep more; most remaining work first), moves every other
   instance's unfinished requests to them (KV + tokens over point-to-point, or tokens only in ``reprefill`` mode), and
   sends the kept instances' finished samples to the freed ones. The plan is verified (:func:`.plan.verify_plan`) before
-  it runs. Freed instances then score while the tail decodes; each batch of tail samples that finishes is streamed to a
-  freed instance and scored there, except a kept instance's share of its last step's samples, which it scores itself.
+  it runs. Freed instances then score while the tail decodes. A tail sample goes to a freed instance when that one asks
+  for work (a credit it sends once it has nothing left to score), the longest first; once its tail has ended a kept
+  instance scores the samples no freed one asked for itself, one at a time, so that the instances end their scoring
+  about together however long the freed ones' own samples took. Each tail sample is scored alone, so which instance
+  scores it changes no result.
 
 With a :class:`GroupTarget` (over-provisioned rollouts, :class:`fusedrl.rlhf.PartialRollouts`) the ranks also
 all-gather the ids finished since the last check at every check (every ``check_interval`` decode steps, fusion on or
@@ -65,7 +68,6 @@ from fusedrl.generation import (
     RequestProgress,
     RequestResult,
     RequestState,
-    isend_states,
     recv_states,
     send_states,
 )
@@ -412,6 +414,67 @@ class MigrationController(Generic[T]):
 
 
 _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
+_CREDIT_TAG = 8  # a freed rank asks a kept one for a tail sample (freed -> kept)
+
+
+class _TailLender:
+    """A kept rank's finished tail samples, lent to its freed ranks as they ask: a thread per freed rank receives its
+    credits and answers each with the longest waiting sample at once (or, with none waiting, as soon as one finishes),
+    whatever the rollout's thread is doing, decoding or scoring a sample itself. After :meth:`end` a credit finds the
+    end of the stream (an empty batch). On the instance's TP rank 0 only."""
+
+    def __init__(self, freed: Sequence[int], group: dist.ProcessGroup | None) -> None:
+        self._group = group
+        self._ready = threading.Condition()
+        self._waiting: list[RequestResult] = []  # longest first
+        self._ended = False
+        self._errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._serve, args=(f,), name="fusedrl-tail-lender", daemon=True) for f in freed]
+        for t in self._threads:
+            t.start()
+
+    def add(self, samples: list[RequestResult]) -> None:
+        with self._ready:
+            self._waiting = sorted(self._waiting + samples, key=lambda s: (-s.num_tokens, int(s.id)))
+            self._ready.notify_all()
+
+    def take(self) -> RequestResult | None:
+        """The longest sample no freed rank has asked for yet, or None."""
+        with self._ready:
+            return self._waiting.pop(0) if self._waiting else None
+
+    def end(self) -> None:
+        """Answer every freed rank's next credit with the end of its stream; wait until each has had it."""
+        with self._ready:
+            self._ended = True
+            self._ready.notify_all()
+        for t in self._threads:
+            t.join()
+        if self._errors:
+            raise self._errors[0]
+
+    def _serve(self, freed: int) -> None:
+        try:
+            while True:
+                dist.recv(torch.zeros(1, dtype=torch.int64), group=self._group, tag=_CREDIT_TAG, group_src=freed)
+                with self._ready:
+                    self._ready.wait_for(lambda: bool(self._waiting) or self._ended)
+                    sample = self._waiting.pop(0) if self._waiting else None
+                batch = [RequestState.of_result(sample)] if sample is not None else []
+                send_states(batch, freed, group=self._group, tag=_SAMPLES_TAG)
+                if sample is None:
+                    return
+        except BaseException as e:  # raised again by end(), in the rollout's own thread
+            self._errors.append(e)
+            with self._ready:  # a failed thread stops lending: the rest stay here for the rollout's thread
+                self._ended = True
+
+
+def _send_credit(dst: int, group: dist.ProcessGroup | None) -> PendingSend:
+    buf = torch.ones(1, dtype=torch.int64)
+    work = dist.isend(buf, group=group, tag=_CREDIT_TAG, group_dst=dst)
+    assert work is not None  # the sender is in the group
+    return PendingSend([work], [buf])
 
 
 class _Rollout:
@@ -786,47 +849,40 @@ class _Rollout:
 
     # -------------------------------------------------------------------------------------- after it
     def _decode_tail(self, plan: MigrationPlan) -> None:
-        """Kept rank: decode the tail; stream its finished samples to its freed ranks (``plan.tail_streams``),
-        round-robin per sample, longest first (the longest samples tend to finish together at the very end:
-        each freed rank scores one of them). The samples of its last step it shares with them and scores its
-        own share once it has ended its streams. Within an instance only TP rank 0 streams; the other ranks
-        decode in lockstep and drop what it sends."""
+        """Kept rank: decode the tail, lending its finished samples to its freed ranks (``plan.tail_streams``) as they
+        ask (:class:`_TailLender`); once the tail has ended, score the longest sample none has asked for, one at a
+        time, until none is left. Within an instance its TP rank 0 lends and tells its peers which sample the
+        instance scores next."""
         ctl = self.ctl
-        pending: list[PendingSend] = []
-        own: list[RequestResult] = []
-        sent = 0
         if self.finished:
             raise RuntimeError(f"kept rank {self.rank} still holds finished samples after the migration")
+        lender = _TailLender(plan.tail_streams(self.rank), ctl.control_group) if ctl.leader else None
+        done: dict[int, RequestResult] = {}
         while self.engine.has_work():
             self._step()
-            done = sorted(self.finished, key=lambda s: (-s.num_tokens, int(s.id)))
-            dsts = plan.step_destinations(self.rank, sent, len(done), last=not self.engine.has_work())
-            sent += len(done)
-            by_dst: dict[int, list[RequestState]] = {}
-            for sample, dst in zip(done, dsts):
-                if dst == self.rank:
-                    own.append(sample)
-                else:
-                    by_dst.setdefault(dst, []).append(RequestState.of_result(sample))
-            if ctl.leader:
-                for dst, samples in by_dst.items():
-                    pending.append(isend_states(samples, dst, group=ctl.control_group, tag=_SAMPLES_TAG))
+            done.update((int(s.id), s) for s in self.finished)
+            if lender is not None:
+                lender.add(self.finished)
             self.finished = []
-        if ctl.leader:
-            for f in plan.freed:  # an empty batch ends this rank's tail stream
-                pending.append(isend_states([], f, group=ctl.control_group, tag=_SAMPLES_TAG))
-        self._score(own)
-        for p in pending:
-            p.wait()
+        while True:
+            sample = lender.take() if lender is not None else None
+            pick = ctl._share(None if sample is None else int(sample.id))
+            if pick is None:
+                break
+            self._score([done[pick]])
+        if lender is not None:
+            lender.end()
 
     def _score_tail_streams(self, plan: MigrationPlan) -> None:
-        """Freed rank: score the tail samples streamed by the kept ranks, taking whichever stream has a batch
-        first (one kept rank's late samples must not hold back another's). Within an instance TP rank 0
-        receives and hands each batch to its peers (None: all streams ended), so all score the same batches."""
+        """Freed rank: ask each kept rank that streams to it for a tail sample (a credit), score whichever sample comes
+        first and ask its sender again, until every stream has ended. Within an instance TP rank 0 sends the credits,
+        receives and hands each sample to its peers (None: all streams ended), so all score the same samples."""
         ctl = self.ctl
-        streams = set(plan.kept)
+        streams = {k for k in plan.kept if self.rank in plan.tail_streams(k)}
+        credits = [_send_credit(k, ctl.control_group) for k in sorted(streams)] if ctl.leader else []
         while True:
             batch: list[RequestResult] | None = None
+            src = -1
             if ctl.leader:
                 while streams and not batch:
                     src, states = recv_states(None, group=ctl.control_group, tag=_SAMPLES_TAG)
@@ -836,8 +892,12 @@ class _Rollout:
                         streams.discard(src)
             batch = ctl._share(batch)
             if not batch:
-                return
+                break
             self._score(batch)
+            if ctl.leader:
+                credits.append(_send_credit(src, ctl.control_group))
+        for c in credits:
+            c.wait()
 
     def _probe(self) -> list[RequestResult]:
         """The finished samples the deciding rank (rank 0) of an "auto" threshold should score now to measure

@@ -75,18 +75,9 @@ class MigrationPlan:
     def tail_streams(self, kept_rank: int) -> tuple[int, ...]:
         """Freed ranks that score ``kept_rank``'s tail samples: the freed ranks dealt out over the kept ones (one
         shared freed rank each when there are fewer freed than kept), so that samples finishing at the same time
-        on different kept ranks go to different freed ranks."""
+        on different kept ranks go to different freed ranks. A freed rank asks each of its kept ranks for their samples."""
         i = self.kept.index(kept_rank)
         return self.freed[i :: len(self.kept)] or (self.freed[i % len(self.freed)],)
-
-    def step_destinations(self, kept_rank: int, index: int, count: int, *, last: bool) -> list[int]:
-        """Ranks that score the ``count`` samples (longest first) finished at one decode step of ``kept_rank``'s
-        tail, ``index`` samples having finished there before: its tail streams in turn. At its last step the
-        kept rank is free and takes the first (longest) sample, and every (1 + streams)-th after it, itself."""
-        streams = self.tail_streams(kept_rank)
-        turn = [streams[(index + j) % len(streams)] for j in range(len(streams))]
-        order = [kept_rank, *turn] if last else turn
-        return [order[j % len(order)] for j in range(count)]
 
     @property
     def moved_ids(self) -> list[int]:

@@ -4,8 +4,8 @@
 It mirrors what :class:`fusedrl.rollout_fusion.MigrationController` does: checks every ``check_interval`` decode
 steps while fused, each deciding on the statistics of the check ``STATS_LAG`` before (an instance waits only for
 one that many intervals behind), the same plan (:mod:`.plan`), transfers in one global order with blocking
-send/receive, scoring in length-sorted micro-batches, tail samples streamed round-robin to each kept
-instance's freed ones, and a kept instance scoring its share of its last step's samples. It is used to pick
+send/receive, scoring in length-sorted micro-batches, each tail sample scored alone by whichever of its kept
+instance and that one's freed ones is free first once it finished (longest first). It is used to pick
 the ``auto`` threshold and, at paper scale, to estimate the gain; :meth:`RolloutCosts.fit` fits its costs to
 measurements.
 """
@@ -425,10 +425,11 @@ def simulate_rollout(
         busy[f] = free_at[f] + dur
         spans.append((f, "score", free_at[f], busy[f]))
 
-    # Kept instances decode the tail; their finished samples go round-robin (per sample) to their freed ones,
-    # which score them in the order they become ready; a kept instance scores its share of its last step's.
+    # Kept instances decode the tail. A freed instance, once its own scoring is done, takes the longest tail sample
+    # finished so far on the kept ones that stream to it, one at a time; a kept instance, once its tail has ended,
+    # scores its own that are still waiting the same way (the controller's credits).
     tail_end = {}
-    streams: dict[int, list[tuple[int, float, list[int]]]] = {f: [] for f in plan.freed}
+    ready: dict[int, list[tuple[float, int]]] = {}  # kept rank -> (finish time, tokens) of its tail samples
     for k_ in kept:
         reqs = alive[k_] + received[k_]
         clock = free_at[k_]
@@ -436,37 +437,24 @@ def simulate_rollout(
             clock += costs.prefill_per_token_s * sum(r.ctx for r in received[k_])
         st = _step_times(reqs, costs, max((r.remaining for r in reqs), default=0))
         step_ends = clock + torch.cumsum(st, 0)
-        sent = 0
-        finish: dict[int, list[int]] = {}
-        for r in reqs:
-            finish.setdefault(r.remaining, []).append(r.ctx + r.remaining)
-        own: list[int] = []
-        last_step = max(finish, default=0)
-        for step in sorted(finish):
-            toks = sorted(finish[step], reverse=True)  # as the controller orders them: longest first
-            dsts = plan.step_destinations(k_, sent, len(toks), last=step == last_step)
-            sent += len(toks)
-            by_dst: dict[int, list[int]] = {}
-            for tokens, dst in zip(toks, dsts):
-                by_dst.setdefault(dst, []).append(tokens)
-            own += by_dst.pop(k_, [])
-            for dst, part in by_dst.items():
-                streams[dst].append((k_, float(step_ends[step - 1]), part))
+        ready[k_] = [(float(step_ends[r.remaining - 1]), r.ctx + r.remaining) for r in reqs]
         tail_end[k_] = float(step_ends[-1]) if len(step_ends) else clock
         spans.append((k_, "decode", clock, tail_end[k_]))
-        busy[k_] = tail_end[k_] + costs.score_s(own, config.micro_batch_size)
-        if own:
-            spans.append((k_, "score", tail_end[k_], busy[k_]))
+        busy[k_] = tail_end[k_]
         if unscored[k_]:
             spans.append((k_, "send", t, free_at[k_]))
-    for f in plan.freed:
-        clock = busy[f]
-        for _, ready, part in sorted(streams[f], key=lambda x: (x[1], x[0])):
-            clock = max(clock, ready)
-            dur = costs.score_s(part, config.micro_batch_size)
-            spans.append((f, "score", clock, clock + dur))
-            clock += dur
-        busy[f] = clock
+    sources = {**{f: [k_ for k_ in kept if f in plan.tail_streams(k_)] for f in plan.freed}, **{k_: [k_] for k_ in kept}}
+    while active := [w for w in sources if any(ready[k_] for k_ in sources[w])]:
+        w = min(active, key=lambda w: (busy[w], w))
+        waiting = [(tokens, -at, k_) for k_ in sources[w] for at, tokens in ready[k_] if at <= busy[w]]
+        if not waiting:  # nothing finished yet: wait for the first sample of its streams
+            busy[w] = min(at for k_ in sources[w] for at, _ in ready[k_])
+            continue
+        tokens, neg_at, k_ = max(waiting)
+        ready[k_].remove((-neg_at, tokens))
+        dur = costs.score_s([tokens], config.micro_batch_size)
+        spans.append((w, "score", busy[w], busy[w] + dur))
+        busy[w] += dur
     total = max(busy.values())
     return RolloutTimes(
         total_s=total,
