@@ -1,7 +1,7 @@
 """Inter-stage fusion: migration plans, the rollout simulator, and fused vs unfused rollouts on 2 and 4 ranks."""
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 import torch
@@ -121,6 +121,19 @@ def test_fused_is_no_slower_and_gains_grow_with_scoring_cost():
     assert gains == sorted(gains) and gains[-1] > gains[0]
 
 
+def test_a_migration_costing_more_than_it_hides_is_not_chosen():
+    instances = split_round_robin(lmsys_lengths(512, seed=0), 70, 16)
+    threshold, kept, fused = best_migration(instances, PAPER_COSTS, PAPER_CONFIG)
+    gain = simulate_rollout(instances, PAPER_COSTS, PAPER_CONFIG, fused=True, threshold=0).total_s - fused.total_s
+    assert fused.migration_step is not None and gain > 0
+    # a migration's own cost holds every instance back by as much
+    dearer = replace(PAPER_COSTS, migration_s=gain / 2)
+    again = simulate_rollout(instances, dearer, PAPER_CONFIG, fused=True, threshold=threshold, min_kept=kept)
+    assert again.total_s == pytest.approx(fused.total_s + gain / 2)
+    threshold, _, never = best_migration(instances, replace(PAPER_COSTS, migration_s=2 * gain), PAPER_CONFIG)
+    assert threshold == 0 and never.migration_step is None
+
+
 def test_auto_keeps_more_instances_when_the_tails_kv_reads_dominate():
     # TP1 13B instances: a decode step reads the batch's KV cache (800 KB per token), so 26 long requests on
     # one instance decode ~2x slower than the weights alone; keeping 4-8 instances is faster.
@@ -204,8 +217,13 @@ def test_fit_recovers_costs():
     decode = [(b, c, truth.decode_step_s(b, c)) for b, c in [(1, 10), (4, 300), (8, 100), (16, 2000), (3, 50)]]
     score = [(r, w, truth.score_base_s + truth.score_per_token_s * r * w) for r, w in [(1, 20), (8, 40), (4, 100)]]
     fit = RolloutCosts.fit(
-        decode, score, transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)], kv_bytes_per_token=1000.0
+        decode,
+        score,
+        transfers=[(1e6, 1e-4 + 1e-3), (1e7, 1e-4 + 1e-2), (4e6, 1e-4 + 4e-3)],
+        kv_bytes_per_token=1000.0,
+        migrations=[0.01, 0.03],
     )
+    assert fit.migration_s == pytest.approx(0.02) and RolloutCosts.fit(decode, score).migration_s == 0.0
     for name in ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "score_base_s", "score_per_token_s"):
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     assert fit.transfer_bytes_per_s == pytest.approx(1e9, rel=1e-6)
@@ -400,6 +418,7 @@ def _run_scenarios(scenarios: dict) -> dict:
                     scored_after[ev["pid"]] = scored_after.get(ev["pid"], 0) + ev["args"]["samples"]
             res[fusion] = dict(
                 scored_after=scored_after,
+                migration_costs=list(r.measurements.migrations),
                 exp={
                     k: getattr(e, k)
                     for k in ("tokens", "response_mask", "logprobs", "ref_logprobs", "values", "scores", "sample_ids")
@@ -457,6 +476,7 @@ def test_two_ranks_fusion_changes_no_output(two_ranks, name):
     assert m["moved"] > 0 and m["moved_bytes"] > 0 and len(m["kept"]) == 1
     assert m["unfinished"] <= m["threshold"] == round(0.3 * 16)
     assert {"decode", "migrate", "score"} <= on["spans"]
+    assert off["migration_costs"] == [] and len(on["migration_costs"]) == 1 and on["migration_costs"][0] > 0
 
 
 def test_two_ranks_a_kept_rank_scores_its_tail_while_the_freed_one_is_busy(two_ranks):
@@ -639,6 +659,30 @@ def test_bad_controller_arguments():
     with pytest.raises(RuntimeError, match="needs a process group .* engine.generate and scorer.score"):
         MigrationController(engine, Scorer(scoring).score).run([Request(0, [1, 2], SamplingParams(max_new_tokens=2))])
     assert engine.num_unfinished == 0  # refused before any request entered the engine
+
+
+def _two_gated_rollouts() -> list:
+    import torch.distributed as dist
+
+    actor, scoring = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = GenerationEngine(actor, max_slots=16, max_len=64, seed=11)
+    # SIM_COSTS slowed 1000x: the simulator promises a gain of a rollout it predicts ~40 s long; the measured one
+    # takes well under a second (10 s on a machine 100x slower would still be 3x off)
+    costs = RolloutCosts(1.0, 1e-2, 1e-4, 1e-2, 2.0, 5e-2, 0.1, 1e6, 1024.0)
+    ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, min_gain=0.05, check_interval=2, costs=costs)
+    out = []
+    for _ in range(2):
+        r = ctl.run(_requests(LENGTHS_2, rank, world))
+        out.append((r.migration is not None, ctl.prediction_error, ctl.required_gain()))
+    return out
+
+
+@pytest.mark.slow
+def test_auto_stops_trusting_a_simulator_far_off(rank_pools):
+    (first, error, required), (second, *_) = rank_pools(2).run(_two_gated_rollouts, timeout_s=120)[0]
+    assert first and error > 5 and required == error  # migrated on the promised gain; the prediction was far off
+    assert not second  # no gain the simulator promises is larger than its last error
 
 
 # ------------------------------------------------------------------------------------ instances of 2 TP ranks

@@ -267,9 +267,11 @@ class FusionSection:
     inter_stage: bool | Literal["auto"] = _key(
         "auto",
         "Inter-stage fusion: migrate the long generation tail onto few instances and score on the freed ones, and score "
-        'on an instance whose own requests are done while others decode. "auto": a rollout migrates only where the '
-        "rollout simulator predicts it ends at least 5% sooner than without migrating (each decision logged); true: "
-        "at migration_threshold whatever the gain; false: every instance decodes to the end, then all score.",
+        'on an instance whose own requests are done while others decode. "auto" with migration_threshold "auto": a '
+        "rollout migrates only where the rollout simulator predicts it ends at least 5% sooner than without migrating, "
+        "and sooner by more than its prediction of the last rollout was off (each decision logged); true, or a fixed "
+        "migration_threshold: at migration_threshold whatever the gain; false: every instance decodes to the end, then "
+        "all score.",
     )
     migration_threshold: float | Literal["auto"] = _key(
         "auto",

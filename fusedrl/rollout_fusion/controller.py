@@ -161,6 +161,7 @@ class Measurements:
     score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s) per micro-batch
     transfers: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s)
     checks: list[float] = field(default_factory=list)  # s per statistics all-gather
+    migrations: list[float] = field(default_factory=list)  # s per migration, besides its transfers
 
 
 @dataclass
@@ -209,7 +210,8 @@ class MigrationController(Generic[T]):
             keep pace with the others' checks.
         threshold: migrate when global unfinished <= ``threshold * batch`` (0 < threshold < 1), or ``"auto"``.
         min_gain: with ``"auto"``, migrate only where the simulated rollout ends at least this fraction sooner than
-            without migrating (until costs are known: never). Before any scoring was measured (the first rollout) and
+            without migrating, and sooner by more than the last simulated rollout was off (until costs are known:
+            never). Before any scoring was measured (the first rollout) and
             with :data:`PROBE_MIN_STEPS` decode steps or more left, ``"auto"`` scores rank 0's first finished sample
             at once (its cost per token stands for scoring's until more is measured), then a micro-batch of its next
             :data:`PROBE_ROWS` (the two give a micro-batch's fixed cost and its cost per token).
@@ -255,6 +257,7 @@ class MigrationController(Generic[T]):
         self.fusion, self.threshold, self.mode, self.check_interval = fusion, threshold, mode, check_interval
         self.costs, self.group = costs, group
         self.min_gain, self.episodes = min_gain, episodes
+        self.prediction_error = 0.0  # how far off the last simulated rollout's length was, relative to the measured one
         self.control_group = control_group if control_group is not None else group
         self.instance_group = instance_group if instance_group is not None and dist.get_world_size(instance_group) > 1 else None
         self.leader = self.instance_group is None or dist.get_rank(self.instance_group) == 0
@@ -333,11 +336,13 @@ class MigrationController(Generic[T]):
         if a is not None and rank == 0:
             choice = f"migrate at <= {a.threshold} unfinished" if a.threshold else "no migration"
             log.info(
-                "inter-stage fusion: %s (simulated %.1f s into the rollout: it ends at %.1f s, %.1f s without migrating)",
+                "inter-stage fusion: %s (simulated %.1f s into the rollout: it ends at %.1f s, %.1f s without migrating; "
+                "a gain of %.0f%% needed)",
                 choice if run.migration is None or not a.threshold else f"migrated ({choice})",
                 a.at_s,
                 a.predicted_s,
                 a.never_s,
+                100 * self.required_gain(),
             )
         self._reconcile(run.scored_ids + [int(s.id) for s in run.carried], all_ids)
         scored = run.scored
@@ -346,6 +351,9 @@ class MigrationController(Generic[T]):
         tail = run.decode_end - run.tail_start if run.tail_start is not None else 0.0
         lengths = run.lengths + [(len(s.generated), True) for s in run.carried]  # carried: unfinished at that length
         times = self._all_gather((end, run.decode_end, run.spans, tail, lengths))
+        if a is not None:  # every rank holds rank 0's decision and, now, the measured length
+            measured = max(t[0] for t in times)
+            self.prediction_error = abs(measured - (a.predicted_s if run.migration is not None else a.never_s)) / measured
         trace = ChromeTrace()
         for i, (_, _, spans, _, _) in enumerate(times):
             trace.name_process(i, f"rank {i}")
@@ -353,6 +361,7 @@ class MigrationController(Generic[T]):
                 trace.complete(kind, start, end - start, pid=i, tid=0, **args)
         self._history.decode += run.measurements.decode
         self._history.score += run.measurements.score
+        self._history.migrations += run.measurements.migrations
         self._last_lengths = [x for *_, rank_lengths in times for x in rank_lengths]
         return RolloutResult(
             scored=scored,
@@ -380,6 +389,12 @@ class MigrationController(Generic[T]):
             raise RuntimeError(
                 f"rollout results do not reconcile: lost ids {lost[:5]}, duplicated {dup[:5]}, unknown {extra[:5]}"
             )
+
+    def required_gain(self) -> float:
+        """The shortening (a fraction of the rollout) an ``"auto"`` migration must promise: ``min_gain`` and, when that
+        is set, no less than the last simulated rollout's error (a gain the simulator cannot tell from its error is
+        none)."""
+        return max(self.min_gain, self.prediction_error) if self.min_gain > 0 else 0.0
 
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.control_group)
@@ -410,6 +425,7 @@ class MigrationController(Generic[T]):
             batch_buckets=self.engine.batch_buckets,
             len_buckets=self.engine.len_buckets,
             score_per_token_s=None if len(score) >= 2 else seconds / (rows * length),
+            migrations=self._history.migrations + now.migrations,
         )
 
 
@@ -660,6 +676,7 @@ class _Rollout:
             wait()
         if unfinished == 0:
             return None
+        start = self.clock()
         stats: list[InstanceStats] = ctl._all_gather(self._instance_stats(self.engine.progress()))
         unfinished = sum(s.unfinished for s in stats)
         if unfinished == 0:  # the tail ended during the lag
@@ -669,7 +686,7 @@ class _Rollout:
             log.info("migration skipped at step %d: the %d unfinished requests need every instance", self.steps, unfinished)
             self._decode_until_done()
             return None
-        return self._migrate(stats, kept, threshold, unfinished)
+        return self._migrate(stats, kept, threshold, unfinished, start)
 
     def _post_stats(self) -> Callable[[], list[InstanceStats]]:
         """Start the all-gather of this instance's statistics; the returned function waits for every rank's."""
@@ -766,7 +783,12 @@ class _Rollout:
         backlog = [finished for _, finished in details]
         now = self.clock()
         threshold, min_kept, times = best_migration(
-            instances, costs, config, backlog=backlog, batch_size=self.batch, min_gain=self.ctl.min_gain
+            instances,
+            costs,
+            config,
+            backlog=backlog,
+            batch_size=self.batch,
+            min_gain=self.ctl.required_gain(),
         )
         never = simulate_rollout(instances, costs, config, fused=True, threshold=0, backlog=backlog)
         return (
@@ -776,7 +798,11 @@ class _Rollout:
         )
 
     # -------------------------------------------------------------------------------------- migration
-    def _migrate(self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int) -> MigrationPlan:
+    def _migrate(
+        self, stats: list[InstanceStats], kept: list[int], threshold: int, unfinished: int, gathered_at: float
+    ) -> MigrationPlan:
+        """Run the migration planned on ``stats`` (gathered from ``gathered_at`` on); its cost besides the transfers
+        goes to the measurements."""
         ctl, start = self.ctl, self.clock()
         exported = []
         if self.rank not in kept:
@@ -794,6 +820,7 @@ class _Rollout:
         kept_samples = {r: parts[r]["samples"] for r in kept}
         plan = build_plan(stats, kept, moved, kept_samples, {r: parts[r]["load"] for r in range(self.world) if r not in kept})
         verify_plan(plan, stats, moved, kept_samples)
+        planned = self.clock()
 
         states = {int(s.id): s for s in exported}
         by_id = {s.id: s for s in self.finished}
@@ -819,6 +846,7 @@ class _Rollout:
                         f"rank {self.rank} expected samples {t.ids} from rank {peer}, got {[s.id for s in received]}"
                     )
                 received_samples += received
+        transferred = self.clock()
         self.finished += ctl._share(received_samples)
         if states:
             raise RuntimeError(f"rank {self.rank} kept exported requests {sorted(states)} that the plan did not send")
@@ -845,6 +873,7 @@ class _Rollout:
             kept=plan.kept,
             duration_s=max(t[2] for t in totals),
         )
+        self.measurements.migrations.append((planned - gathered_at) + (self.clock() - transferred))
         return plan
 
     # -------------------------------------------------------------------------------------- after it

@@ -43,7 +43,8 @@ class RolloutCosts:
     score_per_token_sq_s * rows * padded_len**2`` (the last term: attention, quadratic in length); one transfer
     = ``transfer_latency_s + bytes / transfer_bytes_per_s``; ``check_s`` is what one check costs an
     instance besides waiting for others (starting the statistics all-gather and collecting an earlier one; with
-    ``auto``, its share of re-simulating the threshold).
+    ``auto``, its share of re-simulating the threshold); ``migration_s`` what a migration costs every instance
+    besides its transfers (its statistics and plan gathered, the plan verified, its figures gathered).
     """
 
     decode_base_s: float
@@ -60,6 +61,7 @@ class RolloutCosts:
     score_per_token_sq_s: float = 0.0
     batch_buckets: tuple[int, ...] = ()
     len_buckets: tuple[int, ...] = ()
+    migration_s: float = 0.0
 
     def padded_shape(self, batch: int, ctx_tokens: float, max_cached: float | None = None) -> tuple[float, float]:
         """(rows, attended tokens) of a decode step of ``batch`` requests holding ``ctx_tokens`` in all;
@@ -151,9 +153,11 @@ class RolloutCosts:
         batch_buckets: Sequence[int] = (),
         len_buckets: Sequence[int] = (),
         score_per_token_s: float | None = None,
+        migrations: Sequence[float] = (),
     ) -> RolloutCosts:
         """Least-squares fit to measurements: decode (batch, cached tokens, s), score (rows, padded_len, s),
-        prefill (tokens, s), transfers (bytes, s). Negative coefficients are clamped to 0. With the
+        prefill (tokens, s), transfers (bytes, s), migrations (s besides transfers: their mean is ``migration_s``).
+        Negative coefficients are clamped to 0. With the
         engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
         position of a measured step is taken as its mean (exact when its requests started together). Given
         ``score_per_token_s`` (from fewer than two scoring measurements) scoring costs that per padded token and
@@ -180,7 +184,8 @@ class RolloutCosts:
                 [[1.0, r * plen, r * plen * plen][: 3 if quadratic else 2] for r, plen, _ in score], [s for *_, s in score]
             )
         lat, bw = fit_transfers(transfers)
-        return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s, row, s2[0] if s2 else 0.0, bb, lb)
+        migration = statistics.fmean(migrations) if migrations else 0.0
+        return cls(a, b, c, p, s0, s1, lat, bw, kv_bytes_per_token, check_s, row, s2[0] if s2 else 0.0, bb, lb, migration)
 
 
 def fit_transfers(transfers: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -398,8 +403,8 @@ def simulate_rollout(
     freed_load = {i: float(sum(unscored[i])) for i in range(n) if i not in kept}
     plan = build_plan(stats, kept, moved, kept_samples, freed_load)
 
-    # Transfers in the global order; each occupies both endpoints (blocking send/recv).
-    free_at = [t] * n
+    # Transfers in the global order after the plan; each occupies both endpoints (blocking send/recv).
+    free_at = [t + costs.migration_s] * n
     moved_bytes = 0.0
     received: dict[int, list[SimRequest]] = {k_: [] for k_ in kept}
     for tr in plan.transfers:
