@@ -92,3 +92,5 @@ def test_tail_streams_deal_the_freed_ranks_over_the_kept_ones():
     assert plan.tail_streams(1) == (0, 4) and plan.tail_streams(3) == (2,)
     fewer_freed = MigrationPlan(kept=(0, 1, 2), freed=(3,), transfers=())
     assert [fewer_freed.tail_streams(k) for k in (0, 1, 2)] == [(3,), (3,), (3,)]
+    # a freed rank asks the kept ranks that stream to it
+    assert [plan.tail_sources(f) for f in (0, 2, 4)] == [[1], [3], [1]] and fewer_freed.tail_sources(3) == [0, 1, 2]

@@ -907,7 +907,7 @@ class _Rollout:
         first and ask its sender again, until every stream has ended. Within an instance TP rank 0 sends the credits,
         receives and hands each sample to its peers (None: all streams ended), so all score the same samples."""
         ctl = self.ctl
-        streams = {k for k in plan.kept if self.rank in plan.tail_streams(k)}
+        streams = set(plan.tail_sources(self.rank))
         credits = [_send_credit(k, ctl.control_group) for k in sorted(streams)] if ctl.leader else []
         while True:
             batch: list[RequestResult] | None = None

@@ -75,9 +75,14 @@ class MigrationPlan:
     def tail_streams(self, kept_rank: int) -> tuple[int, ...]:
         """Freed ranks that score ``kept_rank``'s tail samples: the freed ranks dealt out over the kept ones (one
         shared freed rank each when there are fewer freed than kept), so that samples finishing at the same time
-        on different kept ranks go to different freed ranks. A freed rank asks each of its kept ranks for their samples."""
+        on different kept ranks go to different freed ranks."""
         i = self.kept.index(kept_rank)
         return self.freed[i :: len(self.kept)] or (self.freed[i % len(self.freed)],)
+
+    def tail_sources(self, freed_rank: int) -> list[int]:
+        """Kept ranks whose tail samples ``freed_rank`` scores (those it asks for samples): the inverse of
+        :meth:`tail_streams`."""
+        return [k for k in self.kept if freed_rank in self.tail_streams(k)]
 
     @property
     def moved_ids(self) -> list[int]:

@@ -448,7 +448,7 @@ def simulate_rollout(
         busy[k_] = tail_end[k_]
         if unscored[k_]:
             spans.append((k_, "send", t, free_at[k_]))
-    sources = {**{f: [k_ for k_ in kept if f in plan.tail_streams(k_)] for f in plan.freed}, **{k_: [k_] for k_ in kept}}
+    sources = {**{f: plan.tail_sources(f) for f in plan.freed}, **{k_: [k_] for k_ in kept}}
     while active := [w for w in sources if any(ready[k_] for k_ in sources[w])]:
         w = min(active, key=lambda w: (busy[w], w))
         waiting = [(tokens, -at, k_) for k_ in sources[w] for at, tokens in ready[k_] if at <= busy[w]]
