@@ -92,6 +92,19 @@ def test_incomplete_checkpoint_is_ignored(tmp_path, caplog):
         mgr.load(2)
 
 
+def test_a_component_without_state_in_an_older_checkpoint_starts_fresh(tmp_path, caplog):
+    model, _, _ = _train_state()
+    old = Counter()
+    old.position = 5
+    CheckpointManager(tmp_path, {"m": model}, extra={"data": old}).save(1, force=True)
+    data, added = Counter(), Counter()
+    added.position = 7
+    with caplog.at_level(logging.WARNING):
+        assert CheckpointManager(tmp_path, {"m": model}, extra={"data": data, "fusion": added}).load(1) == 1
+    assert (data.position, added.position) == (5, 7)  # restored; untouched
+    assert "holds no 'fusion' state" in caplog.text
+
+
 def test_bad_arguments(tmp_path):
     model, opt, _ = _train_state()
     with pytest.raises(ValueError, match="no model of the same name"):

@@ -28,6 +28,7 @@ from fusedrl.rollout_fusion.simulator import (
     RolloutCosts,
     SimRequest,
     _check_clock,
+    admitted,
     best_migration,
     simulate_rollout,
     split_round_robin,
@@ -106,6 +107,32 @@ def test_step_times_match_a_direct_sum():
         want += PAPER_COSTS.decode_step_s(len(active), sum(r.ctx + step - 1 for r in active))
     assert times.decode_end_s == pytest.approx(want)
     assert times.total_s == pytest.approx(want + PAPER_COSTS.score_s([8, 9, 10], 8))
+
+
+def test_requests_waiting_for_a_slot_decode_once_one_frees():
+    reqs = admitted([(5, 4), (2, 2), (9, 3), (3, 1)], slots=2)
+    assert [(r.start, r.end) for r in reqs] == [(0, 4), (0, 2), (2, 5), (4, 5)]  # the earliest free slot, in order
+    costs = replace(SIM_COSTS, len_buckets=(4, 8, 16, 32), batch_buckets=(1, 2, 4))
+    times = simulate_rollout([reqs], costs, PAPER_CONFIG, fused=False)
+    want = costs.prefill_per_token_s * 19
+    for step in range(1, 6):  # a request decodes in steps start + 1 .. end, its context grown by the steps it decoded
+        active = [r for r in reqs if r.start < step <= r.end]
+        ctx = [r.ctx + step - 1 - r.start for r in active]
+        want += costs.decode_step_s(len(active), sum(ctx), max(ctx) - 1)
+    assert times.decode_end_s == pytest.approx(want)
+    # migrating at step 3 (every check decides; 4 unfinished) with one request still queued on instance 0, which
+    # keeps its tail: the queued one decodes its step after the migration, as it would have
+    config = RolloutConfig(max_slots=2, kv_capacity_tokens=64, check_interval=1, micro_batch_size=8)
+    fused = simulate_rollout([reqs, admitted([(4, 1)], 2)], costs, config, fused=True, threshold=4)
+    assert (fused.migration_step, fused.kept) == (3, (0,)) and fused.decode_end_s >= times.decode_end_s
+
+
+def test_scoring_of_one_micro_batch_size_is_fitted_per_token():
+    decode = [(1, 10, 0.01), (2, 20, 0.012), (4, 40, 0.015)]
+    costs = RolloutCosts.fit(decode, [(8, 100, 0.8), (8, 104, 0.84)])  # no fixed cost can be told apart
+    assert costs.score_base_s == 0 and costs.score_per_token_s == pytest.approx(1.64 / 1632)
+    varied = RolloutCosts.fit(decode, [(1, 100, 0.2), (8, 100, 0.9), (8, 50, 0.5)])
+    assert varied.score_base_s > 0
 
 
 def test_fused_is_no_slower_and_gains_grow_with_scoring_cost():
@@ -676,6 +703,42 @@ def _two_gated_rollouts() -> list:
         r = ctl.run(_requests(LENGTHS_2, rank, world))
         out.append((r.migration is not None, ctl.prediction_error, ctl.required_gain()))
     return out
+
+
+def _auto_fusion_rollouts() -> list:
+    import torch.distributed as dist
+
+    actor, scoring = _models()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = GenerationEngine(actor, max_slots=4, max_len=64, seed=11)  # 8 requests a rank: half of them queue
+    ctl = MigrationController(engine, Scorer(scoring).score, micro_batch_size=3, fusion="auto", threshold=0.25, check_interval=2)
+    out = []
+    for calibrated in (None, None, 1e3, 1e-3):  # measured / simulated fused: nothing yet, then far slower, far faster
+        if calibrated is not None:
+            ctl.calibration[True].clear()
+            ctl.calibration[True].append(calibrated)
+        r = ctl.run(_requests(LENGTHS_2, rank, world), gather=True)
+        e = Experience.concat(r.scored)
+        e = e.select(e.sample_ids.argsort())
+        c = r.fusion_choice
+        out.append((r.fused, c and (c.fused, c.fused_s, c.unfused_s), r.migration is not None, e.tokens, e.ref_logprobs))
+    resumed = MigrationController(GenerationEngine(actor, max_slots=4, max_len=64, seed=11), Scorer(scoring).score, fusion="auto")
+    resumed.load_state_dict(ctl.state_dict())
+    return out, ctl.state_dict(), resumed.state_dict()
+
+
+@pytest.mark.slow
+def test_auto_fusion_measures_both_ways_then_fuses_where_the_calibrated_simulation_is_shorter(rank_pools):
+    (rollouts, state, resumed), (rank1, state1, _) = rank_pools(2).run(_auto_fusion_rollouts, timeout_s=120)
+    (u, c1, m1, tokens, ref), (f, c2, m2, *_), (slow, c3, _, *_), (fast, c4, _, *_) = rollouts
+    assert [r[:3] for r in rank1] == [r[:3] for r in rollouts]  # every rank took rank 0's choice
+    assert state == state1 == resumed  # what a checkpoint saves: the same on every rank, and restored whole
+    assert (u, c1, m1) == (False, (False, 0.0, 0.0), False)  # nothing measured: unfused, measuring
+    assert (f, c2, m2) == (True, (True, 0.0, 0.0), True)  # then fused (it migrates at 0.25 of the batch), measuring
+    assert not slow and not c3[0] and c3[1] > c3[2] > 0  # fused scaled 1000x: the unfused rollout is shorter
+    assert fast and c4[0] and 0 < c4[1] < c4[2]
+    for _, _, _, t, r in rollouts[1:]:  # the same samples and scores whichever way
+        assert torch.equal(t, tokens) and torch.allclose(r, ref, atol=1e-5)
 
 
 @pytest.mark.slow

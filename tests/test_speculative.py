@@ -140,6 +140,7 @@ SPECULATIVE_RUN = [
     "--generation.n=4",
     "--parallelism.pp=2",
     "--parallelism.dp_shard=1",
+    "--fusion.inter_stage=true",  # both rollouts fused ("auto" runs the first unfused)
     "--fusion.migration_threshold=0.25",  # 2 unfinished: what one instance's 2 slots take
     "--fusion.migration_check_interval=1",
     "--fusion.schedule_search_budget_s=0.2",

@@ -54,6 +54,9 @@ OVERRIDES = [
     "--generation.max_slots=16",
     "--data.max_prompt_len=32",
     "--fusion.schedule_search_budget_s=0.2",
+    # "auto" fuses a rollout or not as measured times say, and the two score micro-batches apart (values agree to
+    # float rounding): the runs compared here must fuse the same rollouts
+    "--fusion.inter_stage=true",
     "--lr_scheduler.warmup_steps=0",
     f"--training.steps={STEPS}",
     "--checkpoint.interval=2",

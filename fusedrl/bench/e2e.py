@@ -197,6 +197,7 @@ def migration_summary(records: list[dict]) -> dict[str, float | None]:
         return statistics.fmean(abs(r[key] - r[measured]) / r[measured] for r in predicted) if predicted else None
 
     return {
+        "iterations_fused": sum(r.get("inter_stage_fused", 0) > 0 for r in records),
         "iterations_migrated": sum(r["migration_kept"] > 0 for r in records),
         "moved_per_iteration": statistics.fmean(r["migration_moved"] for r in records),
         "auto_threshold": statistics.fmean(thresholds) if thresholds else None,
@@ -268,7 +269,9 @@ def _fusions(
             lengths = layout["response_len"][m]
             print(f"response tokens, fusions {m}: " + ", ".join(f"{q} {lengths[q]:.1f}" for q in LENGTH_FIGURES))
         moves = layout["migration"]["on"]
-        line = f"migrations, fusions on: {moves['iterations_migrated']} of {steps * (apart_rounds or 1)} iterations, "
+        iterations = steps * (apart_rounds or 1)
+        line = f"inter-stage fusion on in {moves['iterations_fused']} of {iterations} iterations; "
+        line += f"migrations, fusions on: {moves['iterations_migrated']} of {iterations} iterations, "
         line += f"{moves['moved_per_iteration']:.1f} requests moved per iteration"
         if moves["auto_threshold"] is not None:
             line += f", auto threshold {moves['auto_threshold']:.1f} requests (mean; 0: never migrate)"

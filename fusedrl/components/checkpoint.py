@@ -245,12 +245,18 @@ class CheckpointManager:
                 "resume with the same number of ranks"
             )
         state = self._app_state(step)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        absent = [n for n in self._extra if not any(k.startswith(f"extra.{n}.") for k in saved)]
+        for n in absent:  # written before that component kept state: it starts fresh
+            log.warning("checkpoint %s holds no %r state (written by an earlier version): %r starts fresh", path, n, n)
+            del state["extra"][n]
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path)
         for n, s in self._schedulers.items():
             s.load_state_dict(state["schedulers"][n])
         for n, e in self._extra.items():
-            e.load_state_dict(state["extra"][n])
+            if n not in absent:
+                e.load_state_dict(state["extra"][n])
         return int(state["step"])
 
 

@@ -141,15 +141,24 @@ def generate_and_score(
 
 
 def migration_metrics(result: RolloutResult) -> dict[str, float]:
-    """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank), and where the
-        "auto" threshold simulated the rollout, its last choice (``auto_threshold``: 0 = never migrate), when it chose
-        (``auto_at_s``) and the simulated rollout's length with that choice and without migrating (``rollout_predicted_s``,
-    ``rollout_predicted_never_s``, beside the measured ``rollout_s``) and its last decode step's end with that choice
-    (``decode_end_predicted_s``, beside the measured ``decode_end_s``)."""
-    auto = {}
+    """Inter-stage fusion figures of one rollout (zeros when nothing migrated; identical on every rank): whether it ran
+    fused (``inter_stage_fused``) and, with ``inter_stage = "auto"``, the previous rollout simulated fused and unfused
+    and calibrated, which it chose from (``fusion_predicted_fused_s``, ``fusion_predicted_unfused_s``; 0 while it
+    measures each way first); where the "auto" threshold simulated the rollout, its last choice
+    (``auto_threshold``: 0 = never migrate), when it chose (``auto_at_s``) and the simulated rollout's length with
+    that choice and without migrating (``rollout_predicted_s``, ``rollout_predicted_never_s``, beside the measured
+    ``rollout_s``) and its last decode step's end with that choice (``decode_end_predicted_s``, beside the measured
+    ``decode_end_s``)."""
+    auto: dict[str, float] = {"inter_stage_fused": float(result.fused)}
+    if result.fusion_choice is not None:
+        c = result.fusion_choice
+        auto |= {
+            "fusion_predicted_fused_s": c.fused_s,
+            "fusion_predicted_unfused_s": c.unfused_s,
+        }
     if result.auto is not None:
         a = result.auto
-        auto = {
+        auto |= {
             "auto_threshold": a.threshold,
             "auto_min_kept": a.min_kept,
             "auto_at_s": a.at_s,

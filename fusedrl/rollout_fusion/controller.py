@@ -21,6 +21,9 @@ same all-gathered statistics, and move their own KV shards to the same TP index 
   about together however long the freed ones' own samples took. Each tail sample is scored alone, so which instance
   scores it changes no result.
 
+``fusion="auto"`` (the config's default) fuses a rollout or not as :class:`FusionChoice` says: rank 0 simulates the
+previous rollout both ways, calibrated by how far earlier replays of each way were off.
+
 With a :class:`GroupTarget` (over-provisioned rollouts, :class:`fusedrl.rlhf.PartialRollouts`) the ranks also
 all-gather the ids finished since the last check at every check (every ``check_interval`` decode steps, fusion on or
 off) and stop decoding once enough whole groups have finished: each rank then exports its unfinished requests
@@ -47,7 +50,9 @@ ranks only its TP rank 0 sends and receives finished samples and hands them to i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import statistics
 import threading
 import time
 from collections import Counter, deque
@@ -79,6 +84,7 @@ from fusedrl.rollout_fusion.simulator import (
     RolloutConfig,
     RolloutCosts,
     SimRequest,
+    admitted,
     best_migration,
     simulate_rollout,
 )
@@ -93,6 +99,8 @@ PROBE_ROWS = 4  # the second measurement's rows: with the first (one sample) it 
 ENV_WAIT_S = 0.05  # an instance with nothing to decode waits this long for an environment's answer between checks
 GAP_SAMPLES = 4  # most samples scored at a time while every request waits for its environment (answers wait that long)
 TAIL_SHARE = 0.9  # a rollout's tail: its decoding after this share of an instance's requests ended
+CALIBRATION_ROLLOUTS = 3  # "auto" fusion scales its simulated rollouts by measured / simulated over this many
+HISTORY_SCORES, HISTORY_CHECKS, HISTORY_MIGRATIONS = 512, 512, 16  # the latest measurements "auto" fits costs to
 T = TypeVar("T")
 ScoreFn = Callable[[list[RequestResult]], T]
 """Scores one micro-batch of finished samples (at most ``micro_batch_size``, sorted by length)."""
@@ -160,8 +168,22 @@ class Measurements:
     prefill: list[tuple[int, float]] = field(default_factory=list)  # (tokens, s) of the engine's prefills (PrefillStats)
     score: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded len, s) per micro-batch
     transfers: list[tuple[int, float]] = field(default_factory=list)  # (bytes, s)
-    checks: list[float] = field(default_factory=list)  # s per statistics all-gather
+    checks: list[float] = field(default_factory=list)  # s per check posting its statistics (its own cost)
     migrations: list[float] = field(default_factory=list)  # s per migration, besides its transfers
+
+
+@dataclass
+class FusionChoice:
+    """Whether ``inter_stage = "auto"`` fused a rollout, and why (identical on every rank). Rank 0 simulates the
+    previous rollout's requests (their measured lengths) fused and unfused with the costs measured so far, each
+    scaled by how far the simulator was off replaying the last :data:`CALIBRATION_ROLLOUTS` rollouts run that way
+    (measured / simulated: what it does not model, e.g. the fused rollout's checks waiting on a busy rank), and fuses
+    where that fused rollout is shorter by at least the controller's ``min_gain``. Until it has replayed both, the
+    first rollout runs unfused and the next fused (0 s: not simulated)."""
+
+    fused: bool
+    fused_s: float  # the previous rollout's requests, fused, as simulated and scaled
+    unfused_s: float  # the same unfused
 
 
 @dataclass
@@ -188,6 +210,8 @@ class RolloutResult(Generic[T]):
     trace: ChromeTrace  # spans of every rank (pid = rank): decode, migrate, score
     measurements: Measurements
     auto: AutoDecision | None = None  # the "auto" threshold's last simulated decision (None: none was simulated)
+    fused: bool = False  # whether the rollout ran fused (inter-stage fusion on, or "auto" chose it)
+    fusion_choice: FusionChoice | None = None  # inter_stage = "auto": why it fused or not (None: not "auto")
     carried: list[RequestState] = field(default_factory=list)  # this rank's unfinished requests at a GroupTarget's stop
     env_idle_s: float = 0.0  # this rank's engine waited for environments with nothing to decode
     tail_s: float = 0.0  # the slowest instance's decoding after 90% of its requests had ended
@@ -206,15 +230,17 @@ class MigrationController(Generic[T]):
         score: scores one micro-batch of finished samples on this rank (e.g. ``Scorer.score``).
         micro_batch_size: most samples per ``score`` call.
         fusion: migrate the tail and overlap scoring (False: score only after all decoding ends). With it an instance
-            whose own requests are done while others decode scores its finished samples meanwhile, in chunks that
-            keep pace with the others' checks.
+            whose own requests are done while others decode scores its finished samples meanwhile. ``"auto"``: each
+            rollout is fused or not as :class:`FusionChoice` says (the first runs unfused and measures; with
+            ``episodes`` every rollout is fused: the simulator does not model environments).
         threshold: migrate when global unfinished <= ``threshold * batch`` (0 < threshold < 1), or ``"auto"``.
         min_gain: with ``"auto"``, migrate only where the simulated rollout ends at least this fraction sooner than
             without migrating, and sooner by more than the last simulated rollout was off (until costs are known:
-            never). Before any scoring was measured (the first rollout) and
-            with :data:`PROBE_MIN_STEPS` decode steps or more left, ``"auto"`` scores rank 0's first finished sample
-            at once (its cost per token stands for scoring's until more is measured), then a micro-batch of its next
-            :data:`PROBE_ROWS` (the two give a micro-batch's fixed cost and its cost per token).
+            never); with ``fusion="auto"``, fuse only where the calibrated fused rollout is this much shorter. Before
+            any scoring was measured (the first rollout) and with :data:`PROBE_MIN_STEPS` decode steps or more left,
+            ``"auto"`` scores rank 0's first finished sample at once (its cost per token stands for scoring's until
+            more is measured), then a micro-batch of its next :data:`PROBE_ROWS` (the two give a micro-batch's fixed
+            cost and its cost per token).
         mode: ``kv`` sends KV caches; ``reprefill`` sends tokens and recomputes the KV.
         check_interval: decode steps between statistics all-gathers.
         costs: rollout costs for ``auto``; default: fitted from this controller's own earlier measurements.
@@ -234,7 +260,7 @@ class MigrationController(Generic[T]):
         score: ScoreFn[T],
         *,
         micro_batch_size: int = 8,
-        fusion: bool = True,
+        fusion: bool | Literal["auto"] = True,
         threshold: float | Literal["auto"] = "auto",
         min_gain: float = 0.0,
         mode: MigrationMode = "kv",
@@ -249,6 +275,8 @@ class MigrationController(Generic[T]):
             raise ValueError(f'migration threshold must be a fraction in (0, 1) or "auto", got {threshold!r}')
         if mode not in ("kv", "reprefill"):
             raise ValueError(f"migration mode must be 'kv' or 'reprefill', got {mode!r}")
+        if fusion not in (True, False, "auto"):
+            raise ValueError(f'fusion must be true, false or "auto", got {fusion!r}')
         if check_interval < 1:
             raise ValueError(f"check_interval must be >= 1, got {check_interval}")
         if micro_batch_size < 1:
@@ -266,6 +294,13 @@ class MigrationController(Generic[T]):
         self.device = engine.device if engine.device.type in served else torch.device("cpu")
         self._history = Measurements()  # kept across rollouts: "auto" fits its costs to them
         self._last_lengths: list[tuple[int, bool]] = []  # the previous rollout's (length, censored), every rank's
+        # the previous rollout's requests per instance (their measured lengths, admitted as the engine's slots free)
+        # and its measurements: "auto" fusion simulates them fused and unfused before a rollout
+        self._last_requests: list[list[SimRequest]] = []
+        self._last_measured = Measurements()
+        self._auto_threshold = 0  # the last migration threshold "auto" chose (0: none yet)
+        # fused -> measured / simulated time of the last rollouts run that way ("auto" fusion scales its predictions)
+        self.calibration: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_ROLLOUTS) for m in (False, True)}
 
     @classmethod
     def from_config(
@@ -286,7 +321,7 @@ class MigrationController(Generic[T]):
             engine,
             score,
             micro_batch_size=micro_batch_size,
-            fusion=section.inter_stage is not False,
+            fusion=section.inter_stage,
             threshold=section.migration_threshold,
             min_gain=AUTO_MIN_GAIN if section.inter_stage == "auto" else 0.0,
             mode=section.migration_mode,
@@ -325,20 +360,32 @@ class MigrationController(Generic[T]):
         for state in resume:
             self.engine.import_request(state)
         rank, world = dist.get_rank(self.control_group), dist.get_world_size(self.control_group)
-        ids_per_rank = self._all_gather([r.id for r in requests] + [s.id for s in resume])
-        all_ids = [i for ids in ids_per_rank for i in ids]
+        choice = self._choose_fusion() if rank == 0 and world > 1 else None
+        gathered = self._all_gather(([r.id for r in requests] + [s.id for s in resume], choice))
+        all_ids = [i for ids, _ in gathered for i in ids]
         if len(set(all_ids)) != len(all_ids):
             raise ValueError("request ids must be unique across ranks")
-        run = _Rollout(self, rank, world, len(all_ids), progress, target)
+        choice = self._share(gathered[0][1])  # an instance's ranks follow its TP rank 0, whose group's rank 0 chose
+        fused = world > 1 and (choice.fused if choice is not None else self.fusion is not False)
+        if choice is not None and rank == 0:
+            log.info(
+                "inter-stage fusion %s for this rollout (%s)",
+                "on" if fused else "off",
+                f"the last rollout's requests simulated and calibrated: {choice.fused_s:.3g} s fused, "
+                f"{choice.unfused_s:.3g} s unfused"
+                if choice.fused_s
+                else "measuring the rollout " + ("fused" if fused else "unfused") + " before choosing",
+            )
+        run = _Rollout(self, rank, world, len(all_ids), progress, target, fused)
         run.execute()
         end = run.clock()
         a = run.auto_decision
         if a is not None and rank == 0:
-            choice = f"migrate at <= {a.threshold} unfinished" if a.threshold else "no migration"
+            chosen = f"migrate at <= {a.threshold} unfinished" if a.threshold else "no migration"
             log.info(
                 "inter-stage fusion: %s (simulated %.1f s into the rollout: it ends at %.1f s, %.1f s without migrating; "
                 "a gain of %.0f%% needed)",
-                choice if run.migration is None or not a.threshold else f"migrated ({choice})",
+                chosen if run.migration is None or not a.threshold else f"migrated ({chosen})",
                 a.at_s,
                 a.predicted_s,
                 a.never_s,
@@ -350,24 +397,48 @@ class MigrationController(Generic[T]):
             scored = [part for parts in self._all_gather(scored) for part in parts]
         tail = run.decode_end - run.tail_start if run.tail_start is not None else 0.0
         lengths = run.lengths + [(len(s.generated), True) for s in run.carried]  # carried: unfinished at that length
-        times = self._all_gather((end, run.decode_end, run.spans, tail, lengths))
+        ranks = self._all_gather(
+            dict(
+                end=end,
+                decode_end=run.decode_end,
+                spans=run.spans,
+                tail=tail,
+                lengths=lengths,
+                ended=run.ended_requests,
+                measured=run.measurements,
+            )
+        )
+        rollout_s = max(r["end"] for r in ranks)
         if a is not None:  # every rank holds rank 0's decision and, now, the measured length
-            measured = max(t[0] for t in times)
-            self.prediction_error = abs(measured - (a.predicted_s if run.migration is not None else a.never_s)) / measured
+            self.prediction_error = abs(rollout_s - (a.predicted_s if run.migration is not None else a.never_s)) / rollout_s
         trace = ChromeTrace()
-        for i, (_, _, spans, _, _) in enumerate(times):
+        for i, r in enumerate(ranks):
             trace.name_process(i, f"rank {i}")
-            for kind, start, end, args in spans:
-                trace.complete(kind, start, end - start, pid=i, tid=0, **args)
-        self._history.decode += run.measurements.decode
-        self._history.score += run.measurements.score
-        self._history.migrations += run.measurements.migrations
-        self._last_lengths = [x for *_, rank_lengths in times for x in rank_lengths]
+            for kind, start, stop, args in r["spans"]:
+                trace.complete(kind, start, stop - start, pid=i, tid=0, **args)
+        # every instance's costs, so that every rank fits the same ones: the same hardware and engine settings
+        measured: list[Measurements] = [r["measured"] for r in ranks]
+        self._history.score += [x for m in measured for x in m.score]
+        self._history.migrations += [x for m in measured for x in m.migrations]
+        self._history.checks += [x for m in measured for x in m.checks]
+        self._last_measured = Measurements(
+            decode=[x for m in measured for x in m.decode], prefill=[x for m in measured for x in m.prefill]
+        )
+        if a is not None and a.threshold:
+            self._auto_threshold = a.threshold
+        self._last_lengths = [x for r in ranks for x in r["lengths"]]
+        ended = {i: (prompt, max(1, n)) for r in ranks for i, prompt, n in r["ended"]}
+        self._last_requests = [admitted([ended[i] for i in ids if i in ended], self.engine.max_slots) for ids, _ in gathered]
+        for kept, measurements in ((HISTORY_SCORES, self._history.score), (HISTORY_CHECKS, self._history.checks)):
+            del measurements[:-kept]
+        del self._history.migrations[:-HISTORY_MIGRATIONS]
+        if choice is not None:  # every rank, from the same measurements: the state checkpoints save is the same
+            self._replay(run, rollout_s)
         return RolloutResult(
             scored=scored,
-            rollout_s=max(t[0] for t in times),
-            decode_end_s=max(t[1] for t in times),
-            tail_s=max(t[3] for t in times),
+            rollout_s=rollout_s,
+            decode_end_s=max(r["decode_end"] for r in ranks),
+            tail_s=max(r["tail"] for r in ranks),
             scoring_s=run.scoring_s,
             migration=run.migration,
             trace=trace,
@@ -375,6 +446,8 @@ class MigrationController(Generic[T]):
             auto=run.auto_decision,
             carried=run.carried,
             env_idle_s=run.env_idle_s,
+            fused=fused,
+            fusion_choice=choice,
         )
 
     def _reconcile(self, scored_ids: list[int], all_ids: list[int]) -> None:
@@ -396,6 +469,44 @@ class MigrationController(Generic[T]):
         none)."""
         return max(self.min_gain, self.prediction_error) if self.min_gain > 0 else 0.0
 
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, str]:
+        """What "auto" learned (measurements, the last rollout's requests and lengths, calibrations, its last
+        threshold and prediction error), the same on every rank of a control group; a resumed run decides as the
+        run it continues would have."""
+        h, last = self._history, self._last_measured
+        return {
+            "state": json.dumps(
+                {
+                    "score": h.score,
+                    "checks": h.checks,
+                    "migrations": h.migrations,
+                    "decode": last.decode,
+                    "prefill": last.prefill,
+                    "requests": [[[r.ctx, r.remaining, r.start] for r in rs] for rs in self._last_requests],
+                    "lengths": self._last_lengths,
+                    "calibration": {str(k): list(v) for k, v in self.calibration.items()},
+                    "auto_threshold": self._auto_threshold,
+                    "prediction_error": self.prediction_error,
+                }
+            )
+        }
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        saved = json.loads(state["state"])
+        self._history = Measurements(
+            score=[tuple(x) for x in saved["score"]], checks=saved["checks"], migrations=saved["migrations"]
+        )
+        self._last_measured = Measurements(
+            decode=[tuple(x) for x in saved["decode"]], prefill=[tuple(x) for x in saved["prefill"]]
+        )
+        self._last_requests = [[SimRequest(*r) for r in rs] for rs in saved["requests"]]
+        self._last_lengths = [(int(n), bool(cut)) for n, cut in saved["lengths"]]
+        for k, v in self.calibration.items():
+            v.clear()
+            v.extend(saved["calibration"][str(k)])
+        self._auto_threshold, self.prediction_error = saved["auto_threshold"], saved["prediction_error"]
+
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.control_group)
         dist.all_gather_object(out, obj, group=self.control_group)
@@ -409,24 +520,79 @@ class MigrationController(Generic[T]):
         dist.broadcast_object_list(box, group_src=0, group=self.instance_group)
         return box[0]
 
-    def _fitted_costs(self, now: Measurements) -> RolloutCosts | None:
-        """Costs fitted to this rollout's decode steps (``now``; the engine pads a step to its batch and length
-        buckets) and every scoring micro-batch measured so far (one alone: its cost per token, no fixed cost). None:
-        too few measurements."""
+    def _fitted_costs(self, rollout: Measurements, *, running: bool = False) -> RolloutCosts | None:
+        """Costs fitted to one rollout's decode steps and prefills (the engine pads a step to its batch and length
+        buckets) and every scoring micro-batch, migration and check measured so far, the ``running`` rollout's
+        included (one scoring micro-batch alone: its cost per token, no fixed cost). None: too few measurements."""
         if self.costs is not None:
             return self.costs
+        now = rollout if running else Measurements()
         score = self._history.score + now.score
-        if len(now.decode) < 3 or not score:
+        if len(rollout.decode) < 3 or not score:
             return None
         rows, length, seconds = score[0]
+        checks = self._history.checks + now.checks
         return RolloutCosts.fit(
-            now.decode,
+            rollout.decode,
             score if len(score) >= 2 else [],
+            rollout.prefill,
             batch_buckets=self.engine.batch_buckets,
             len_buckets=self.engine.len_buckets,
             score_per_token_s=None if len(score) >= 2 else seconds / (rows * length),
             migrations=self._history.migrations + now.migrations,
+            check_s=sum(checks) / len(checks) if checks else 0.0,
         )
+
+    def _sim_config(self, *, prefill: bool) -> RolloutConfig:
+        return RolloutConfig(
+            max_slots=self.engine.max_slots,
+            kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
+            check_interval=self.check_interval,
+            micro_batch_size=self.micro_batch_size,
+            mode=self.mode,
+            prefill=prefill,
+        )
+
+    def _migration_threshold(self, batch: int) -> int:
+        """The unfinished-count threshold a fused rollout of ``batch`` requests migrates at: the fixed one, or the last
+        one "auto" chose (:data:`AUTO_FALLBACK_FRACTION` of the batch before any)."""
+        if self.threshold == "auto" and self._auto_threshold:
+            return self._auto_threshold
+        return max(1, round((self.threshold if self.threshold != "auto" else AUTO_FALLBACK_FRACTION) * batch))
+
+    def _choose_fusion(self) -> FusionChoice | None:
+        """Rank 0, before a rollout, where ``fusion`` is ``"auto"``: see :class:`FusionChoice`. The fused rollout
+        migrates at :meth:`_migration_threshold` (with an "auto" threshold: or never, whichever is shorter). With
+        episodes every rollout is fused (None: the simulator does not model environments)."""
+        if self.fusion != "auto" or self.episodes is not None:
+            return None
+        if not self.calibration[False] or not self.calibration[True]:
+            return FusionChoice(bool(self.calibration[False]), 0.0, 0.0)
+        costs = self._fitted_costs(self._last_measured)
+        if costs is None:
+            return FusionChoice(False, 0.0, 0.0)
+        requests, config = self._last_requests, self._sim_config(prefill=True)
+        unfused = simulate_rollout(requests, costs, config, fused=False).total_s
+        fused = simulate_rollout(
+            requests, costs, config, fused=True, threshold=self._migration_threshold(sum(len(r) for r in requests))
+        ).total_s
+        if self.threshold == "auto":
+            fused = min(fused, simulate_rollout(requests, costs, config, fused=True, threshold=0).total_s)
+        fused *= statistics.fmean(self.calibration[True])
+        unfused *= statistics.fmean(self.calibration[False])
+        return FusionChoice(fused < (1 - self.min_gain) * unfused, fused, unfused)
+
+    def _replay(self, run: _Rollout, measured_s: float) -> None:
+        """Simulate the rollout that just ran on its requests' measured lengths, in the way it ran, and keep measured /
+        simulated for that way (``calibration``)."""
+        costs = self._fitted_costs(self._last_measured)
+        if costs is None or measured_s <= 0:
+            return
+        threshold = run.migration.threshold if run.migration is not None else 0
+        config = self._sim_config(prefill=True)
+        replayed = simulate_rollout(self._last_requests, costs, config, fused=run.fused, threshold=threshold).total_s
+        if replayed > 0:
+            self.calibration[run.fused].append(measured_s / replayed)
 
 
 _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
@@ -503,9 +669,11 @@ class _Rollout:
         world: int,
         batch: int,
         progress: Progress | None,
-        target: GroupTarget | None = None,
+        target: GroupTarget | None,
+        fused: bool,
     ) -> None:
         self.ctl, self.engine, self.rank, self.world, self.batch = ctl, ctl.engine, rank, world, batch
+        self.fused = fused
         self.progress, self.target = progress, target
         self.done_ids: set[int] = set(target.finished) if target is not None else set()  # every rank's, as of the last check
         self.unreported: list[int] = []  # finished here since the last check
@@ -523,6 +691,7 @@ class _Rollout:
         # (length, censored: cut at its budget) of finished samples: this rank's, and every rank's as of the last
         # simulation ("auto"; the previous rollout's first), which holds this rank's up to lengths[shared_lengths:]
         self.lengths: list[tuple[int, bool]] = []
+        self.ended_requests: list[tuple[int, int, int]] = []  # (id, prompt, generated tokens) of those that ended here
         self.shared_lengths = 0
         self.observed_lengths: list[tuple[int, bool]] = list(ctl._last_lengths)
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
@@ -544,7 +713,7 @@ class _Rollout:
     # -------------------------------------------------------------------------------------- phases
     def execute(self) -> None:
         ctl = self.ctl
-        if not ctl.fusion or self.world == 1:
+        if not self.fused:
             self._decode_until_done()
             dist.barrier(group=ctl.control_group)  # scoring starts only after every instance finished decoding
             self._score_finished()
@@ -578,7 +747,7 @@ class _Rollout:
             waiting = not self.engine.has_work()
             # an instance of several ranks would need them to agree on each gap: only single-rank instances score in gaps
             single = self.ctl.instance_group is None
-            gap = waiting and single and self.ctl.fusion and self.episodes.waiting > 0 and bool(self.finished)
+            gap = waiting and single and self.fused and self.episodes.waiting > 0 and bool(self.finished)
             gap = gap and self.idle_scoring is None
             waited = self.clock()
             results += self.episodes.pump(ENV_WAIT_S if waiting and not gap else None)
@@ -591,6 +760,7 @@ class _Rollout:
             self.finished.append(res)
             self.unreported.append(int(res.id))
             self.lengths.append((len(res.tokens), res.finish_reason in ("length", "max_len")))
+            self.ended_requests.append((int(res.id), len(res.request.prompt), len(res.tokens)))
         end = self.clock()
         self.ended += len(results)
         if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
@@ -663,10 +833,10 @@ class _Rollout:
                 return None
             start = self.clock()
             posted.append(self._post_stats())
+            self.measurements.checks.append(self.clock() - start)
             if len(posted) <= STATS_LAG:
                 continue
             unfinished = sum(s.unfinished for s in posted.popleft()())
-            self.measurements.checks.append(self.clock() - start)
             if unfinished == 0:
                 break
             threshold, min_kept = self._threshold(unfinished)
@@ -752,7 +922,7 @@ class _Rollout:
         return self.auto_choice
 
     def _simulate_threshold(self, details: list) -> tuple[int, int, AutoDecision | None]:
-        costs = self.ctl._fitted_costs(self.measurements)
+        costs = self.ctl._fitted_costs(self.measurements, running=True)
         if costs is None:  # inter_stage = "auto" (a gain required) migrates on no guess; true takes a fixed share
             fallback = 0 if self.ctl.min_gain > 0 else max(1, round(AUTO_FALLBACK_FRACTION * self.batch))
             if not self.auto_fallback_logged:  # once per rollout, not at every re-simulation
@@ -772,14 +942,7 @@ class _Rollout:
             ]
             for (progress, _), lefts in zip(details, estimates)
         ]
-        config = RolloutConfig(
-            max_slots=self.engine.max_slots,
-            kv_capacity_tokens=self.engine.max_slots * self.engine.max_len,
-            check_interval=self.ctl.check_interval,
-            micro_batch_size=self.ctl.micro_batch_size,
-            mode=self.ctl.mode,
-            prefill=False,
-        )
+        config = self.ctl._sim_config(prefill=False)
         backlog = [finished for _, finished in details]
         now = self.clock()
         threshold, min_kept, times = best_migration(

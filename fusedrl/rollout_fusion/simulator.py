@@ -12,6 +12,7 @@ measurements.
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Sequence
@@ -160,8 +161,8 @@ class RolloutCosts:
         Negative coefficients are clamped to 0. With the
         engine's buckets the decode fit uses :meth:`decode_step_s`'s padded terms; the longest cached
         position of a measured step is taken as its mean (exact when its requests started together). Given
-        ``score_per_token_s`` (from fewer than two scoring measurements) scoring costs that per padded token and
-        nothing per micro-batch."""
+        ``score_per_token_s`` (from fewer than two scoring measurements), or from micro-batches all within 1.5x of one
+        size (as with transfers), scoring costs that per padded token and nothing per micro-batch."""
         estimated = score_per_token_s is not None
         if len(decode) < 3 or (len(score) < 2 and not estimated):
             raise ValueError(
@@ -176,6 +177,10 @@ class RolloutCosts:
         a, b, c = coef[0], coef[1], coef[-1]
         row = coef[2] if bb else 0.0
         p = sum(s for _, s in prefill) / max(1, sum(t for t, _ in prefill)) if prefill else 0.0
+        sizes = [r * plen for r, plen, _ in score]
+        if score_per_token_s is None and max(sizes) < 1.5 * min(sizes):
+            # micro-batches of about one size cannot tell a fixed cost from a cost per token: all of it per token
+            score_per_token_s = sum(s for *_, s in score) / max(1, sum(sizes))
         if score_per_token_s is not None:
             s0, s1, s2 = 0.0, score_per_token_s, []
         else:
@@ -219,10 +224,29 @@ def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class SimRequest:
-    """A request as the simulator sees it: tokens in its context now, and tokens still to generate."""
+    """A request as the simulator sees it: tokens in its context now, tokens still to generate, and the decode step
+    after which it starts (0: it decodes now; later: it waits for a free slot, see :func:`admitted`)."""
 
     ctx: int
     remaining: int
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        """The decode step that generates its last token."""
+        return self.start + self.remaining
+
+
+def admitted(requests: Sequence[tuple[int, int]], slots: int) -> list[SimRequest]:
+    """``(prompt, generated)`` token counts in admission order, as continuous batching on ``slots`` slots runs them:
+    each starts once the first slot is free."""
+    free = [0] * slots  # the decode step after which each slot is free (a heap)
+    out = []
+    for prompt, generated in requests:
+        start = heapq.heappop(free)
+        out.append(SimRequest(prompt, generated, start))
+        heapq.heappush(free, start + generated)
+    return out
 
 
 @dataclass(frozen=True)
@@ -257,22 +281,33 @@ class RolloutTimes:
 
 
 def _step_times(reqs: Sequence[SimRequest], costs: RolloutCosts, steps: int) -> torch.Tensor:
-    """Per-step decode time of one instance for steps 1..steps (0 once all its requests are done)."""
+    """Per-step decode time of one instance for steps 1..steps (0 while none of its requests decodes)."""
     if not reqs or steps <= 0:
         return torch.zeros(max(steps, 0), dtype=torch.float64)
-    rem = torch.tensor([min(r.remaining, steps) for r in reqs], dtype=torch.int64)
-    ctx = torch.tensor([float(r.ctx) for r in reqs], dtype=torch.float64)
-    # A request with `remaining` = R is active in steps 1..R: reverse cumulative sums (max) over R give
-    # the batch size and the summed (longest) starting context of the active requests at each step.
-    batch = torch.bincount(rem, minlength=steps + 1).double().flip(0).cumsum(0).flip(0)[1:]
-    ctx0 = torch.bincount(rem, weights=ctx, minlength=steps + 1).flip(0).cumsum(0).flip(0)[1:]
+    start = torch.tensor([min(r.start, steps) for r in reqs], dtype=torch.int64)
+    end = torch.tensor([min(r.end, steps) for r in reqs], dtype=torch.int64)
+    # context at step i + 1 (i from 0): ctx + i - start
+    ctx = torch.tensor([float(r.ctx - r.start) for r in reqs], dtype=torch.float64)
+    # A request is active in steps start + 1 .. end: +1 at its start, -1 at its end, summed over the steps, give the
+    # batch size and the summed context of the active requests at each step.
+    batch = (torch.bincount(start, minlength=steps + 1) - torch.bincount(end, minlength=steps + 1)).cumsum(0)[:steps].double()
+    ctx0 = (torch.bincount(start, ctx, minlength=steps + 1) - torch.bincount(end, ctx, minlength=steps + 1)).cumsum(0)[:steps]
     s = torch.arange(steps, dtype=torch.float64)
     rows, attended = batch, ctx0 + s * batch
     rows = round_up(batch, costs.batch_buckets)
     if costs.len_buckets:
-        longest0 = (
-            torch.zeros(steps + 1, dtype=torch.float64).scatter_reduce(0, rem, ctx, "amax").flip(0).cummax(0).values.flip(0)[1:]
-        )
+        if bool((start == 0).all()):  # the active requests at a step are those ending after it: a reverse running max
+            longest0 = (
+                torch.zeros(steps + 1, dtype=torch.float64)
+                .scatter_reduce(0, end, ctx, "amax")
+                .flip(0)
+                .cummax(0)
+                .values.flip(0)[1:]
+            )
+        else:
+            i = torch.arange(steps)
+            active = (i[None, :] >= start[:, None]) & (i[None, :] < end[:, None])
+            longest0 = torch.where(active, ctx[:, None], torch.zeros((), dtype=torch.float64)).amax(0)
         cached = longest0 + s - 1  # the engine caches all but the pending token
         attended = rows * round_up(cached, costs.len_buckets, strictly_above=True)
     t = (
@@ -316,7 +351,7 @@ def simulate_rollout(
     n = len(instances)
     backlog_tokens = [list(b) for b in backlog] if backlog is not None else [[] for _ in range(n)]
     start = [costs.prefill_per_token_s * sum(r.ctx for r in reqs) if config.prefill else 0.0 for reqs in instances]
-    horizon = max((r.remaining for reqs in instances for r in reqs), default=0)
+    horizon = max((r.end for reqs in instances for r in reqs), default=0)
     steps = [_step_times(reqs, costs, horizon) for reqs in instances]
     final = [backlog_tokens[i] + [r.ctx + r.remaining for r in instances[i]] for i in range(n)]
     spans: list[tuple[int, str, float, float]] = []
@@ -336,7 +371,7 @@ def simulate_rollout(
     intervals = -(-horizon // k)
     per_step = torch.stack(steps) if steps else torch.zeros(0, horizon, dtype=torch.float64)
     per_step = torch.nn.functional.pad(per_step, (0, intervals * k - horizon))
-    rem_all = torch.tensor(sorted(r.remaining for reqs in instances for r in reqs), dtype=torch.int64)
+    rem_all = torch.tensor(sorted(r.end for reqs in instances for r in reqs), dtype=torch.int64)
     check_steps = torch.arange(1, intervals + 1) * k
     unfinished = len(rem_all) - torch.searchsorted(rem_all, check_steps, right=True)
     # Check c decides on the count posted at check c - STATS_LAG; a rollout resumed mid-way (no prefill) takes
@@ -357,8 +392,11 @@ def simulate_rollout(
             spans += [(i, "decode", 0.0, own_end[i]), (i, "score", own_end[i], ends[i])]
         return RolloutTimes(max(ends), t, spans=spans)
 
-    done = [[r.ctx + r.remaining for r in reqs if r.remaining <= s0] for reqs in instances]
-    alive = [[SimRequest(r.ctx + s0, r.remaining - s0) for r in reqs if r.remaining > s0] for reqs in instances]
+    done = [[r.ctx + r.remaining for r in reqs if r.end <= s0] for reqs in instances]
+    alive = [
+        [SimRequest(r.ctx + max(0, s0 - r.start), r.end - max(s0, r.start), max(0, r.start - s0)) for r in reqs if r.end > s0]
+        for reqs in instances
+    ]
     unscored = [backlog_tokens[i] + done[i] for i in range(n)]
     for i in range(n):  # an instance done before the migration scored its shortest samples meanwhile
         if not alive[i] and own_end[i] < t:
@@ -398,7 +436,7 @@ def simulate_rollout(
                 kept_samples[i].append((len(ids) - 1, tok))
         else:
             for r in alive[i]:
-                ids[len(ids)] = r
+                ids[len(ids)] = SimRequest(r.ctx, r.remaining)  # one still queued decodes at once where it lands
                 moved.append(MovedRequest(len(ids) - 1, i, r.ctx, r.remaining))
     freed_load = {i: float(sum(unscored[i])) for i in range(n) if i not in kept}
     plan = build_plan(stats, kept, moved, kept_samples, freed_load)
@@ -440,9 +478,9 @@ def simulate_rollout(
         clock = free_at[k_]
         if config.mode == "reprefill" and received[k_]:
             clock += costs.prefill_per_token_s * sum(r.ctx for r in received[k_])
-        st = _step_times(reqs, costs, max((r.remaining for r in reqs), default=0))
+        st = _step_times(reqs, costs, max((r.end for r in reqs), default=0))
         step_ends = clock + torch.cumsum(st, 0)
-        ready[k_] = [(float(step_ends[r.remaining - 1]), r.ctx + r.remaining) for r in reqs]
+        ready[k_] = [(float(step_ends[r.end - 1]), r.ctx + r.remaining) for r in reqs]
         tail_end[k_] = float(step_ends[-1]) if len(step_ends) else clock
         spans.append((k_, "decode", clock, tail_end[k_]))
         busy[k_] = tail_end[k_]

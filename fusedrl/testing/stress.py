@@ -36,6 +36,7 @@ SMALL = [
     "--generation.max_new_tokens=24",
     "--generation.max_slots=4",
     "--fusion.schedule_search_budget_s=0.2",
+    "--fusion.inter_stage=true",  # every rollout fused: it migrates as each iteration's drawn settings say
     "--checkpoint.interval=10",
     "--checkpoint.keep=1",
     "--checkpoint.export_hf=false",

@@ -289,7 +289,8 @@ class Trainer:
             critic_name = f"critic_stage{self.layout.critic_index}"
             modules[critic_name], optimizers[critic_name] = self.layout.critic_stage, self.opt.critic
             schedules[critic_name] = self.opt.critic_lr
-        extra = {"data": self.loader} | ({"rollout": self.partial} if self.partial is not None else {})
+        extra = {"data": self.loader, "fusion": self.controller}
+        extra |= {"rollout": self.partial} if self.partial is not None else {}
         self.ckpt = CheckpointManager.from_config(cfg.checkpoint, self.out, modules, optimizers, schedules, extra)
         # rank 0 reads the folder once and its view decides: every rank resumes (or not) from the same step
         found = [self.ckpt.latest_step() if self.rank == 0 else None]
