@@ -120,6 +120,14 @@ def test_requests_waiting_for_a_slot_decode_once_one_frees():
         ctx = [r.ctx + step - 1 - r.start for r in active]
         want += costs.decode_step_s(len(active), sum(ctx), max(ctx) - 1)
     assert times.decode_end_s == pytest.approx(want)
+    # a second wave alone on its slot (its context offset from the start is negative), beside an instance done long
+    # before the last step, which lies past the largest length bucket
+    wave = admitted([(2, 10), (2, 10)], slots=1)
+    short = replace(costs, len_buckets=(4, 8, 16))
+    both = simulate_rollout([[SimRequest(2, 3)], wave], short, PAPER_CONFIG, fused=False)
+    want = short.prefill_per_token_s * 6 + sum(short.decode_step_s(1, 2 + i, 1 + i) for i in range(3))
+    want_wave = short.prefill_per_token_s * 4 + sum(short.decode_step_s(1, 2 + i % 10, 1 + i % 10) for i in range(20))
+    assert both.decode_end_s == pytest.approx(max(want, want_wave))
     # migrating at step 3 (every check decides; 4 unfinished) with one request still queued on instance 0, which
     # keeps its tail: the queued one decodes its step after the migration, as it would have
     config = RolloutConfig(max_slots=2, kv_capacity_tokens=64, check_interval=1, micro_batch_size=8)

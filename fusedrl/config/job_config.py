@@ -269,8 +269,8 @@ class FusionSection:
         "Inter-stage fusion: migrate the long generation tail onto few instances and score on the freed ones, and score "
         'on an instance whose own requests are done while others decode. "auto": each rollout is fused only where the '
         "rollout simulator, replaying the previous rollout both ways and calibrated by measured / simulated times of "
-        "earlier rollouts run each way, finds the fused one shorter (the first rollout runs unfused and the second "
-        "fused, to measure; multi-turn rollouts are always fused); a fused rollout then migrates, with "
+        "earlier rollouts run each way, finds the fused one at least 5% shorter (the first rollout runs unfused and the "
+        "next fused, to measure; multi-turn rollouts are always fused); a fused rollout then migrates, with "
         'migration_threshold "auto", only where the simulator predicts it ends at least 5% sooner than without '
         "migrating and sooner by more than its last prediction was off (each decision logged; what it learned is "
         "checkpointed); true: every rollout fused, migrating at migration_threshold (a fixed one whatever the gain); "

@@ -298,7 +298,7 @@ class MigrationController(Generic[T]):
         # and its measurements: "auto" fusion simulates them fused and unfused before a rollout
         self._last_requests: list[list[SimRequest]] = []
         self._last_measured = Measurements()
-        self._auto_threshold = 0  # the last migration threshold "auto" chose (0: none yet)
+        self._auto_choice = (0, 1)  # the last (migration threshold, fewest kept instances) "auto" chose (0: none yet)
         # fused -> measured / simulated time of the last rollouts run that way ("auto" fusion scales its predictions)
         self.calibration: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_ROLLOUTS) for m in (False, True)}
 
@@ -359,6 +359,7 @@ class MigrationController(Generic[T]):
             self.engine.add_request(r)
         for state in resume:
             self.engine.import_request(state)
+        resumed = {int(s.id): len(s.generated) for s in resume}
         rank, world = dist.get_rank(self.control_group), dist.get_world_size(self.control_group)
         choice = self._choose_fusion() if rank == 0 and world > 1 else None
         gathered = self._all_gather(([r.id for r in requests] + [s.id for s in resume], choice))
@@ -405,6 +406,7 @@ class MigrationController(Generic[T]):
                 tail=tail,
                 lengths=lengths,
                 ended=run.ended_requests,
+                resumed=resumed,
                 measured=run.measurements,
             )
         )
@@ -425,9 +427,11 @@ class MigrationController(Generic[T]):
             decode=[x for m in measured for x in m.decode], prefill=[x for m in measured for x in m.prefill]
         )
         if a is not None and a.threshold:
-            self._auto_threshold = a.threshold
+            self._auto_choice = (a.threshold, a.min_kept)
         self._last_lengths = [x for r in ranks for x in r["lengths"]]
-        ended = {i: (prompt, max(1, n)) for r in ranks for i, prompt, n in r["ended"]}
+        # a resumed request decoded its earlier tokens in an earlier rollout: here they were context
+        earlier = {i: n for r in ranks for i, n in r["resumed"].items()}
+        ended = {i: (prompt + earlier.get(i, 0), max(1, n - earlier.get(i, 0))) for r in ranks for i, prompt, n in r["ended"]}
         self._last_requests = [admitted([ended[i] for i in ids if i in ended], self.engine.max_slots) for ids, _ in gathered]
         for kept, measurements in ((HISTORY_SCORES, self._history.score), (HISTORY_CHECKS, self._history.checks)):
             del measurements[:-kept]
@@ -472,23 +476,25 @@ class MigrationController(Generic[T]):
     # ------------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, str]:
         """What "auto" learned (measurements, the last rollout's requests and lengths, calibrations, its last
-        threshold and prediction error), the same on every rank of a control group; a resumed run decides as the
-        run it continues would have."""
+        migration choice and prediction error), the same on every rank (a collective within an instance of several
+        ranks); a resumed run decides as the run it continues would have."""
         h, last = self._history, self._last_measured
-        return {
-            "state": json.dumps(
-                {
-                    "score": h.score,
-                    "checks": h.checks,
-                    "migrations": h.migrations,
-                    "decode": last.decode,
-                    "prefill": last.prefill,
-                    "requests": [[[r.ctx, r.remaining, r.start] for r in rs] for rs in self._last_requests],
-                    "lengths": self._last_lengths,
-                    "calibration": {str(k): list(v) for k, v in self.calibration.items()},
-                    "auto_threshold": self._auto_threshold,
-                    "prediction_error": self.prediction_error,
-                }
+        return {  # an instance's TP ranks keep their own timings: all save its TP rank 0's, whose choices they follow
+            "state": self._share(
+                json.dumps(
+                    {
+                        "score": h.score,
+                        "checks": h.checks,
+                        "migrations": h.migrations,
+                        "decode": last.decode,
+                        "prefill": last.prefill,
+                        "requests": [[[r.ctx, r.remaining, r.start] for r in rs] for rs in self._last_requests],
+                        "lengths": self._last_lengths,
+                        "calibration": {str(k): list(v) for k, v in self.calibration.items()},
+                        "auto_choice": self._auto_choice,
+                        "prediction_error": self.prediction_error,
+                    }
+                )
             )
         }
 
@@ -505,7 +511,7 @@ class MigrationController(Generic[T]):
         for k, v in self.calibration.items():
             v.clear()
             v.extend(saved["calibration"][str(k)])
-        self._auto_threshold, self.prediction_error = saved["auto_threshold"], saved["prediction_error"]
+        self._auto_choice, self.prediction_error = tuple(saved["auto_choice"]), saved["prediction_error"]
 
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.control_group)
@@ -553,16 +559,16 @@ class MigrationController(Generic[T]):
             prefill=prefill,
         )
 
-    def _migration_threshold(self, batch: int) -> int:
-        """The unfinished-count threshold a fused rollout of ``batch`` requests migrates at: the fixed one, or the last
-        one "auto" chose (:data:`AUTO_FALLBACK_FRACTION` of the batch before any)."""
-        if self.threshold == "auto" and self._auto_threshold:
-            return self._auto_threshold
-        return max(1, round((self.threshold if self.threshold != "auto" else AUTO_FALLBACK_FRACTION) * batch))
+    def _migration(self, batch: int) -> tuple[int, int]:
+        """(unfinished-count threshold, fewest kept instances) a fused rollout of ``batch`` requests migrates at: the
+        fixed threshold, or the last choice of "auto" (:data:`AUTO_FALLBACK_FRACTION` of the batch before any)."""
+        if self.threshold == "auto" and self._auto_choice[0]:
+            return self._auto_choice
+        return max(1, round((self.threshold if self.threshold != "auto" else AUTO_FALLBACK_FRACTION) * batch)), 1
 
     def _choose_fusion(self) -> FusionChoice | None:
         """Rank 0, before a rollout, where ``fusion`` is ``"auto"``: see :class:`FusionChoice`. The fused rollout
-        migrates at :meth:`_migration_threshold` (with an "auto" threshold: or never, whichever is shorter). With
+        migrates as :meth:`_migration` says (with an "auto" threshold: or never, whichever is shorter). With
         episodes every rollout is fused (None: the simulator does not model environments)."""
         if self.fusion != "auto" or self.episodes is not None:
             return None
@@ -573,9 +579,8 @@ class MigrationController(Generic[T]):
             return FusionChoice(False, 0.0, 0.0)
         requests, config = self._last_requests, self._sim_config(prefill=True)
         unfused = simulate_rollout(requests, costs, config, fused=False).total_s
-        fused = simulate_rollout(
-            requests, costs, config, fused=True, threshold=self._migration_threshold(sum(len(r) for r in requests))
-        ).total_s
+        threshold, min_kept = self._migration(sum(len(r) for r in requests))
+        fused = simulate_rollout(requests, costs, config, fused=True, threshold=threshold, min_kept=min_kept).total_s
         if self.threshold == "auto":
             fused = min(fused, simulate_rollout(requests, costs, config, fused=True, threshold=0).total_s)
         fused *= statistics.fmean(self.calibration[True])
@@ -588,9 +593,11 @@ class MigrationController(Generic[T]):
         costs = self._fitted_costs(self._last_measured)
         if costs is None or measured_s <= 0:
             return
-        threshold = run.migration.threshold if run.migration is not None else 0
-        config = self._sim_config(prefill=True)
-        replayed = simulate_rollout(self._last_requests, costs, config, fused=run.fused, threshold=threshold).total_s
+        m, config = run.migration, self._sim_config(prefill=True)
+        threshold, kept = (m.threshold, len(m.kept)) if m is not None else (0, 1)
+        replayed = simulate_rollout(
+            self._last_requests, costs, config, fused=run.fused, threshold=threshold, min_kept=kept
+        ).total_s
         if replayed > 0:
             self.calibration[run.fused].append(measured_s / replayed)
 

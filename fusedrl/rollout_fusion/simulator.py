@@ -304,11 +304,12 @@ def _step_times(reqs: Sequence[SimRequest], costs: RolloutCosts, steps: int) -> 
                 .cummax(0)
                 .values.flip(0)[1:]
             )
-        else:
-            i = torch.arange(steps)
-            active = (i[None, :] >= start[:, None]) & (i[None, :] < end[:, None])
-            longest0 = torch.where(active, ctx[:, None], torch.zeros((), dtype=torch.float64)).amax(0)
-        cached = longest0 + s - 1  # the engine caches all but the pending token
+        else:  # queued requests: the largest context offset over each request's own steps, one slice at a time
+            longest0 = torch.zeros(steps, dtype=torch.float64)
+            for a, b, c in sorted(zip(start.tolist(), end.tolist(), ctx.tolist()), key=lambda r: r[2]):
+                longest0[a:b] = c  # ascending: the largest offset of the requests active at a step is written last
+        # the engine caches all but the pending token; a step nobody decodes costs nothing (and has no length)
+        cached = torch.where(batch > 0, longest0 + s - 1, torch.zeros((), dtype=torch.float64))
         attended = rows * round_up(cached, costs.len_buckets, strictly_above=True)
     t = (
         costs.decode_base_s
