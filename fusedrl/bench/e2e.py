@@ -16,7 +16,9 @@ per phase and the response lengths the inter-stage fusion saw (p50 / p90 / p99 p
 ``--fusion-layouts one_rank_per_core`` skips the oversubscribed layout (it needs twice the ranks' memory). Both modes
 sample the same responses (fusion changes when work runs, not what is computed): the first iteration of every run
 compares the same work, checked by the iterations' sample digests (``samples_digest``); later ones may not (bf16 updates
-under two schedules round differently). The iteration-1 protocol: ``--apart --warm-cache --warmup 0 --steps 1``. Where
+under two schedules round differently). The iteration-1 protocol: ``--apart --warm-cache --warmup 0 --steps 1``
+(``inter_stage = "auto"`` runs a run's first rollout unfused and its second fused, to measure both: ``--warmup 2``
+measures its choices, ``--fusion.inter_stage=true`` the fused iteration 1). Where
 the "auto" threshold simulated a rollout, the simulator's predictions of the rollout and of its last decode step are
 printed beside the measured ones. Needs Linux (``os.sched_setaffinity``) and at least pp x tp cores.
 
