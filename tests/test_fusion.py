@@ -446,10 +446,11 @@ def _run_scenarios(scenarios: dict) -> dict:
             e = Experience.concat(r.scored)
             e = e.select(e.sample_ids.argsort())
             spans = {ev["name"] for ev in r.trace.events if ev["ph"] == "X"}
-            migrate_end = max((ev["ts"] + ev["dur"] for ev in r.trace.events if ev["name"] == "migrate"), default=None)
-            scored_after: dict[int, int] = {}  # rank -> samples it scored after the migration
+            # each rank's own end of the migration (the ranks leave it at different times)
+            migrate_end = {ev["pid"]: ev["ts"] + ev["dur"] for ev in r.trace.events if ev["name"] == "migrate"}
+            scored_after: dict[int, int] = {}  # rank -> samples it scored after its migration
             for ev in r.trace.events:
-                if ev["name"] == "score" and migrate_end is not None and ev["ts"] >= migrate_end:
+                if ev["name"] == "score" and ev["ts"] >= migrate_end.get(ev["pid"], float("inf")):
                     scored_after[ev["pid"]] = scored_after.get(ev["pid"], 0) + ev["args"]["samples"]
             res[fusion] = dict(
                 scored_after=scored_after,
