@@ -292,7 +292,8 @@ class MigrationController(Generic[T]):
         served = group_devices(group) if dist.is_initialized() else {"cpu"}
         # request-state buffers on the engine's device when the group carries it (NCCL), else through the host
         self.device = engine.device if engine.device.type in served else torch.device("cpu")
-        self._history = Measurements()  # every instance's scoring, checks, migrations (the latest, bounded): "auto" fits costs to them
+        # every instance's scoring, checks and migrations (the latest, bounded): "auto" fits its costs to them
+        self._history = Measurements()
         self._last_lengths: list[tuple[int, bool]] = []  # the previous rollout's (length, censored), every rank's
         # the previous rollout's requests per instance (their measured lengths, admitted as the engine's slots free)
         # and its measurements: "auto" fusion simulates them fused and unfused before a rollout
