@@ -398,15 +398,14 @@ class MigrationController(Generic[T]):
         if gather:
             scored = [part for parts in self._all_gather(scored) for part in parts]
         tail = run.decode_end - run.tail_start if run.tail_start is not None else 0.0
-        lengths = run.lengths + [(len(s.generated), True) for s in run.carried]  # carried: unfinished at that length
         ranks = self._all_gather(
             dict(
                 end=end,
                 decode_end=run.decode_end,
                 spans=run.spans,
                 tail=tail,
-                lengths=lengths,
                 ended=run.ended_requests,
+                carried=[len(s.generated) for s in run.carried],
                 resumed=resumed,
                 measured=run.measurements,
             )
@@ -429,14 +428,15 @@ class MigrationController(Generic[T]):
         )
         if a is not None and a.threshold:
             self._auto_choice = (a.threshold, a.min_kept)
-        self._last_lengths = [x for r in ranks for x in r["lengths"]]
+        # carried requests: unfinished at that length
+        self._last_lengths = [x for r in ranks for x in _lengths(r["ended"]) + [(n, True) for n in r["carried"]]]
         # a resumed request decoded its earlier tokens in an earlier rollout: here they were context
         earlier = {i: n for r in ranks for i, n in r["resumed"].items()}
-        ended = {i: (prompt + earlier.get(i, 0), max(1, n - earlier.get(i, 0))) for r in ranks for i, prompt, n in r["ended"]}
+        ended = {i: (prompt + earlier.get(i, 0), max(1, n - earlier.get(i, 0))) for r in ranks for i, prompt, n, _ in r["ended"]}
         self._last_requests = [admitted([ended[i] for i in ids if i in ended], self.engine.max_slots) for ids, _ in gathered]
-        for kept, measurements in ((HISTORY_SCORES, self._history.score), (HISTORY_CHECKS, self._history.checks)):
+        h = self._history
+        for kept, measurements in ((HISTORY_SCORES, h.score), (HISTORY_CHECKS, h.checks), (HISTORY_MIGRATIONS, h.migrations)):
             del measurements[:-kept]
-        del self._history.migrations[:-HISTORY_MIGRATIONS]
         if choice is not None:  # every rank, from the same measurements: the state checkpoints save is the same
             self._replay(run, rollout_s)
         return RolloutResult(
@@ -696,10 +696,10 @@ class _Rollout:
         self.scoring_s = 0.0
         self.decode_end = 0.0
         self.steps = 0
-        # (length, censored: cut at its budget) of finished samples: this rank's, and every rank's as of the last
-        # simulation ("auto"; the previous rollout's first), which holds this rank's up to lengths[shared_lengths:]
-        self.lengths: list[tuple[int, bool]] = []
-        self.ended_requests: list[tuple[int, int, int]] = []  # (id, prompt, generated tokens) of those that ended here
+        # (id, prompt tokens, generated tokens, censored: cut at its budget) of the requests that ended here
+        self.ended_requests: list[tuple[int, int, int, bool]] = []
+        # (length, censored) of finished samples, every rank's as of the last simulation ("auto"; the previous
+        # rollout's first), which holds this rank's up to ended_requests[shared_lengths:]
         self.shared_lengths = 0
         self.observed_lengths: list[tuple[int, bool]] = list(ctl._last_lengths)
         self.auto_choice: tuple[int, int] | None = None  # (threshold, min_kept) from the last simulation
@@ -710,7 +710,6 @@ class _Rollout:
         self.episodes = ctl.episodes
         self.env_idle_s = 0.0  # waiting for environments with nothing to decode
         self.requests = self.engine.num_unfinished  # this instance's, as the rollout starts
-        self.ended = 0  # requests that ended here
         self.tail_start: float | None = None  # when TAIL_SHARE of them had ended
         dist.barrier(group=ctl.control_group)
         self.t0 = time.perf_counter()
@@ -767,11 +766,10 @@ class _Rollout:
                 raise ValueError(f"request {res.id} was rejected: {res.error}")
             self.finished.append(res)
             self.unreported.append(int(res.id))
-            self.lengths.append((len(res.tokens), res.finish_reason in ("length", "max_len")))
-            self.ended_requests.append((int(res.id), len(res.request.prompt), len(res.tokens)))
+            cut = res.finish_reason in ("length", "max_len")
+            self.ended_requests.append((int(res.id), len(res.request.prompt), len(res.tokens), cut))
         end = self.clock()
-        self.ended += len(results)
-        if self.tail_start is None and self.ended >= TAIL_SHARE * self.requests:
+        if self.tail_start is None and len(self.ended_requests) >= TAIL_SHARE * self.requests:
             self.tail_start = end
         if self.progress is not None:
             self.decoded += stats.active
@@ -910,10 +908,10 @@ class _Rollout:
                 (
                     _progress_summary(self.engine.progress()),
                     [s.num_tokens for s in self.finished],
-                    self.lengths[self.shared_lengths :],
+                    _lengths(self.ended_requests[self.shared_lengths :]),
                 )
             )
-            self.shared_lengths = len(self.lengths)
+            self.shared_lengths = len(self.ended_requests)
             for _, _, lengths in details:
                 self.observed_lengths += lengths
             choice: list[tuple[int, int, AutoDecision | None] | None] = [None]
@@ -1171,6 +1169,11 @@ class _Rollout:
             self.spans[-1] = (k, s, end, {"steps": a.get("steps", 1) + 1})
             return
         self.spans.append((kind, start, end, args or ({"steps": 1} if kind == "decode" else {})))
+
+
+def _lengths(ended: Sequence[tuple[int, int, int, bool]]) -> list[tuple[int, bool]]:
+    """(generated tokens, censored) of ended requests (``_Rollout.ended_requests``)."""
+    return [(n, cut) for _, _, n, cut in ended]
 
 
 def _progress_summary(progress: list[RequestProgress]) -> list[tuple[int, int, int | None, int]]:
