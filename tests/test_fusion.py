@@ -741,7 +741,7 @@ def test_auto_fusion_measures_both_ways_then_fuses_where_the_calibrated_simulati
     (rollouts, state, resumed), (rank1, state1, _) = rank_pools(2).run(_auto_fusion_rollouts, timeout_s=120)
     (u, c1, m1, tokens, ref), (f, c2, m2, *_), (slow, c3, _, *_), (fast, c4, _, *_) = rollouts
     assert [r[:3] for r in rank1] == [r[:3] for r in rollouts]  # every rank took rank 0's choice
-    assert state == state1 == resumed  # what a checkpoint saves: the same on every rank, and restored whole
+    assert state == state1 == resumed  # what a checkpoint saves: rank 0's on every rank, and restored whole
     assert (u, c1, m1) == (False, (False, 0.0, 0.0), False)  # nothing measured: unfused, measuring
     assert (f, c2, m2) == (True, (True, 0.0, 0.0), True)  # then fused (it migrates at 0.25 of the batch), measuring
     assert not slow and not c3[0] and c3[1] > c3[2] > 0  # fused scaled 1000x: the unfused rollout is shorter

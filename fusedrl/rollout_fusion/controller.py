@@ -302,6 +302,7 @@ class MigrationController(Generic[T]):
         self._auto_choice = (0, 1)  # the last (migration threshold, fewest kept instances) "auto" chose (0: none yet)
         # fused -> measured / simulated time of the last rollouts run that way ("auto" fusion scales its predictions)
         self.calibration: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_ROLLOUTS) for m in (False, True)}
+        self._last_costs: RolloutCosts | None = None  # fitted to the above once a rollout ends: replay and next choice
 
     @classmethod
     def from_config(
@@ -437,7 +438,8 @@ class MigrationController(Generic[T]):
         h = self._history
         for kept, measurements in ((HISTORY_SCORES, h.score), (HISTORY_CHECKS, h.checks), (HISTORY_MIGRATIONS, h.migrations)):
             del measurements[:-kept]
-        if choice is not None:  # every rank, from the same measurements: the state checkpoints save is the same
+        if choice is not None and rank == 0:  # the rank that chooses (its state is the one checkpoints save)
+            self._last_costs = self._fitted_costs(self._last_measured)
             self._replay(run, rollout_s)
         return RolloutResult(
             scored=scored,
@@ -477,27 +479,25 @@ class MigrationController(Generic[T]):
     # ------------------------------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, str]:
         """What "auto" learned (measurements, the last rollout's requests and lengths, calibrations, its last
-        migration choice and prediction error), the same on every rank (a collective within an instance of several
-        ranks); a resumed run decides as the run it continues would have."""
+        migration choice and prediction error): rank 0's, which chooses, on every rank (a collective); a resumed run
+        decides as the run it continues would have."""
         h, last = self._history, self._last_measured
-        return {  # an instance's TP ranks keep their own timings: all save its TP rank 0's, whose choices they follow
-            "state": self._share(
-                json.dumps(
-                    {
-                        "score": h.score,
-                        "checks": h.checks,
-                        "migrations": h.migrations,
-                        "decode": last.decode,
-                        "prefill": last.prefill,
-                        "requests": [[[r.ctx, r.remaining, r.start] for r in rs] for rs in self._last_requests],
-                        "lengths": self._last_lengths,
-                        "calibration": {str(k): list(v) for k, v in self.calibration.items()},
-                        "auto_choice": self._auto_choice,
-                        "prediction_error": self.prediction_error,
-                    }
-                )
-            )
-        }
+        state = json.dumps(
+            {
+                "score": h.score,
+                "checks": h.checks,
+                "migrations": h.migrations,
+                "decode": last.decode,
+                "prefill": last.prefill,
+                "requests": [[[r.ctx, r.remaining, r.start] for r in rs] for rs in self._last_requests],
+                "lengths": self._last_lengths,
+                "calibration": {str(k): list(v) for k, v in self.calibration.items()},
+                "auto_choice": self._auto_choice,
+                "prediction_error": self.prediction_error,
+            }
+        )
+        # the other ranks hold the same measurements but replay nothing, and a fit's last bits vary between processes
+        return {"state": self._share(_broadcast(state, self.control_group))}
 
     def load_state_dict(self, state: dict[str, str]) -> None:
         saved = json.loads(state["state"])
@@ -513,6 +513,7 @@ class MigrationController(Generic[T]):
             v.clear()
             v.extend(saved["calibration"][str(k)])
         self._auto_choice, self.prediction_error = tuple(saved["auto_choice"]), saved["prediction_error"]
+        self._last_costs = self._fitted_costs(self._last_measured)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(self.control_group)
@@ -521,11 +522,7 @@ class MigrationController(Generic[T]):
 
     def _share(self, obj: Any) -> Any:
         """``obj`` of this instance's TP rank 0, on every rank of the instance."""
-        if self.instance_group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group_src=0, group=self.instance_group)
-        return box[0]
+        return obj if self.instance_group is None else _broadcast(obj, self.instance_group)
 
     def _fitted_costs(self, rollout: Measurements, *, running: bool = False) -> RolloutCosts | None:
         """Costs fitted to one rollout's decode steps and prefills (the engine pads a step to its batch and length
@@ -575,7 +572,7 @@ class MigrationController(Generic[T]):
             return None
         if not self.calibration[False] or not self.calibration[True]:
             return FusionChoice(bool(self.calibration[False]), 0.0, 0.0)
-        costs = self._fitted_costs(self._last_measured)
+        costs = self._last_costs
         if costs is None:
             return FusionChoice(False, 0.0, 0.0)
         requests, config = self._last_requests, self._sim_config(prefill=True)
@@ -591,7 +588,7 @@ class MigrationController(Generic[T]):
     def _replay(self, run: _Rollout, measured_s: float) -> None:
         """Simulate the rollout that just ran on its requests' measured lengths, in the way it ran, and keep measured /
         simulated for that way (``calibration``)."""
-        costs = self._fitted_costs(self._last_measured)
+        costs = self._last_costs
         if costs is None or measured_s <= 0:
             return
         m, config = run.migration, self._sim_config(prefill=True)
@@ -601,6 +598,13 @@ class MigrationController(Generic[T]):
         ).total_s
         if replayed > 0:
             self.calibration[run.fused].append(measured_s / replayed)
+
+
+def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    """``obj`` of ``group``'s rank 0, on every rank of it."""
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
 
 
 _SAMPLES_TAG = 7  # finished samples (kept -> freed) travel on their own tag, request states on tag 0
