@@ -8,6 +8,7 @@ import torch
 
 from fusedrl.generation import GenerationEngine, Request, SamplingParams
 from fusedrl.generation.drafts import Draft
+from fusedrl.generation.speculation import SpeculationGate
 from fusedrl.generation.state import pack_states, unpack_states
 from fusedrl.models import build_model
 from fusedrl.testing.configs import TINY_DEBUG_RUN
@@ -56,6 +57,7 @@ def test_wrong_drafts_cost_no_sample(model, monkeypatch):
     plain, _ = _generate(model, requests)
     engine = GenerationEngine(model, max_slots=2, max_len=64, speculative="history", max_draft=5, speculative_rows=2)
     assert engine.speculator is not None
+    engine.speculator.gate = None  # every step verifies its wrong drafts
     monkeypatch.setattr(
         engine.speculator.drafter, "propose", lambda rid, limit=None: Draft((1, 2, 3, 4, 5)[: limit or 5], "prompt")
     )
@@ -164,11 +166,16 @@ def _speculative_runs(out: str) -> dict:
     def cfg(name: str, *extra: str):
         return load_config(["--job.config_file", config, *SPECULATIVE_RUN, f"--job.output_dir={out}/{name}", *extra])
 
-    return {
-        "on": run(cfg("on")),
-        "off": run(cfg("off", *UNFUSED)),
-        "plain": run(cfg("plain", *UNFUSED, "--generation.speculative=off")),
-    }
+    # every step at most speculative_rows verifies, whatever the gate would measure (timings are the machine's)
+    speculate, SpeculationGate.speculate = SpeculationGate.speculate, lambda self, rows: True
+    try:
+        return {
+            "on": run(cfg("on")),
+            "off": run(cfg("off", *UNFUSED)),
+            "plain": run(cfg("plain", *UNFUSED, "--generation.speculative=off")),
+        }
+    finally:
+        SpeculationGate.speculate = speculate
 
 
 @pytest.mark.slow
@@ -184,3 +191,43 @@ def test_fused_and_unfused_training_with_speculation_sample_and_train_as_plain_d
         for r in (a, b):  # speculation ran and verified drafts in both modes
             assert r["spec_drafted"] > 0 and r["spec_accepted"] > 0 and r["spec_verify_steps"] > 0, r
     assert any(r["migration_moved"] > 0 for r in on) and all(r["migration_moved"] == 0 for r in off)
+
+
+def test_the_gate_measures_both_ways_then_takes_the_faster_and_probes_the_other():
+    gate = SpeculationGate()
+    taken = []
+    for _ in range(2 * SpeculationGate.MIN_STEPS):  # alternately until each way has its steps
+        verify = gate.speculate(2)
+        taken.append(verify)
+        gate.observe(verify, 2, 6 if verify else 2, 0.1)  # verify steps: 60 tokens/s, decode steps 20
+    assert taken == [True, False] * SpeculationGate.MIN_STEPS
+    assert gate.speculate(3)  # another row count is measured on its own
+    taken = []
+    for _ in range(SpeculationGate.PROBE_EVERY + 1):
+        verify = gate.speculate(2)
+        taken.append(verify)
+        gate.observe(verify, 2, 6 if verify else 2, 0.1)
+    assert all(taken[:-1]) and not taken[-1]  # the faster way, then one step the other way
+    for _ in range(20):  # verify steps turn slow (drafts no longer accepted): decode steps take over
+        verify = gate.speculate(2)
+        gate.observe(verify, 2, 1 if verify else 2, 0.1)
+    assert not gate.speculate(2)
+
+
+def test_an_engine_that_reads_each_step_times_both_kinds_and_follows_its_gate(model, monkeypatch):
+    requests = _requests(SETTINGS["sampled"], 3)
+    plain, _ = _generate(model, requests)
+    engine = GenerationEngine(model, max_slots=2, max_len=64, speculative="history", max_draft=5, speculative_rows=2)
+    assert engine.speculator is not None and engine.speculator.gate is not None  # a CPU engine reads each step at once
+    seen: list[tuple[bool, int, int]] = []
+    monkeypatch.setattr(engine.speculator.gate, "observe", lambda verify, rows, tokens, s: seen.append((verify, rows, tokens)))
+    monkeypatch.setattr(engine.speculator.gate, "speculate", lambda rows: False)  # as where verify steps are slower
+    spec = {r.id: r.tokens for r in engine.generate(requests)}
+    assert spec == {rid: t for rid, (t, _) in plain.items()} and engine.speculator.stats.verify_steps == 0
+    assert seen and all(not verify and tokens == rows <= 2 for verify, rows, tokens in seen)
+    monkeypatch.setattr(engine.speculator.gate, "speculate", lambda rows: True)
+    seen.clear()
+    spec = {r.id: r.tokens for r in engine.generate(_requests(SETTINGS["sampled"], 3))}
+    assert spec == {rid: t for rid, (t, _) in plain.items()}
+    verified = [(rows, tokens) for verify, rows, tokens in seen if verify]
+    assert len(verified) == engine.speculator.stats.verify_steps > 0 and all(tokens >= rows for rows, tokens in verified)

@@ -100,6 +100,8 @@ class GenerationEngine:
             samples it (the request's seeded stream at that token count, its temperature and filters, the accepted
             drafts as context), drafts are accepted while they equal the sampled tokens, and the first sampled token
             that differs is kept. The tokens are those of decoding without it; log-probs are the verify forward's.
+            Without ``lagged_reads`` the steps are timed, and verify steps run only at the numbers of rows where they
+            produced more tokens per second than decode steps (:class:`~fusedrl.generation.speculation.SpeculationGate`).
 
         lagged_reads: read each decode step's tokens while the next step runs (None: on CUDA devices,
             :func:`.slots.reads_lag_a_step`). A request that finished is then found one step later (its row decodes once
@@ -186,7 +188,9 @@ class GenerationEngine:
         self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
         self._ids: set[RequestId] = set()
         self.speculator = (
-            Speculator(max_draft=max_draft, rows=speculative_rows) if speculative == "history" else None
+            Speculator(max_draft=max_draft, rows=speculative_rows, measured=not self.lagged_reads)
+            if speculative == "history"
+            else None
         )  # :mod:`.speculation`
 
     @classmethod
@@ -558,11 +562,17 @@ class GenerationEngine:
         )
 
     def _decode_step(self) -> None:
-        if self.speculator is not None and len(self._active) <= self.speculator.rows:
+        spec = self.speculator
+        if spec is not None and spec.wants(len(self._active)):
             self._read_in_flight()  # drafts extend every request's latest tokens
-            if not self._active or self._verify_step():
+            if not self._active:
                 return
-        n = len(self._active)
+            rows, start = len(self._active), time.perf_counter()
+            produced = self._verify_step()
+            if produced:
+                spec.observe(True, rows, produced, time.perf_counter() - start)
+                return
+        n, start, graphs = len(self._active), time.perf_counter(), self.compile_stats.graphs
         b = round_up(n, self.batch_buckets)
         # the host knows every cache length (a step still in flight moved each row one position on): the length bucket
         # needs no device read
@@ -583,6 +593,8 @@ class GenerationEngine:
         launched = copy_out(list(self._active), tokens[:n], logprobs[:n])
         if not self.lagged_reads:
             self._read(launched)
+            if spec is not None and self.compile_stats.graphs == graphs:  # a step that compiled says nothing of speed
+                spec.observe(False, n, n, time.perf_counter() - start)
             return
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
@@ -590,8 +602,9 @@ class GenerationEngine:
             if not self._active:
                 self._in_flight = None  # every row of this step finished before it: nothing of it to read
 
-    def _verify_step(self) -> bool:
-        """A speculative step (:mod:`.speculation`) over every active slot; False (nothing done) when none had a draft."""
+    def _verify_step(self) -> int:
+        """A speculative step (:mod:`.speculation`) over every active slot: the tokens it produced (0: nothing done,
+        no slot had a draft)."""
         assert self.speculator is not None  # called when speculating
         slots = list(self._active)
         rows = []
@@ -602,12 +615,12 @@ class GenerationEngine:
             rows.append(VerifyRow(slot.request.id, i, slot.generated[-1], slot.cache_len, min(budget - 1, room)))
         produced = self.speculator.verify(self._forward, self._state, rows, *sampling_flags(slots))
         if produced is None:
-            return False
+            return 0
         tokens, logprobs = [t for t, _ in produced], [lp for _, lp in produced]
         for slot in self._append(slots, tokens, logprobs):  # those still decoding: their new state
             i = self._active.index(slot)
             self._state.write(i, slot.generated[-1], slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
-        return True
+        return sum(map(len, tokens))
 
     def _call(self, fn: Callable[..., _T], *args) -> _T:
         """``fn(*args)``, counting the graphs it compiled into ``compile_stats``."""

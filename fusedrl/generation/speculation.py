@@ -40,19 +40,66 @@ class VerifyRow:
     limit: int
 
 
+class SpeculationGate:
+    """Whether verify steps pay at a number of decoding rows: each way's tokens per second at that row count (a moving
+    average of the steps measured), taken alternately until each has :data:`MIN_STEPS`, then the faster, with one step
+    the other way after :data:`PROBE_EVERY` (acceptance and context lengths change as a rollout goes on)."""
+
+    MIN_STEPS = 4
+    PROBE_EVERY = 64
+    SMOOTHING = 0.2  # weight of the latest step in the moving average
+
+    def __init__(self) -> None:
+        self._rate: dict[tuple[bool, int], float] = {}  # (verify, rows) -> tokens/s
+        self._steps: dict[tuple[bool, int], int] = {}
+        self._since_other: dict[int, int] = {}  # rows -> steps taken the faster way since the last other one
+
+    def speculate(self, rows: int) -> bool:
+        verified, decoded = self._steps.get((True, rows), 0), self._steps.get((False, rows), 0)
+        if min(verified, decoded) < self.MIN_STEPS:
+            return verified <= decoded
+        return self._faster(rows) != (self._since_other.get(rows, 0) >= self.PROBE_EVERY)
+
+    def observe(self, verify: bool, rows: int, tokens: int, seconds: float) -> None:
+        """A step ``verify`` or not over ``rows`` requests produced ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        if (True, rows) in self._rate and (False, rows) in self._rate:  # a step the slower way restarts the count
+            self._since_other[rows] = self._since_other.get(rows, 0) + 1 if verify == self._faster(rows) else 0
+        key, rate = (verify, rows), tokens / seconds
+        last = self._rate.get(key)
+        self._rate[key] = rate if last is None else last + self.SMOOTHING * (rate - last)
+        self._steps[key] = self._steps.get(key, 0) + 1
+
+    def _faster(self, rows: int) -> bool:
+        return self._rate[(True, rows)] >= self._rate[(False, rows)]
+
+
 class Speculator:
     """An engine's drafter, the requests it holds, and the verify step.
 
     ``rows``: speculate only while at most this many requests decode (a verify step computes rows x drafted
-    positions)."""
+    positions). ``measured``: the engine's steps are timed as they run (it reads each step's tokens at once), and
+    a :class:`SpeculationGate` turns verify steps off at a row count where they produce fewer tokens per second than
+    decode steps; otherwise every step at most ``rows`` verifies."""
 
-    def __init__(self, *, max_draft: int, rows: int) -> None:
+    def __init__(self, *, max_draft: int, rows: int, measured: bool) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         self.drafter = HistoryDrafter(max_draft=max_draft)
         self.rows = rows
+        self.gate = SpeculationGate() if measured else None
         self.stats = SpecStats()
         self._held: set[Hashable] = set()
+
+    def wants(self, rows: int) -> bool:
+        """Whether a step over ``rows`` decoding requests should try to verify drafts."""
+        return rows <= self.rows and (self.gate is None or self.gate.speculate(rows))
+
+    def observe(self, verify: bool, rows: int, tokens: int, seconds: float) -> None:
+        """A timed step (:meth:`SpeculationGate.observe`); at more than ``rows`` rows, nothing to judge."""
+        if self.gate is not None and rows <= self.rows:
+            self.gate.observe(verify, rows, tokens, seconds)
 
     def start(self, request_id: Hashable, prompt: Sequence[int], generated: Sequence[int]) -> None:
         """A request takes a slot: fresh, or imported (its draft state rebuilt from its tokens); a request the drafter
