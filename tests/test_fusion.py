@@ -695,6 +695,10 @@ def test_bad_controller_arguments():
     with pytest.raises(RuntimeError, match="needs a process group .* engine.generate and scorer.score"):
         MigrationController(engine, Scorer(scoring).score).run([Request(0, [1, 2], SamplingParams(max_new_tokens=2))])
     assert engine.num_unfinished == 0  # refused before any request entered the engine
+    fresh = MigrationController(engine, Scorer(scoring).score, fusion="auto")
+    state = fresh.state_dict()  # no process group: this process's own state, no collective
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
 
 
 def _two_gated_rollouts() -> list:

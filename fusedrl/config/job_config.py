@@ -256,8 +256,8 @@ class GenerationSection:
         4,
         "Speculate only while at most this many requests decode: a verify step's cost grows with rows x drafted "
         "positions (on the CPU decode is compute-bound past a few rows; on a GPU it stays memory-bound much longer). "
-        "An engine that reads each step's tokens at once (every CPU engine) also times both kinds of step per number "
-        "of rows and verifies only where that produced more tokens per second.",
+        "An engine that reads each step's tokens at once (by default every CPU engine without tensor parallelism) also "
+        "times both kinds of step per number of rows and verifies only where that produced more tokens per second.",
         at_least(1),
     )
 

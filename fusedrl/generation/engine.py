@@ -100,8 +100,9 @@ class GenerationEngine:
             samples it (the request's seeded stream at that token count, its temperature and filters, the accepted
             drafts as context), drafts are accepted while they equal the sampled tokens, and the first sampled token
             that differs is kept. The tokens are those of decoding without it; log-probs are the verify forward's.
-            Without ``lagged_reads`` the steps are timed, and verify steps run only at the numbers of rows where they
-            produced more tokens per second than decode steps (:class:`~fusedrl.generation.speculation.SpeculationGate`).
+            Without ``lagged_reads`` or tensor-parallel weights the steps are timed, and verify steps run only at the
+            numbers of rows where they produced more tokens per second than decode steps
+            (:class:`~fusedrl.generation.speculation.SpeculationGate`).
 
         lagged_reads: read each decode step's tokens while the next step runs (None: on CUDA devices,
             :func:`.slots.reads_lag_a_step`). A request that finished is then found one step later (its row decodes once
@@ -188,7 +189,8 @@ class GenerationEngine:
         self._parked: dict[RequestId, RequestState] = {}  # multi-turn requests between turns (their KV kept here)
         self._ids: set[RequestId] = set()
         self.speculator = (
-            Speculator(max_draft=max_draft, rows=speculative_rows, measured=not self.lagged_reads)
+            # an instance's TP ranks must take the same kind of step: only timings of their own could part them
+            Speculator(max_draft=max_draft, rows=speculative_rows, measured=not self.lagged_reads and not _tensor_parallel(model))
             if speculative == "history"
             else None
         )  # :mod:`.speculation`
@@ -617,10 +619,11 @@ class GenerationEngine:
         if produced is None:
             return 0
         tokens, logprobs = [t for t, _ in produced], [lp for _, lp in produced]
+        before = sum(len(slot.generated) for slot in slots)
         for slot in self._append(slots, tokens, logprobs):  # those still decoding: their new state
             i = self._active.index(slot)
             self._state.write(i, slot.generated[-1], slot.cache_len, slot.seed, slot.sampled, slot.request.sampling)
-        return sum(map(len, tokens))
+        return sum(len(slot.generated) for slot in slots) - before  # none past a token that ended its request
 
     def _call(self, fn: Callable[..., _T], *args) -> _T:
         """``fn(*args)``, counting the graphs it compiled into ``compile_stats``."""

@@ -41,9 +41,10 @@ class VerifyRow:
 
 
 class SpeculationGate:
-    """Whether verify steps pay at a number of decoding rows: each way's tokens per second at that row count (a moving
-    average of the steps measured), taken alternately until each has :data:`MIN_STEPS`, then the faster, with one step
-    the other way after :data:`PROBE_EVERY` (acceptance and context lengths change as a rollout goes on)."""
+    """Whether verify steps pay at a number of decoding rows: each way's tokens per second at that row count (the mean
+    of its steps, then a moving average; each way's first step at a row count is not counted: it meets new shapes),
+    taken alternately until each has :data:`MIN_STEPS`, then the faster, with one step the other way after
+    :data:`PROBE_EVERY` (acceptance and context lengths change as a rollout goes on)."""
 
     MIN_STEPS = 4
     PROBE_EVERY = 64
@@ -66,10 +67,11 @@ class SpeculationGate:
             return
         if (True, rows) in self._rate and (False, rows) in self._rate:  # a step the slower way restarts the count
             self._since_other[rows] = self._since_other.get(rows, 0) + 1 if verify == self._faster(rows) else 0
-        key, rate = (verify, rows), tokens / seconds
-        last = self._rate.get(key)
-        self._rate[key] = rate if last is None else last + self.SMOOTHING * (rate - last)
-        self._steps[key] = self._steps.get(key, 0) + 1
+        key = (verify, rows)
+        steps = self._steps[key] = self._steps.get(key, 0) + 1
+        if steps > 1:
+            last = self._rate.get(key, 0.0)
+            self._rate[key] = last + max(self.SMOOTHING, 1 / (steps - 1)) * (tokens / seconds - last)
 
     def _faster(self, rows: int) -> bool:
         return self._rate[(True, rows)] >= self._rate[(False, rows)]
@@ -79,9 +81,10 @@ class Speculator:
     """An engine's drafter, the requests it holds, and the verify step.
 
     ``rows``: speculate only while at most this many requests decode (a verify step computes rows x drafted
-    positions). ``measured``: the engine's steps are timed as they run (it reads each step's tokens at once), and
-    a :class:`SpeculationGate` turns verify steps off at a row count where they produce fewer tokens per second than
-    decode steps; otherwise every step at most ``rows`` verifies."""
+    positions). ``measured``: the engine's steps are timed as they run (it reads each step's tokens at once, alone: no
+    tensor-parallel peers that must take the same kind of step), and a :class:`SpeculationGate` turns verify steps off
+    at a row count where they produce fewer tokens per second than decode steps; otherwise every step at most
+    ``rows`` verifies."""
 
     def __init__(self, *, max_draft: int, rows: int, measured: bool) -> None:
         if rows < 1:

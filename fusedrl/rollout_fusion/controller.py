@@ -497,7 +497,7 @@ class MigrationController(Generic[T]):
             }
         )
         # the other ranks hold the same measurements but replay nothing, and a fit's last bits vary between processes
-        return {"state": self._share(_broadcast(state, self.control_group))}
+        return {"state": self._share(_broadcast(state, self.control_group)) if dist.is_initialized() else state}
 
     def load_state_dict(self, state: dict[str, str]) -> None:
         saved = json.loads(state["state"])
