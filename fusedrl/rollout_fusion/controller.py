@@ -302,7 +302,7 @@ class MigrationController(Generic[T]):
         self._auto_choice = (0, 1)  # the last (migration threshold, fewest kept instances) "auto" chose (0: none yet)
         # fused -> measured / simulated time of the last rollouts run that way ("auto" fusion scales its predictions)
         self.calibration: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_ROLLOUTS) for m in (False, True)}
-        self._last_costs: RolloutCosts | None = None  # fitted to the above once a rollout ends: replay and next choice
+        self._last_costs: RolloutCosts | None = None  # rank 0: fitted as a rollout ends, for its replay and the next choice
 
     @classmethod
     def from_config(
